@@ -1,0 +1,124 @@
+"""Codebook initialisations, selectable by name: `greedy` (residual k-means) and `oaem` (OA-EM).
+
+Both fit the codebooks one after another on what the earlier ones left (the residual). OA-EM
+refines each k-means codebook by R rounds of
+    M-step: S Adam steps on  mean_i e_iᵀ H_i e_i,  e_i = w_i - c_{b_i}, H_i the damped diagonal block
+            of XᵀX of group i's columns, lr cosine-annealed from eta to 0.1 eta;
+    E-step: b_i <- argmin_k (w_i - c_k)ᵀ H_i (w_i - c_k)   (Mahalanobis reassignment),
+so that codewords go where the output is sensitive, not where weights are merely large.
+Points are row-normalised weight groups (the scales are factored out first, as AQLM does).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from aqflow.quant.kmeans import fit_kmeans, nearest_mahalanobis, reseed_empty_clusters
+
+
+@dataclass(frozen=True)
+class InitSettings:
+    """What the initialisations read. `oaem_*` are ignored by `greedy`."""
+
+    num_codebooks: int
+    nbits: int
+    group_size: int = 8
+    kmeans_max_iter: int = 1000
+    oaem_rounds: int = 3
+    oaem_steps: int = 100
+    oaem_lr: float = 1e-4
+    oaem_damping: float = 0.01
+
+
+def oaem_objective(groups: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor, metrics: torch.Tensor) -> torch.Tensor:
+    """mean_i e_iᵀ H_i e_i (paper, eq. 3).
+
+    groups [rows, G, g], centroids [K, g], codes [rows, G], metrics [G, g, g] -> scalar
+    """
+    error = groups - centroids[codes]  # [rows, G, g]
+    return torch.einsum("rjg,jgh,rjh->", error, metrics, error) / codes.numel()
+
+
+def cosine_lr(step: int, total_steps: int, lr: float, final_ratio: float = 0.1) -> float:
+    """Cosine annealing from lr (step 0) to final_ratio * lr (after the last step)."""
+    floor = final_ratio * lr
+    return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * step / max(1, total_steps)))
+
+
+def oaem_m_step(
+    groups: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor, metrics: torch.Tensor, steps: int, lr: float
+) -> torch.Tensor:
+    """S Adam steps on the centroids with assignments fixed. -> centroids [K, g]"""
+    centroids = centroids.clone().requires_grad_(True)
+    optimizer = torch.optim.Adam([centroids], lr=lr)
+    with torch.enable_grad():
+        for step in range(steps):
+            for group in optimizer.param_groups:
+                group["lr"] = cosine_lr(step, steps, lr)
+            optimizer.zero_grad(set_to_none=True)
+            oaem_objective(groups, centroids, codes, metrics).backward()
+            optimizer.step()
+    return centroids.detach()
+
+
+def oaem_refine(
+    groups: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor, metrics: torch.Tensor, rounds: int, steps: int, lr: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """R rounds of (M-step, E-step). Empty clusters after an E-step are reseeded with the groups of
+    largest Hessian-weighted error.
+
+    groups [rows, G, g], centroids [K, g], codes [rows, G], metrics [G, g, g] -> centroids [K, g], codes [rows, G]
+    """
+    for _ in range(rounds):
+        centroids = oaem_m_step(groups, centroids, codes, metrics, steps, lr)
+        codes, dist = nearest_mahalanobis(groups, centroids, metrics)
+        flat_centroids, flat_codes, _ = reseed_empty_clusters(
+            groups.reshape(-1, groups.shape[-1]), centroids, codes.flatten(), dist.flatten()
+        )
+        centroids, codes = flat_centroids, flat_codes.reshape(codes.shape)
+    return centroids, codes
+
+
+def residual_init(
+    groups: torch.Tensor,
+    settings: InitSettings,
+    generator: torch.Generator,
+    refine: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fit codebook m to the residual left by codebooks < m; optionally refine each one.
+
+    groups [rows, G, g] -> codes [rows, G, M] int64, codebooks [M, K, g]
+    """
+    residual = groups.clone()
+    flat_shape = (-1, groups.shape[-1])
+    all_codes, all_codebooks = [], []
+    for _ in range(settings.num_codebooks):
+        centroids, codes = fit_kmeans(residual.reshape(flat_shape), 1 << settings.nbits, settings.kmeans_max_iter, generator)
+        codes = codes.reshape(groups.shape[:-1])
+        if refine is not None:
+            centroids, codes = refine(residual, centroids, codes)
+        residual = residual - centroids[codes]
+        all_codes.append(codes)
+        all_codebooks.append(centroids)
+    return torch.stack(all_codes, dim=-1), torch.stack(all_codebooks)
+
+
+def greedy_init(groups: torch.Tensor, metrics: torch.Tensor, settings: InitSettings, generator: torch.Generator):
+    """Residual k-means (AQLM's initialisation). `metrics` is unused. -> codes [rows, G, M], codebooks [M, K, g]"""
+    return residual_init(groups, settings, generator)
+
+
+def oaem_init(groups: torch.Tensor, metrics: torch.Tensor, settings: InitSettings, generator: torch.Generator):
+    """Residual k-means with each codebook refined by OA-EM. metrics: damped blocks [G, g, g]."""
+
+    def refine(residual, centroids, codes):
+        return oaem_refine(residual, centroids, codes, metrics, settings.oaem_rounds, settings.oaem_steps, settings.oaem_lr)
+
+    return residual_init(groups, settings, generator, refine)
+
+
+INITIALISERS = {"greedy": greedy_init, "oaem": oaem_init}

@@ -1,0 +1,111 @@
+"""Clustering of weight groups: Euclidean k-means and Hessian-weighted (Mahalanobis) assignment.
+
+Points are weight groups laid out as [rows, G, g] (row-major over the layer), so that the
+Mahalanobis metric H_j of column group j can be applied without materialising [N, g, g].
+Empty clusters are reseeded with the worst-served points: a codeword nobody uses is wasted bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Rows of the [rows, G, K] distance tensor processed at once; bounds memory at large K.
+_DISTANCE_BUDGET_ELEMENTS = 1 << 26
+
+
+def _row_chunks(num_rows: int, elements_per_row: int):
+    step = max(1, _DISTANCE_BUDGET_ELEMENTS // max(1, elements_per_row))
+    for start in range(0, num_rows, step):
+        yield slice(start, min(num_rows, start + step))
+
+
+def nearest_euclidean(points: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest centroid by squared Euclidean distance.
+
+    points [N, g], centroids [K, g] -> codes [N] int64, squared distance [N]
+    """
+    codes = torch.empty(points.shape[0], dtype=torch.int64, device=points.device)
+    dist = torch.empty(points.shape[0], dtype=points.dtype, device=points.device)
+    centroid_sq = (centroids * centroids).sum(-1)  # [K]
+    for rows in _row_chunks(points.shape[0], centroids.shape[0]):
+        chunk = points[rows]
+        d = centroid_sq - 2 * chunk @ centroids.T  # [n, K], up to the constant |x|^2
+        best, codes[rows] = d.min(dim=-1)
+        dist[rows] = (best + (chunk * chunk).sum(-1)).clamp_min(0)
+    return codes, dist
+
+
+def nearest_mahalanobis(
+    groups: torch.Tensor, centroids: torch.Tensor, metrics: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest centroid under the metric of each column group (paper, eq. 4).
+
+    (w - c)ᵀ H_j (w - c) = wᵀH_j w - 2 wᵀH_j c + cᵀH_j c, evaluated for all K at once per group.
+    groups [rows, G, g], centroids [K, g], metrics H [G, g, g] -> codes [rows, G] int64, distance [rows, G]
+    """
+    num_rows, num_groups, _ = groups.shape
+    num_centroids = centroids.shape[0]
+    centroid_energy = torch.einsum("kg,jgh,kh->jk", centroids, metrics, centroids)  # [G, K]
+    codes = torch.empty(num_rows, num_groups, dtype=torch.int64, device=groups.device)
+    dist = torch.empty(num_rows, num_groups, dtype=groups.dtype, device=groups.device)
+    for rows in _row_chunks(num_rows, num_groups * num_centroids):
+        weighted = torch.einsum("rjg,jgh->rjh", groups[rows], metrics)  # [n, G, g] = w H_j
+        d = centroid_energy - 2 * weighted @ centroids.T  # [n, G, K]
+        best, codes[rows] = d.min(dim=-1)
+        dist[rows] = (best + (weighted * groups[rows]).sum(-1)).clamp_min(0)
+    return codes, dist
+
+
+def reseed_empty_clusters(
+    points: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor, distances: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Move every unused centroid onto one of the worst-served points and assign that point to it.
+
+    points [N, g], centroids [K, g], codes [N], distances [N] (each point's error to its centroid)
+    -> centroids [K, g], codes [N], number of clusters reseeded
+    """
+    counts = torch.bincount(codes, minlength=centroids.shape[0])
+    empty = torch.nonzero(counts == 0).flatten()
+    if empty.numel() == 0:
+        return centroids, codes, 0
+    worst = torch.topk(distances, k=min(empty.numel(), points.shape[0])).indices
+    empty = empty[: worst.numel()]
+    centroids = centroids.clone()
+    codes = codes.clone()
+    centroids[empty] = points[worst]
+    codes[worst] = empty
+    return centroids, codes, int(empty.numel())
+
+
+def cluster_means(points: torch.Tensor, codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Mean of the points of each cluster; a cluster with no points keeps its centroid.
+
+    points [N, g], codes [N], centroids [K, g] -> [K, g]
+    """
+    sums = torch.zeros_like(centroids).index_add_(0, codes, points)
+    counts = torch.bincount(codes, minlength=centroids.shape[0]).to(points.dtype)[:, None]
+    return torch.where(counts > 0, sums / counts.clamp_min(1), centroids)
+
+
+def fit_kmeans(
+    points: torch.Tensor, num_clusters: int, max_iter: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lloyd's k-means from K distinct random points, reseeding empty clusters, until assignments settle.
+
+    points [N, g] (N >= K) -> centroids [K, g], codes [N] int64
+    """
+    if points.shape[0] < num_clusters:
+        raise ValueError(f"k-means needs at least K={num_clusters} points, got {points.shape[0]}")
+    start = torch.randperm(points.shape[0], generator=generator, device="cpu")[:num_clusters]
+    centroids = points[start.to(points.device)].clone()
+    codes, dist = nearest_euclidean(points, centroids)
+    for _ in range(max_iter):
+        centroids, codes, _ = reseed_empty_clusters(points, centroids, codes, dist)
+        centroids = cluster_means(points, codes, centroids)
+        new_codes, dist = nearest_euclidean(points, centroids)
+        settled = torch.equal(new_codes, codes)
+        codes = new_codes
+        if settled:
+            break
+    centroids, codes, _ = reseed_empty_clusters(points, centroids, codes, dist)
+    return centroids, codes

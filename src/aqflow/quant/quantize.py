@@ -1,0 +1,173 @@
+"""The per-layer quantizer: initialise, then alternate Adam on codebooks/scales with beam search.
+
+    init (greedy | oaem)  ->  repeat: S Adam steps on (codebooks, scales); one beam-search pass
+                              until max_epochs, or an epoch improves the loss by < relative_tolerance.
+
+An epoch never makes the layer worse: beam search cannot increase the objective, and an Adam
+phase that ends above where it started is rolled back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from aqflow.quant.beam_search import BeamSearcher
+from aqflow.quant.codebook_update import adam_update
+from aqflow.quant.init import INITIALISERS, InitSettings
+from aqflow.quant.objective import damped_diagonal_blocks, relative_output_mse
+from aqflow.quant.representation import bits_per_parameter, dequantize_weight, layer_rho
+from aqflow.quant.validation import validate_layer_inputs
+
+
+@dataclass(frozen=True)
+class QuantizerSettings:
+    """Everything that decides a layer's result. Defaults: AQLM 2 bpp with the paper's OA-EM."""
+
+    num_codebooks: int = 2
+    nbits: int = 8
+    group_size: int = 8
+    init: str = "oaem"
+    beam_size: int = 8
+    max_epochs: int = 100
+    steps_per_epoch: int = 100
+    lr: float = 1e-4
+    relative_tolerance: float = 0.01
+    kmeans_max_iter: int = 1000
+    oaem_rounds: int = 3
+    oaem_steps: int = 100
+    oaem_lr: float = 1e-4
+    oaem_damping: float = 0.01
+    seed: int = 42
+    memory_budget_bytes: int = 2 << 30
+    use_cuda_graphs: bool = True
+
+    def init_settings(self) -> InitSettings:
+        names = {f.name for f in dataclasses.fields(InitSettings)}
+        return InitSettings(**{k: v for k, v in dataclasses.asdict(self).items() if k in names})
+
+
+@dataclass
+class QuantizedLayer:
+    """A layer in AQLM's layout (unpacked int64 codes).
+
+    codes [out, G, M] int64, codebooks [M, K, 1, g], scales [out, 1, 1, 1]
+    """
+
+    codes: torch.Tensor
+    codebooks: torch.Tensor
+    scales: torch.Tensor
+
+    def weight(self) -> torch.Tensor:
+        return dequantize_weight(self.codes, self.codebooks, self.scales)
+
+
+@dataclass
+class QuantizationReport:
+    """What happened: relative output MSE after init and after each epoch, with seconds per stage."""
+
+    init_relative_mse: float
+    init_seconds: float
+    epochs: list[dict] = field(default_factory=list)
+    stopped_because: str = ""
+    total_seconds: float = 0.0
+
+    @property
+    def final_relative_mse(self) -> float:
+        return self.epochs[-1]["relative_mse"] if self.epochs else self.init_relative_mse
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def quantize_layer(
+    weight: torch.Tensor,
+    xtx: torch.Tensor,
+    settings: QuantizerSettings,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+    name: str = "layer",
+) -> tuple[QuantizedLayer, QuantizationReport]:
+    """Quantize one linear layer.
+
+    weight [out, in], xtx [in, in] (any float dtype; computed in float32 on `device`)
+    -> (QuantizedLayer on CPU, QuantizationReport)
+    """
+    validate_layer_inputs(weight, xtx, settings)
+    device = torch.device(device) if device is not None else weight.device
+    started = time.perf_counter()
+    w = weight.to(device=device, dtype=torch.float32)
+    h = xtx.to(device=device, dtype=torch.float32)
+    h = (h + h.T) / 2  # accumulated XᵀX can be asymmetric by rounding; the algebra assumes symmetry
+    out_features, in_features = w.shape
+    g = settings.group_size
+
+    def rel_mse(codes, codebooks, scales) -> float:
+        return float(relative_output_mse(w, dequantize_weight(codes, codebooks, scales), h))
+
+    # Scales factor out each row's norm (AQLM), so codebooks see unit-norm rows.
+    scales = w.norm(dim=1).clamp_min(1e-9)  # [out]
+    groups = (w / scales[:, None]).reshape(out_features, in_features // g, g)
+    generator = torch.Generator(device="cpu").manual_seed(settings.seed)
+    metrics = damped_diagonal_blocks(h, g, settings.oaem_damping)
+    codes, codebooks = INITIALISERS[settings.init](groups, metrics, settings.init_settings(), generator)
+    _synchronize(device)
+    report = QuantizationReport(init_relative_mse=rel_mse(codes, codebooks, scales), init_seconds=time.perf_counter() - started)
+
+    search = BeamSearcher(h, settings.beam_size, settings.memory_budget_bytes, settings.use_cuda_graphs)
+    previous = report.init_relative_mse
+    bar = tqdm(range(1, settings.max_epochs + 1), desc=f"{name} epochs", disable=not progress, leave=False)
+    report.stopped_because = "max_epochs"
+    for epoch in bar:
+        t0 = time.perf_counter()
+        new_codebooks, new_scales = adam_update(w, h, codes, codebooks, scales, settings.steps_per_epoch, settings.lr)
+        after_adam = rel_mse(codes, new_codebooks, new_scales)
+        rolled_back = after_adam > previous
+        if not rolled_back:
+            codebooks, scales = new_codebooks, new_scales
+        _synchronize(device)
+        t1 = time.perf_counter()
+        codes = search(w, codebooks, scales, codes)
+        current = rel_mse(codes, codebooks, scales)
+        t2 = time.perf_counter()
+        report.epochs.append(
+            {
+                "epoch": epoch,
+                "relative_mse": current,
+                "relative_mse_after_adam": min(after_adam, previous),
+                "adam_rolled_back": rolled_back,
+                "adam_seconds": t1 - t0,
+                "beam_seconds": t2 - t1,
+            }
+        )
+        bar.set_postfix(rel_mse=f"{current:.5f}")
+        if previous - current < settings.relative_tolerance * previous:
+            report.stopped_because = "relative_tolerance"
+            break
+        previous = current
+    bar.close()
+    report.total_seconds = time.perf_counter() - started
+    layer = QuantizedLayer(
+        codes=codes.cpu(),
+        codebooks=codebooks.reshape(settings.num_codebooks, 1 << settings.nbits, 1, g).cpu(),
+        scales=scales.reshape(out_features, 1, 1, 1).cpu(),
+    )
+    return layer, report
+
+
+def layer_summary(out_features: int, in_features: int, settings: QuantizerSettings) -> dict:
+    """Static facts about a layer under `settings`: rho and bits per parameter."""
+    return {
+        "out_features": out_features,
+        "in_features": in_features,
+        "rho": layer_rho(out_features, in_features, settings.num_codebooks, settings.nbits, settings.group_size),
+        "bits_per_parameter": bits_per_parameter(
+            out_features, in_features, settings.num_codebooks, settings.nbits, settings.group_size
+        ),
+    }
