@@ -1,0 +1,1 @@
+"""Stage CLIs: each reads its inputs from files and writes its artifacts atomically."""

@@ -1,0 +1,112 @@
+"""Beam search: exhaustive optimality where enumeration is possible, and never a worse objective."""
+
+import itertools
+
+import pytest
+import torch
+
+from aqflow.quant.beam_search import BeamSearcher, beam_search_rows
+from aqflow.quant.objective import output_error
+from aqflow.quant.representation import dequantize_weight
+from tests.conftest import anisotropic_xtx
+
+G = 8  # group size
+
+
+def problem(out_features, num_groups, num_codebooks, nbits, generator, block_diagonal=False):
+    in_features = num_groups * G
+    k = 1 << nbits
+    xtx = anisotropic_xtx(in_features, 4 * in_features, generator)
+    if block_diagonal:
+        mask = torch.block_diag(*[torch.ones(G, G, dtype=torch.float64)] * num_groups)
+        xtx = xtx * mask
+    weight = torch.randn(out_features, in_features, generator=generator, dtype=torch.float64)
+    codebooks = 0.5 * torch.randn(num_codebooks, k, G, generator=generator, dtype=torch.float64)
+    scales = torch.rand(out_features, generator=generator, dtype=torch.float64) + 0.5
+    codes = torch.randint(0, k, (out_features, num_groups, num_codebooks), generator=generator)
+    return weight, xtx, codebooks, scales, codes
+
+
+def row_errors(weight, xtx, codebooks, scales, codes):
+    """Per-row objective. -> [out]"""
+    delta = weight - dequantize_weight(codes, codebooks, scales)
+    return ((delta @ xtx) * delta).sum(-1)
+
+
+def all_tuples(num_codebooks, k):
+    return torch.tensor(list(itertools.product(range(k), repeat=num_codebooks)))  # [K^M, M]
+
+
+def exhaustive_row_optimum(weight, xtx, codebooks, scales, num_groups, k):
+    """min over every code assignment of every group of every row. -> [out] objective."""
+    tuples = all_tuples(codebooks.shape[0], k)
+    best = torch.full((weight.shape[0],), float("inf"), dtype=weight.dtype)
+    for assignment in itertools.product(range(len(tuples)), repeat=num_groups):
+        codes = tuples[list(assignment)][None].expand(weight.shape[0], -1, -1)
+        best = torch.minimum(best, row_errors(weight, xtx, codebooks, scales, codes))
+    return best
+
+
+@pytest.mark.parametrize("num_codebooks,nbits", [(2, 2), (3, 1), (1, 3)])
+def test_single_group_reaches_exhaustive_optimum(num_codebooks, nbits, rng):
+    """One group per row: a beam of K^(M-1) keeps every partial tuple, so the pass is exact."""
+    k = 1 << nbits
+    weight, xtx, codebooks, scales, codes = problem(16, 1, num_codebooks, nbits, rng)
+    found = beam_search_rows(weight, xtx, codebooks, scales, codes, beam_size=k ** (num_codebooks - 1))
+    optimum = exhaustive_row_optimum(weight, xtx, codebooks, scales, 1, k)
+    torch.testing.assert_close(row_errors(weight, xtx, codebooks, scales, found), optimum, rtol=1e-10, atol=1e-10)
+
+
+def test_block_diagonal_xtx_reaches_global_optimum_in_one_pass(rng):
+    """Uncoupled groups: one pass with a full beam solves the whole row exactly ((K^M)^G = 4096 assignments)."""
+    weight, xtx, codebooks, scales, codes = problem(6, 3, 2, 2, rng, block_diagonal=True)
+    found = beam_search_rows(weight, xtx, codebooks, scales, codes, beam_size=4)
+    optimum = exhaustive_row_optimum(weight, xtx, codebooks, scales, 3, 4)
+    torch.testing.assert_close(row_errors(weight, xtx, codebooks, scales, found), optimum, rtol=1e-10, atol=1e-10)
+
+
+def test_coupled_groups_reach_exhaustive_optimum_and_block_optimality(rng):
+    """Full XᵀX couples the groups. Repeated passes reach a point where no group can improve given
+    the others (checked by enumeration), and on this tiny problem that point is the exhaustive optimum."""
+    weight, xtx, codebooks, scales, codes = problem(6, 3, 2, 2, rng)
+    tuples = all_tuples(2, 4)
+    for _ in range(20):
+        new = beam_search_rows(weight, xtx, codebooks, scales, codes, beam_size=4)
+        if torch.equal(new, codes):
+            break
+        codes = new
+    errors = row_errors(weight, xtx, codebooks, scales, codes)
+    for j in range(3):
+        for t in tuples:
+            trial = codes.clone()
+            trial[:, j] = t
+            assert (row_errors(weight, xtx, codebooks, scales, trial) >= errors - 1e-9).all()
+    optimum = exhaustive_row_optimum(weight, xtx, codebooks, scales, 3, 4)
+    assert (errors >= optimum - 1e-9).all()
+    assert torch.allclose(errors, optimum, rtol=1e-8), "coordinate search stopped short of the optimum"
+
+
+@pytest.mark.parametrize("num_codebooks,nbits,beam", [(2, 4, 1), (2, 4, 3), (3, 3, 8), (1, 5, 2), (2, 6, 16)])
+def test_pass_never_increases_objective(num_codebooks, nbits, beam, rng):
+    for _ in range(3):
+        weight, xtx, codebooks, scales, codes = problem(12, 5, num_codebooks, nbits, rng)
+        before = row_errors(weight, xtx, codebooks, scales, codes)
+        found = beam_search_rows(weight, xtx, codebooks, scales, codes, beam)
+        after = row_errors(weight, xtx, codebooks, scales, found)
+        assert (after <= before * (1 + 1e-12) + 1e-12).all()
+        assert after.sum() < before.sum()  # from random codes there is always something to gain
+        assert found.min() >= 0 and found.max() < (1 << nbits)
+
+
+def test_wider_beam_is_no_worse_on_average(rng):
+    weight, xtx, codebooks, scales, codes = problem(64, 6, 2, 4, rng)
+    narrow = output_error(weight - dequantize_weight(beam_search_rows(weight, xtx, codebooks, scales, codes, 1), codebooks, scales), xtx)
+    wide = output_error(weight - dequantize_weight(beam_search_rows(weight, xtx, codebooks, scales, codes, 16), codebooks, scales), xtx)
+    assert wide <= narrow
+
+
+def test_chunked_rows_give_the_same_codes(rng):
+    weight, xtx, codebooks, scales, codes = problem(30, 4, 2, 3, rng)
+    whole = BeamSearcher(xtx, 4, memory_budget_bytes=1 << 30)(weight, codebooks, scales, codes)
+    tiny_budget = BeamSearcher(xtx, 4, memory_budget_bytes=1)  # one row per chunk
+    assert torch.equal(tiny_budget(weight, codebooks, scales, codes), whole)
