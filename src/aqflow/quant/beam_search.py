@@ -1,21 +1,22 @@
 """Beam search over codes against the full XᵀX.
 
-One pass visits the column groups j = 0..G-1 of every row at once (rows are independent; all
-rows of a chunk move together, so the GPU sees [rows, beam, K] tensors, never a Python loop over
-rows). For group j, with every other group held at its current codes, the loss change of giving
-group j the unscaled reconstruction v is exact and quadratic:
+The beam holds b hypotheses per output row, each a complete code assignment of the row, and
+walks the decisions (group j, codebook m) in order: every hypothesis proposes all K codewords for
+position (j, m), and the b best distinct rows survive (AQLM's search, so errors in one group can
+be compensated by choices in later ones). Rows are independent, so all rows of a chunk move
+together: the GPU sees [rows, b, K] tensors, never a Python loop over rows.
 
-    Δ(v) = eᵀ H_jj e - 2 eᵀ p_j,   e = s v - ŵ_j,   p = (W - Ŵ) XᵀX  (row vector, block j),
+Scoring is exact. Before group j every hypothesis still has the original codes in groups >= j,
+so a candidate differs from its group-start ancestor ("origin") only in group j. With
+p = (W - Ŵ_origin) XᵀX (block j) and the candidate's group reconstruction s(a + c_k), a being
+the hypothesis' codeword sum without codebook m, its loss is
 
-so errors of group j are weighed against all other groups through p. Changing codeword m of a
-hypothesis with current sum a + c_old to a + c_k gives, with f = s a - ŵ_j,
+    L_origin + eᵀH_jj e - 2 eᵀp,   e = f + s c_k,   f = s a - ŵ_j
+  = [L_origin + fᵀH_jj f - 2 fᵀp] + 2 s c_kᵀ(H_jj f - p) + s² c_kᵀH_jj c_k,
 
-    Δ = [fᵀH f - 2 fᵀp] + 2 s c_kᵀ(H f - p) + s² c_kᵀ H c_k,
-
-i.e. one [rows*beam, g+2] x [g+2, K] product per codebook per group scores every candidate.
-The beam keeps the b best distinct code tuples; the original tuple is a candidate at every
-stage, so a pass never increases the objective. After group j is chosen, p is updated by a
-rank-g product (the pass's only O(out·in²) work in total).
+so one [rows*b, g+2] x [g+2, K] product per (j, m) scores every candidate. Each hypothesis keeps
+its own p; after group j it is updated by a rank-g product, 2·b·out·in² flops per pass in all.
+The original row is always a candidate, so a pass never increases the objective.
 
 On CUDA the whole pass for a chunk of rows is captured once as a CUDA graph and replayed each
 epoch: the pass is thousands of small kernels, and launching them from Python would dominate.
@@ -44,14 +45,15 @@ def candidate_table(codebooks: torch.Tensor, blocks: torch.Tensor) -> torch.Tens
     return table
 
 
-def duplicate_hypotheses(hypotheses: torch.Tensor, alive: torch.Tensor, stage: int) -> torch.Tensor:
-    """Hypotheses whose codes outside position `stage` repeat an earlier live slot's: they would
-    expand to the same candidates, so only the first of them may expand.
+def duplicate_hypotheses(hypotheses: torch.Tensor, origin: torch.Tensor, alive: torch.Tensor, stage: int) -> torch.Tensor:
+    """Hypotheses that would expand to the same rows as an earlier live slot: same origin (so the
+    same codes outside group j) and the same codes in group j outside position `stage`.
 
-    hypotheses [rows, b, M], alive [rows, b] bool -> [rows, b] bool
+    hypotheses [rows, b, M] (group j's codes), origin [rows, b], alive [rows, b] bool -> [rows, b] bool
     """
     others = torch.cat([hypotheses[..., :stage], hypotheses[..., stage + 1 :]], dim=-1)  # [rows, b, M-1]
     same = (others[:, :, None, :] == others[:, None, :, :]).all(dim=-1)  # [rows, b, b]
+    same &= origin[:, :, None] == origin[:, None, :]
     earlier = torch.ones(same.shape[-1], same.shape[-1], dtype=torch.bool, device=same.device).tril(-1)
     return (same & earlier & alive[:, None, :]).any(dim=-1)
 
@@ -74,58 +76,70 @@ def beam_search_rows(
     num_codebooks, num_codewords, group_size = codebooks.shape
     num_groups = in_features // group_size
     beam = beam_size
-    rows = torch.arange(num_rows, device=weight.device)
+    device, dtype = weight.device, weight.dtype
+    rows = torch.arange(num_rows, device=device)
 
-    sums = group_reconstruction(codes, codebooks)  # [R, G, g] unscaled
+    sums = group_reconstruction(codes, codebooks)  # [R, G, g] unscaled; unchanged until a group is reached
     reconstruction = sums * scales[:, None, None]  # [R, G, g]
-    residual_xtx = (weight - reconstruction.reshape(num_rows, in_features)) @ xtx  # [R, in]
-    p_groups = residual_xtx.view(num_rows, num_groups, group_size)
+    residual_xtx = ((weight - reconstruction.reshape(num_rows, in_features)) @ xtx)[:, None, :]  # [R, 1, in]
+    residual_xtx = residual_xtx.expand(num_rows, beam, in_features)  # [R, b, in], one per hypothesis
     table = candidate_table(codebooks, diagonal_blocks(xtx, group_size))  # [M, G, g+2, K]
     scale_col = scales[:, None, None]  # [R, 1, 1]
     scale_sq = (scales * scales)[:, None, None].expand(num_rows, beam, 1)  # [R, b, 1]
-    start_scores = torch.full((num_rows, beam), float("inf"), dtype=weight.dtype, device=weight.device)
-    start_scores[:, 0] = 0
-    new_codes = codes.clone()
+    loss = torch.full((num_rows, beam), float("inf"), dtype=dtype, device=device)  # relative to the start
+    loss[:, 0] = 0
+    slots = torch.arange(beam, device=device).expand(num_rows, beam)
+    back_origin = torch.empty(num_groups, num_rows, beam, dtype=torch.int64, device=device)
+    back_codes = torch.empty(num_groups, num_rows, beam, num_codebooks, dtype=torch.int64, device=device)
 
     for j in range(num_groups):
-        block = xtx[j * group_size : (j + 1) * group_size, j * group_size : (j + 1) * group_size]  # [g, g]
+        cols = slice(j * group_size, (j + 1) * group_size)
+        block = xtx[cols, cols]  # [g, g]
         current = reconstruction[:, j, None, :]  # [R, 1, g]
-        p = p_groups[:, j, None, :]  # [R, 1, g]
-        hypotheses = new_codes[:, j, None, :].expand(num_rows, beam, num_codebooks)  # [R, b, M]
+        p_start = residual_xtx[:, :, cols]  # [R, b, g] per group-start hypothesis
+        origin = slots
+        hypotheses = codes[:, j, None, :].expand(num_rows, beam, num_codebooks)  # [R, b, M]
         hyp_sums = sums[:, j, None, :].expand(num_rows, beam, group_size)  # [R, b, g]
-        scores = start_scores
+        scores = loss
         for m in range(num_codebooks):
             codebook = codebooks[m]  # [K, g]
+            p = p_start.gather(1, origin[..., None].expand(num_rows, beam, group_size))  # [R, b, g]
             rest = hyp_sums - codebook[hypotheses[..., m]]  # [R, b, g]: the sum without codebook m
             f = scale_col * rest - current
             hf = f @ block
-            constant = (f * (hf - 2 * p)).sum(-1, keepdim=True)  # [R, b, 1]
+            constant = loss.gather(1, origin)[..., None] + (f * (hf - 2 * p)).sum(-1, keepdim=True)  # [R, b, 1]
             linear = (hf - p) * (2 * scale_col)  # [R, b, g]
             lhs = torch.cat([linear, constant, scale_sq], dim=-1)  # [R, b, g+2]
             candidates = (lhs.reshape(num_rows * beam, group_size + 2) @ table[m, j]).view(num_rows, beam, num_codewords)
             finite = torch.isfinite(scores)  # [R, b]
-            alive = finite & ~duplicate_hypotheses(hypotheses, finite, m)
+            alive = finite & ~duplicate_hypotheses(hypotheses, origin, finite, m)
             candidates = candidates.masked_fill(~alive[..., None], float("inf"))
             scores, flat_index = candidates.view(num_rows, beam * num_codewords).topk(beam, dim=-1, largest=False)
             parent = torch.div(flat_index, num_codewords, rounding_mode="floor")  # [R, b]
             chosen = flat_index - parent * num_codewords  # [R, b]
+            origin = origin.gather(1, parent)
             hypotheses = hypotheses.gather(1, parent[..., None].expand(num_rows, beam, num_codebooks)).clone()
             hypotheses[..., m] = chosen
             hyp_sums = rest.gather(1, parent[..., None].expand(num_rows, beam, group_size)) + codebook[chosen]
-        best = scores.argmin(dim=-1)  # [R]
-        best_sum = hyp_sums[rows, best]  # [R, g]
-        change = best_sum * scales[:, None] - reconstruction[:, j]  # [R, g]
-        residual_xtx.addmm_(change, xtx[j * group_size : (j + 1) * group_size], alpha=-1)
-        reconstruction[:, j] = best_sum * scales[:, None]
-        sums[:, j] = best_sum
-        new_codes[:, j] = hypotheses[rows, best]
+        back_origin[j] = origin
+        back_codes[j] = hypotheses
+        change = (hyp_sums * scale_col - current).reshape(num_rows * beam, group_size)  # [R*b, g]
+        residual_xtx = residual_xtx.gather(1, origin[..., None].expand(num_rows, beam, in_features))
+        residual_xtx.view(num_rows * beam, in_features).addmm_(change, xtx[cols], alpha=-1)
+        loss = scores
+
+    new_codes = torch.empty_like(codes)
+    slot = loss.argmin(dim=-1)  # [R]
+    for j in reversed(range(num_groups)):
+        new_codes[:, j] = back_codes[j][rows, slot]
+        slot = back_origin[j][rows, slot]
     return new_codes
 
 
 def rows_per_chunk(num_rows: int, in_features: int, beam_size: int, num_codewords: int, memory_budget_bytes: int, element_bytes: int) -> int:
-    """How many rows one pass may hold at once: the [R, b, K] score tensors dominate, with a few
-    [R, in] tensors beside them."""
-    per_row = element_bytes * (4 * beam_size * num_codewords + 6 * in_features)
+    """How many rows one pass may hold at once: [R, b, K] scores and [R, b, in] per-hypothesis
+    residuals dominate, with the [G, R, b, M] back-pointers beside them."""
+    per_row = element_bytes * (4 * beam_size * num_codewords + 3 * beam_size * in_features) + 8 * beam_size * in_features
     return max(1, min(num_rows, memory_budget_bytes // per_row))
 
 

@@ -1,0 +1,41 @@
+"""Perplexity of a causal LM on fixed token windows (the GPTQ/AQLM WikiText-2 protocol).
+
+Each window is scored independently (no state carried between windows): token t is predicted
+from tokens < t of its own window, so a window of T tokens contributes T - 1 predictions. The
+perplexity is exp of the mean negative log-likelihood over all predictions; with equal-length
+windows this equals the protocol's exp(mean over windows of the window's mean NLL).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tqdm.auto import tqdm
+
+
+@torch.no_grad()
+def window_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Summed next-token negative log-likelihood (nats) of each window.
+
+    input_ids: [batch, T] int64 on the model's device.
+    Returns nll_nats: [batch] float64, each the sum over the T - 1 predicted tokens.
+    """
+    logits = model(input_ids=input_ids).logits  # [batch, T, vocab]
+    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # float32: fp16 log-softmax loses digits
+    targets = input_ids[:, 1:].unsqueeze(-1)  # [batch, T - 1, 1]
+    return -log_probs.gather(-1, targets).squeeze(-1).double().sum(dim=1)
+
+
+@torch.no_grad()
+def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool = True) -> float:
+    """exp(mean next-token NLL) of `model` over `windows` [num_windows, T] int64."""
+    if windows.dim() != 2 or windows.shape[1] < 2:
+        raise ValueError(f"windows must be [num_windows, T >= 2], got shape {tuple(windows.shape)}")
+    device = next(model.parameters()).device
+    total_nats = 0.0
+    for start in tqdm(range(0, windows.shape[0], batch_size), desc="perplexity", unit="batch", disable=not progress):
+        batch = windows[start:start + batch_size].to(device)
+        total_nats += float(window_nll(model, batch).sum())
+    num_predictions = windows.shape[0] * (windows.shape[1] - 1)
+    return math.exp(total_nats / num_predictions)
