@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from aqflow.quant.beam_search import BeamSearcher
-from aqflow.quant.codebook_update import adam_update
+from aqflow.quant.codebook_update import CodebookAdam
 from aqflow.quant.init import INITIALISERS, InitSettings
 from aqflow.quant.objective import damped_diagonal_blocks, relative_output_mse
 from aqflow.quant.representation import bits_per_parameter, dequantize_weight, layer_rho
@@ -121,16 +121,20 @@ def quantize_layer(
     report = QuantizationReport(init_relative_mse=rel_mse(codes, codebooks, scales), init_seconds=time.perf_counter() - started)
 
     search = BeamSearcher(h, settings.beam_size, settings.memory_budget_bytes, settings.use_cuda_graphs)
+    adam = CodebookAdam(w, h, codebooks, scales, settings.lr, use_graphs=settings.use_cuda_graphs)
     previous = report.init_relative_mse
     bar = tqdm(range(1, settings.max_epochs + 1), desc=f"{name} epochs", disable=not progress, leave=False)
     report.stopped_because = "max_epochs"
     for epoch in bar:
         t0 = time.perf_counter()
-        new_codebooks, new_scales = adam_update(w, h, codes, codebooks, scales, settings.steps_per_epoch, settings.lr)
-        after_adam = rel_mse(codes, new_codebooks, new_scales)
+        kept = adam.codebooks.clone(), adam.scales.clone()
+        adam.run(codes, settings.steps_per_epoch)
+        after_adam = rel_mse(codes, adam.codebooks, adam.scales)
         rolled_back = after_adam > previous
-        if not rolled_back:
-            codebooks, scales = new_codebooks, new_scales
+        if rolled_back:
+            adam.codebooks.copy_(kept[0])
+            adam.scales.copy_(kept[1])
+        codebooks, scales = adam.codebooks, adam.scales
         _synchronize(device)
         t1 = time.perf_counter()
         codes = search(w, codebooks, scales, codes)
@@ -155,8 +159,8 @@ def quantize_layer(
     report.total_seconds = time.perf_counter() - started
     layer = QuantizedLayer(
         codes=codes.cpu(),
-        codebooks=codebooks.reshape(settings.num_codebooks, 1 << settings.nbits, 1, g).cpu(),
-        scales=scales.reshape(out_features, 1, 1, 1).cpu(),
+        codebooks=codebooks.reshape(settings.num_codebooks, 1 << settings.nbits, 1, g).clone().cpu(),
+        scales=scales.reshape(out_features, 1, 1, 1).clone().cpu(),
     )
     return layer, report
 
