@@ -54,7 +54,7 @@ def load_bundle(path: Path) -> list[dict]:
         keys = list(handle.keys())
         tensors = {k: handle.get_tensor(k) for k in keys}
     site_of = json.loads(meta["linear_to_site"])
-    sizes = json.loads(meta.get("xtx_sizes", "{}"))
+    sizes = json.loads(meta.get("site_sizes", "{}"))
     layers = []
     for linear, site in site_of.items():
         weight = tensors[f"{linear}.weight"].float()
