@@ -91,7 +91,7 @@ def starting_state(weight, xtx, settings):
     codebooks = layer.codebooks[:, :, 0, :].to(DEVICE)
     scales = layer.scales.flatten().to(DEVICE)
     w, h = weight.to(DEVICE), xtx.to(DEVICE)
-    adam = CodebookAdam(w, h, codebooks, scales, settings.lr, use_graphs=False)
+    adam = CodebookAdam(w, h, codebooks, scales, settings.lr)
     adam.run(codes, settings.steps_per_epoch)
     return w, h, codes, adam.codebooks, adam.scales
 

@@ -50,4 +50,4 @@ def test_phase_lowers_the_objective_and_keeps_state_across_calls(rng):
         adam.run(codes, 30)
         history.append(float(relative_output_mse(weight, dequantize_weight(codes, adam.codebooks, adam.scales), xtx)))
     assert history == sorted(history, reverse=True) and history[-1] < history[0]
-    assert float(adam.step) == 90
+    assert float(adam.optimizer.step) == 90

@@ -83,3 +83,20 @@ def test_oaem_beats_residual_kmeans_on_anisotropic_xtx(rng):
         )
     assert results["oaem"][0] < 0.9 * results["greedy"][0], results
     assert results["oaem"][1] < results["greedy"][1], results
+
+
+def test_m_step_gradient_is_the_objective_gradient(rng):
+    """The M-step's sufficient-statistics gradient equals autograd's on eq. 3, so one Adam step of
+    each matches."""
+    _, xtx, _, groups = _layer(rng)
+    groups = groups.double()
+    metrics = damped_diagonal_blocks(xtx.double(), 8, 0.01)
+    centroids, codes = fit_kmeans(groups.reshape(-1, 8), 16, 20, rng)
+    codes = codes.reshape(groups.shape[:2])
+    c = centroids.clone().requires_grad_(True)
+    reference = torch.optim.Adam([c], lr=1e-3)
+    reference.zero_grad()
+    oaem_objective(groups, c, codes, metrics).backward()
+    reference.step()
+    ours = oaem_m_step(groups, centroids, codes, metrics, steps=1, lr=1e-3)
+    torch.testing.assert_close(ours, c.detach())

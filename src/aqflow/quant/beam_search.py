@@ -143,12 +143,18 @@ def rows_per_chunk(num_rows: int, in_features: int, beam_size: int, num_codeword
     return max(1, min(num_rows, memory_budget_bytes // per_row))
 
 
+# Captured passes, shared by every layer of the same shape: capturing costs an eager pass and
+# more, and a model has only a handful of distinct linear shapes.
+_GRAPH_CACHE: dict[tuple, tuple] = {}
+
+
 class BeamSearcher:
-    """Runs beam-search passes for one layer, chunked over rows to a memory budget.
+    """Runs beam-search passes, chunked over rows to a memory budget.
 
     On CUDA (use_graphs=True) each chunk shape is captured once as a CUDA graph over static
-    buffers and replayed on every later pass, which removes the Python and launch overhead of the
-    many small per-group kernels.
+    buffers (weight chunk, XᵀX, codebooks, scales, codes) and replayed on every later pass, of
+    this layer and of any other with the same shapes; this removes the Python and launch
+    overhead of the many small per-group kernels.
     """
 
     def __init__(self, xtx: torch.Tensor, beam_size: int, memory_budget_bytes: int, use_graphs: bool = True):
@@ -156,7 +162,6 @@ class BeamSearcher:
         self.beam_size = beam_size
         self.memory_budget_bytes = memory_budget_bytes
         self.use_graphs = use_graphs and xtx.is_cuda
-        self._graphs: dict[int, tuple] = {}
 
     def __call__(self, weight: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """weight [out, in], codebooks [M, K, g], scales [out], codes [out, G, M] -> new codes [out, G, M]"""
@@ -167,24 +172,24 @@ class BeamSearcher:
         for start in range(0, weight.shape[0], chunk):
             rows = slice(start, min(weight.shape[0], start + chunk))
             run = self._replay if self.use_graphs else self._eager
-            out[rows] = run(weight[rows], codebooks, scales[rows], codes[rows])
+            out[rows] = run(weight[rows], self.xtx, codebooks, scales[rows], codes[rows])
         return out
 
-    def _eager(self, weight, codebooks, scales, codes):
-        return beam_search_rows(weight, self.xtx, codebooks, scales, codes, self.beam_size)
+    def _eager(self, weight, xtx, codebooks, scales, codes):
+        return beam_search_rows(weight, xtx, codebooks, scales, codes, self.beam_size)
 
-    def _replay(self, weight, codebooks, scales, codes):
-        key = weight.shape[0]
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(weight, codebooks, scales, codes)
-        graph, static_inputs, static_output = self._graphs[key]
-        for buffer, value in zip(static_inputs, (weight, codebooks, scales, codes)):
+    def _replay(self, *inputs):
+        key = tuple((tuple(t.shape), t.dtype) for t in inputs) + (self.beam_size, inputs[0].device)
+        if key not in _GRAPH_CACHE:
+            _GRAPH_CACHE[key] = self._capture(*inputs)
+        graph, static_inputs, static_output = _GRAPH_CACHE[key]
+        for buffer, value in zip(static_inputs, inputs):
             buffer.copy_(value)
         graph.replay()
         return static_output.clone()
 
-    def _capture(self, weight, codebooks, scales, codes):
-        static_inputs = tuple(t.clone() for t in (weight, codebooks, scales, codes))
+    def _capture(self, *inputs):
+        static_inputs = tuple(t.clone() for t in inputs)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up outside the graph: cuBLAS handles, allocator pools

@@ -40,25 +40,41 @@ def objective_gradients(
     return grad_codebooks.view_as(codebooks), grad_scales
 
 
-class AmsgradState:
-    """Adam/AMSGrad moments for one tensor; the step count lives on the device so a captured
-    graph stays correct when replayed in later epochs."""
+class Amsgrad:
+    """Adam with AMSGrad for a list of tensors, updated with foreach kernels (few launches per
+    step). The step count lives on the device, so a captured graph stays correct when replayed
+    in later epochs."""
 
-    def __init__(self, like: torch.Tensor, step: torch.Tensor):
-        self.exp_avg = torch.zeros_like(like)
-        self.exp_avg_sq = torch.zeros_like(like)
-        self.max_exp_avg_sq = torch.zeros_like(like)
-        self.step = step
+    def __init__(self, params: list[torch.Tensor], lr: float, betas: tuple[float, float], eps: float):
+        self.params = params
+        self.lr, self.betas, self.eps = lr, betas, eps
+        self.exp_avg = [torch.zeros_like(p) for p in params]
+        self.exp_avg_sq = [torch.zeros_like(p) for p in params]
+        self.max_exp_avg_sq = [torch.zeros_like(p) for p in params]
+        self.step = torch.zeros((), dtype=params[0].dtype, device=params[0].device)
 
-    def update_(self, param: torch.Tensor, grad: torch.Tensor, lr: float, betas: tuple[float, float], eps: float) -> None:
-        beta1, beta2 = betas
-        self.exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        torch.maximum(self.max_exp_avg_sq, self.exp_avg_sq, out=self.max_exp_avg_sq)
-        bias1 = 1 - beta1**self.step
-        bias2 = 1 - beta2**self.step
-        denom = self.max_exp_avg_sq.sqrt() / bias2.sqrt() + eps
-        param.addcdiv_(self.exp_avg, denom * bias1, value=-lr)
+    def reset_(self) -> None:
+        for state in (self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq):
+            torch._foreach_zero_(state)
+        self.step.zero_()
+
+    def update_(self, grads: list[torch.Tensor]) -> None:
+        beta1, beta2 = self.betas
+        self.step.add_(1)
+        torch._foreach_lerp_(self.exp_avg, grads, 1 - beta1)
+        torch._foreach_mul_(self.exp_avg_sq, beta2)
+        torch._foreach_addcmul_(self.exp_avg_sq, grads, grads, value=1 - beta2)
+        torch._foreach_maximum_(self.max_exp_avg_sq, self.exp_avg_sq)
+        # param -= lr / (1 - beta1^t) * m / (sqrt(vmax) / sqrt(1 - beta2^t) + eps)
+        denom = torch._foreach_sqrt(self.max_exp_avg_sq)
+        torch._foreach_div_(denom, (1 - beta2**self.step).sqrt())
+        torch._foreach_add_(denom, self.eps)
+        torch._foreach_mul_(denom, (1 - beta1**self.step) / -self.lr)
+        torch._foreach_addcdiv_(self.params, self.exp_avg, denom)
+
+
+# Captured Adam phases, shared by layers of the same shapes (see beam_search._GRAPH_CACHE).
+_GRAPH_CACHE: dict[tuple, "CodebookAdam"] = {}
 
 
 class CodebookAdam:
@@ -76,43 +92,56 @@ class CodebookAdam:
         lr: float,
         betas: tuple[float, float] = (0.0, 0.95),
         eps: float = 1e-8,
-        use_graphs: bool = True,
     ):
-        self.weight, self.xtx = weight, xtx
+        self.weight, self.xtx = weight.clone(), xtx.clone()
         self.codebooks, self.scales = codebooks.clone(), scales.clone()
-        self.lr, self.betas, self.eps = lr, betas, eps
         self.reference_error = output_error(weight, xtx)
-        self.step = torch.zeros((), dtype=weight.dtype, device=weight.device)
-        self.states = (AmsgradState(self.codebooks, self.step), AmsgradState(self.scales, self.step))
-        self.use_graphs = use_graphs and weight.is_cuda
-        self._graph = None
+        self.optimizer = Amsgrad([self.codebooks, self.scales], lr, betas, eps)
+        self.graph = None
+        self.static_codes = None
+
+    @classmethod
+    def for_layer(cls, weight, xtx, codebooks, scales, lr, use_graphs: bool = True) -> "CodebookAdam":
+        """A fresh optimiser for this layer; on CUDA with graphs, reuses the buffers (and captured
+        phases) of an earlier layer of the same shapes, loaded with this layer's tensors."""
+        if not (use_graphs and weight.is_cuda):
+            return cls(weight, xtx, codebooks, scales, lr)
+        key = (tuple(weight.shape), tuple(codebooks.shape), weight.dtype, weight.device, lr)
+        if key not in _GRAPH_CACHE:
+            _GRAPH_CACHE[key] = cls(weight, xtx, codebooks, scales, lr)
+            _GRAPH_CACHE[key].graph = {}
+        cached = _GRAPH_CACHE[key]
+        for buffer, value in ((cached.weight, weight), (cached.xtx, xtx), (cached.codebooks, codebooks), (cached.scales, scales)):
+            buffer.copy_(value)
+        cached.reference_error.copy_(output_error(weight, xtx))
+        cached.optimizer.reset_()
+        return cached
 
     def _steps_(self, codes: torch.Tensor, steps: int) -> None:
         for _ in range(steps):
             grads = objective_gradients(self.weight, self.xtx, codes, self.codebooks, self.scales, self.reference_error)
-            self.step.add_(1)
-            for param, grad, state in zip((self.codebooks, self.scales), grads, self.states):
-                state.update_(param, grad, self.lr, self.betas, self.eps)
+            self.optimizer.update_(list(grads))
 
     def run(self, codes: torch.Tensor, steps: int) -> None:
         """`steps` Adam steps with `codes` fixed. codes [out, G, M]"""
-        if not self.use_graphs:
+        if self.graph is None:
             self._steps_(codes, steps)
             return
-        if self._graph is None or self._graph[1] != steps:
-            self._graph = (self._capture(codes, steps), steps)
-        self._static_codes.copy_(codes)
-        self._graph[0].replay()
+        if self.static_codes is None:
+            self.static_codes = codes.clone()
+        if steps not in self.graph:
+            self.graph[steps] = self._capture(steps)
+        self.static_codes.copy_(codes)
+        self.graph[steps].replay()
 
-    def _capture(self, codes: torch.Tensor, steps: int) -> torch.cuda.CUDAGraph:
-        self._static_codes = codes.clone()
-        scratch = CodebookAdam(self.weight, self.xtx, self.codebooks, self.scales, self.lr, self.betas, self.eps, use_graphs=False)
+    def _capture(self, steps: int) -> torch.cuda.CUDAGraph:
+        scratch = CodebookAdam(self.weight, self.xtx, self.codebooks, self.scales, self.optimizer.lr, self.optimizer.betas, self.optimizer.eps)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up on scratch copies: the real state must not move
-            scratch._steps_(self._static_codes, 1)
+            scratch._steps_(self.static_codes, 1)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._steps_(self._static_codes, steps)
+            self._steps_(self.static_codes, steps)
         return graph

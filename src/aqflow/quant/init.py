@@ -52,17 +52,28 @@ def cosine_lr(step: int, total_steps: int, lr: float, final_ratio: float = 0.1) 
 def oaem_m_step(
     groups: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor, metrics: torch.Tensor, steps: int, lr: float
 ) -> torch.Tensor:
-    """S Adam steps on the centroids with assignments fixed. -> centroids [K, g]"""
-    centroids = centroids.clone().requires_grad_(True)
+    """S Adam steps on the centroids with assignments fixed. -> centroids [K, g]
+
+    The objective is quadratic in each centroid, so its gradient needs only per-cluster sums:
+        d/dc_k = (2/N) (A_k c_k - b_k),  A_k = sum_{i in k} H_i [K, g, g],  b_k = sum_{i in k} H_i w_i [K, g],
+    gathered once per M-step; each Adam step then costs O(K g²) instead of a pass over all groups.
+    """
+    num_rows, num_groups, group_size = groups.shape
+    num_centroids = centroids.shape[0]
+    column = torch.arange(num_groups, device=codes.device).expand_as(codes)
+    counts = torch.bincount((codes * num_groups + column).flatten(), minlength=num_centroids * num_groups)
+    curvature = torch.einsum("kj,jgh->kgh", counts.view(num_centroids, num_groups).to(groups.dtype), metrics)  # A [K, g, g]
+    weighted = torch.einsum("rjg,jgh->rjh", groups, metrics).reshape(-1, group_size)  # H_i w_i [N, g]
+    pull = torch.zeros_like(centroids).index_add_(0, codes.flatten(), weighted)  # b [K, g]
+    scale = 2.0 / codes.numel()
+    centroids = centroids.clone()
     optimizer = torch.optim.Adam([centroids], lr=lr)
-    with torch.enable_grad():
-        for step in range(steps):
-            for group in optimizer.param_groups:
-                group["lr"] = cosine_lr(step, steps, lr)
-            optimizer.zero_grad(set_to_none=True)
-            oaem_objective(groups, centroids, codes, metrics).backward()
-            optimizer.step()
-    return centroids.detach()
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_lr(step, steps, lr)
+        centroids.grad = scale * (torch.bmm(curvature, centroids[:, :, None])[:, :, 0] - pull)
+        optimizer.step()
+    return centroids
 
 
 def oaem_refine(

@@ -88,10 +88,12 @@ def cluster_means(points: torch.Tensor, codes: torch.Tensor, centroids: torch.Te
 
 
 def fit_kmeans(
-    points: torch.Tensor, num_clusters: int, max_iter: int, generator: torch.Generator
+    points: torch.Tensor, num_clusters: int, max_iter: int, generator: torch.Generator, check_every: int = 10
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lloyd's k-means from K distinct random points, reseeding empty clusters, until assignments settle.
+    """Lloyd's k-means from K distinct random points until assignments settle or max_iter.
 
+    Empty clusters keep their centroid between checks and are reseeded at every check (each
+    `check_every` iterations: checks synchronise with the device, so they are not done every step).
     points [N, g] (N >= K) -> centroids [K, g], codes [N] int64
     """
     if points.shape[0] < num_clusters:
@@ -99,13 +101,14 @@ def fit_kmeans(
     start = torch.randperm(points.shape[0], generator=generator, device="cpu")[:num_clusters]
     centroids = points[start.to(points.device)].clone()
     codes, dist = nearest_euclidean(points, centroids)
-    for _ in range(max_iter):
-        centroids, codes, _ = reseed_empty_clusters(points, centroids, codes, dist)
+    checked = codes
+    for iteration in range(1, max_iter + 1):
         centroids = cluster_means(points, codes, centroids)
-        new_codes, dist = nearest_euclidean(points, centroids)
-        settled = torch.equal(new_codes, codes)
-        codes = new_codes
-        if settled:
-            break
+        codes, dist = nearest_euclidean(points, centroids)
+        if iteration % check_every == 0 or iteration == max_iter:
+            centroids, codes, reseeded = reseed_empty_clusters(points, centroids, codes, dist)
+            if reseeded == 0 and torch.equal(codes, checked):
+                break
+            checked = codes
     centroids, codes, _ = reseed_empty_clusters(points, centroids, codes, dist)
     return centroids, codes

@@ -121,7 +121,7 @@ def quantize_layer(
     report = QuantizationReport(init_relative_mse=rel_mse(codes, codebooks, scales), init_seconds=time.perf_counter() - started)
 
     search = BeamSearcher(h, settings.beam_size, settings.memory_budget_bytes, settings.use_cuda_graphs)
-    adam = CodebookAdam(w, h, codebooks, scales, settings.lr, use_graphs=settings.use_cuda_graphs)
+    adam = CodebookAdam.for_layer(w, h, codebooks, scales, settings.lr, use_graphs=settings.use_cuda_graphs)
     previous = report.init_relative_mse
     bar = tqdm(range(1, settings.max_epochs + 1), desc=f"{name} epochs", disable=not progress, leave=False)
     report.stopped_because = "max_epochs"
