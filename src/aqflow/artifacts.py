@@ -25,6 +25,9 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp = Path(tmp_name)
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o666 & ~umask)  # mkstemp makes files private; artifacts are shared like any other output
     try:
         yield tmp
         with open(tmp, "rb+") as handle:

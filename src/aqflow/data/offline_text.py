@@ -18,6 +18,7 @@ both in the Parquet file and in a JSON next to it.
 from __future__ import annotations
 
 import bz2
+import hashlib
 import io
 import json
 import os
@@ -31,12 +32,17 @@ import numpy as np
 import pandas as pd
 
 from ..artifacts import write_json, write_parquet
-from ..fetching import npm_pack_tarball, pip_download_wheel, read_wheel_member
+from ..fetching import npm_pack_tarball, pip_download_wheel, read_wheel_member, sha256_file
 from .wiki_markup import strip_wiki_markup
 
 GENSIM_REQUIREMENT = "gensim==4.4.0"
+# gensim ships binary wheels only; the test data is the same in all of them, so one fixed wheel is
+# fetched on every machine (pip downloads, never installs, it).
+GENSIM_PLATFORM, GENSIM_PYTHON = "manylinux_2_28_x86_64", "3.11"
 ENWIKI_MEMBER = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+ENWIKI_SHA256 = "a53f4648dec40467ebdcbc7a1307eddb51fe6e28e9309f6ebde81ba0d04bea2d"  # of the .bz2 member
 NLP_CORPUS_SPEC = "nlp-corpus@4.4.0"
+NLP_CORPUS_SHA256 = "099df43749ba6bb26953f98863a5d38ff764648ce21872ceb1515a3eacb5682a"  # of the npm tarball
 NLP_CORPUS_MEMBER_RE = re.compile(r"package/builds/doc-(\d+)\.json")
 
 CALIBRATION = "calibration"
@@ -49,12 +55,16 @@ COLUMNS = ("doc_id", "text", "source")
 
 def fetch_gensim_wheel(cache_dir: str | os.PathLike) -> Path:
     """Download the gensim 4.4.0 wheel (not installed, no dependencies) into `cache_dir/gensim`."""
-    return pip_download_wheel(GENSIM_REQUIREMENT, Path(cache_dir) / "gensim")
+    return pip_download_wheel(GENSIM_REQUIREMENT, Path(cache_dir) / "gensim", GENSIM_PLATFORM, GENSIM_PYTHON)
 
 
 def fetch_nlp_corpus_tarball(cache_dir: str | os.PathLike) -> Path:
     """Download the npm tarball of nlp-corpus 4.4.0 into `cache_dir/nlp-corpus`."""
-    return npm_pack_tarball(NLP_CORPUS_SPEC, Path(cache_dir) / "nlp-corpus")
+    tarball = npm_pack_tarball(NLP_CORPUS_SPEC, Path(cache_dir) / "nlp-corpus")
+    digest = sha256_file(tarball)
+    if digest != NLP_CORPUS_SHA256:
+        raise ValueError(f"{tarball} has sha256 {digest}, expected {NLP_CORPUS_SHA256}; delete it to fetch it again")
+    return tarball
 
 
 # --- parsing -----------------------------------------------------------------------------------
@@ -96,7 +106,11 @@ def read_wikipedia_standin(gensim_wheel: str | os.PathLike) -> pd.DataFrame:
 
     doc_id is "enwiki/{page_id}/{title}" so that recorded splits are readable.
     """
-    xml_bytes = bz2.decompress(read_wheel_member(gensim_wheel, ENWIKI_MEMBER))
+    compressed = read_wheel_member(gensim_wheel, ENWIKI_MEMBER)
+    digest = hashlib.sha256(compressed).hexdigest()
+    if digest != ENWIKI_SHA256:
+        raise ValueError(f"{ENWIKI_MEMBER} in {gensim_wheel} has sha256 {digest}, expected {ENWIKI_SHA256}")
+    xml_bytes = bz2.decompress(compressed)
     articles = parse_mediawiki_articles(xml_bytes)
     if not articles:
         raise ValueError(f"no articles found in {ENWIKI_MEMBER} of {gensim_wheel}")

@@ -27,8 +27,9 @@ _BR_RE = re.compile(r"<br\s*/?>", re.IGNORECASE)
 _ANY_TAG_RE = re.compile(r"</?[A-Za-z][A-Za-z0-9]*\b[^<>]*?/?>")
 _TEMPLATE_TOKEN_RE = re.compile(r"\{\{|\}\}")
 _TABLE_TOKEN_RE = re.compile(r"^[ \t]*(\{\||\|\})", re.MULTILINE)
-# Innermost link: no "[[" or "]]" inside, single brackets allowed ("Bicyclo[1.1.0]butane" in captions).
-_INNERMOST_LINK_RE = re.compile(r"\[\[((?:[^\[\]]|\[(?!\[)|\](?!\]))*)\]\]")
+# Innermost link: no link inside, but balanced single brackets are allowed, as in captions like
+# "Bicyclo[1.1.0]butane" or "Portrait [c. 1840]]]" (the last "]]" closes the link).
+_INNERMOST_LINK_RE = re.compile(r"\[\[((?:[^\[\]]|\[[^\[\]]*\])*)\]\]")
 _EXTERNAL_LINK_RE = re.compile(r"\[(?:https?:|ftp:)?//[^\s\]]+[ \t]*([^\]]*)\]")
 _BOLD_ITALIC_RE = re.compile(r"'{2,5}")
 _HEADING_RE = re.compile(r"^[ \t]*(=+)[ \t]*(.*?)[ \t]*\1[ \t]*$", re.MULTILINE)

@@ -98,9 +98,11 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
     state = source.state_dict()
     if torch_dtype == torch.float16:
-        too_large = {k: float(v.abs().max()) for k, v in state.items() if v.is_floating_point() and v.abs().max() > FP16_MAX}
+        peaks = {k: float(v.abs().max()) for k, v in state.items() if v.is_floating_point()}
+        too_large = {k: peak for k, peak in peaks.items() if peak > FP16_MAX}
         if too_large:
-            raise ValueError(f"weights exceed the float16 range in {gguf_path}: {too_large}; convert with dtype='bfloat16'")
+            raise ValueError(f"weights exceed the float16 range in {gguf_path}: {too_large}; "
+                             "convert with dtype='bfloat16'")
     config_dict = source.config.to_dict()
     config_dict.pop("quantization_config", None)
     config = type(source.config).from_dict(config_dict)
