@@ -141,6 +141,30 @@ def compare_with_reference(layer, settings, reference_search) -> dict:
     }
 
 
+def run_reference_layer(layer, settings, engine_class) -> dict:
+    """AQLM's public per-layer loop (AQEngine.quantize) with the same settings; greedy init only."""
+    from argparse import Namespace
+
+    weight, xtx = layer["weight"].to(DEVICE), layer["xtx"].to(DEVICE)
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=DEVICE)
+    linear.weight.data.copy_(weight)
+    engine = engine_class(linear)
+    engine.XTX.copy_(xtx.double())  # its default float64 accumulator
+    args = Namespace(
+        devices=[torch.device(DEVICE)], out_group_size=1, in_group_size=settings.group_size,
+        num_codebooks=settings.num_codebooks, nbits_per_codebook=settings.nbits, codebook_value_nbits=16,
+        codebook_value_num_groups=1, scale_nbits=0, init_max_iter=settings.kmeans_max_iter,
+        init_max_points_per_centroid=None, lr=settings.lr, max_epochs=settings.max_epochs,
+        steps_per_epoch=settings.steps_per_epoch, relative_mse_tolerance=settings.relative_tolerance,
+        print_frequency=10**9, beam_size=settings.beam_size,
+    )
+    torch.manual_seed(settings.seed)
+    quantized, seconds = cuda_time(lambda: engine.quantize(args=args, verbose=False))
+    with torch.no_grad():
+        rel = float(relative_output_mse(weight, quantized().float(), xtx))
+    return {"layer": layer["name"], "bpp": settings.num_codebooks, "reference_seconds": seconds, "reference_final_relative_mse": rel}
+
+
 def run_layer(layer, settings) -> dict:
     weight, xtx = layer["weight"], layer["xtx"]
     out_features, in_features = weight.shape
@@ -181,7 +205,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tolerance", type=float, default=0.01)
     parser.add_argument("--layers", nargs="*", default=None, help="substrings selecting layers (default: all)")
     parser.add_argument("--reference-src", type=Path, default=None)
-    parser.add_argument("--reference-layers", type=int, default=7, help="how many layers to compare with the reference")
+    parser.add_argument("--reference-layers", type=int, default=7, help="how many layers to compare pass by pass")
+    parser.add_argument("--reference-full", action="store_true", help="also run the reference's whole per-layer loop on every layer")
     parser.add_argument("--budget-seconds", type=float, default=520, help="stop starting new runs after this long")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "quantizer_gpu.json")
     args = parser.parse_args(argv)
@@ -197,6 +222,7 @@ def main(argv=None) -> int:
         "settings": {"beam_size": args.beam_size, "max_epochs": args.max_epochs, "relative_tolerance": args.tolerance},
         "runs": [],
         "reference_comparison": [],
+        "reference_full": [],
     }
 
     def save():
@@ -210,27 +236,44 @@ def main(argv=None) -> int:
         print("CUDA-graph replay differs from eager: timing the eager pass instead", flush=True)
         base = dataclasses.replace(base, use_cuda_graphs=False)
 
+    reference_search = engine_class = None
     if args.reference_src is not None:
         sys.path.insert(0, str(args.reference_src))
-        from src.beam_search_xtx import beam_search_optimal_codes  # noqa: E402  (AQLM's public code, not ours)
+        from src.beam_search_xtx import beam_search_optimal_codes as reference_search  # noqa: E402  (AQLM's public code)
 
-        for bpp in args.bpp:
+        if args.reference_full:
+            from aq_engine import AQEngine as engine_class  # noqa: E402  (AQLM's public code)
+
+    def out_of_time() -> bool:
+        if time.perf_counter() - started > args.budget_seconds:
+            results["stopped_early"] = "budget"
+            return True
+        return False
+
+    for bpp in args.bpp:  # everything for one bit rate before the next, so a cut budget loses whole rates
+        greedy = dataclasses.replace(base, num_codebooks=bpp, init="greedy")
+        if reference_search is not None:
             for layer in layers[: args.reference_layers]:
-                row = compare_with_reference(layer, dataclasses.replace(base, num_codebooks=bpp, init="greedy"), beam_search_optimal_codes)
+                row = compare_with_reference(layer, greedy, reference_search)
                 row["bpp"] = bpp
                 results["reference_comparison"].append(row)
                 print(json.dumps(row), flush=True)
                 save()
-
-    for bpp in args.bpp:
         for init in args.inits:
             for layer in layers:
-                if time.perf_counter() - started > args.budget_seconds:
-                    results["stopped_early"] = "budget"
+                if out_of_time():
                     break
                 row = run_layer(layer, dataclasses.replace(base, num_codebooks=bpp, init=init))
                 results["runs"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "history"}), flush=True)
+                save()
+        if engine_class is not None:
+            for layer in layers:
+                if out_of_time():
+                    break
+                row = run_reference_layer(layer, greedy, engine_class)
+                results["reference_full"].append(row)
+                print(json.dumps(row), flush=True)
                 save()
     save()
     print_tables(results)
@@ -251,6 +294,22 @@ def print_tables(results) -> None:
         print(f"{r['layer']:34s} {r['bpp']:3d} {r['init']:>6s} {r['rho']:6.2f} {r['init_seconds']:7.2f} {r['epochs']:3d} "
               f"{(r['beam_pass_seconds_median'] or 0):7.4f} {r['beam_pass_flop_floor'] / 1e9:8.1f} {(r['adam_phase_seconds_median'] or 0):10.4f} "
               f"{r['init_relative_mse']:11.5f} {r['final_relative_mse']:8.5f} {r['total_seconds']:7.1f}")
+    reference = {(r["bpp"], r["layer"]): r for r in results["reference_full"]}
+    if reference:
+        print(f"\nwhole per-layer loop, same settings: ours vs AQLM reference (greedy init both; oaem ours)")
+        print(f"{'layer':34s} {'bpp':>3s} {'ref s':>7s} {'greedy s':>8s} {'oaem s':>7s} {'x greedy':>8s} {'x oaem':>7s} {'ref relMSE':>10s} {'greedy':>8s} {'oaem':>8s}")
+        ours = {(r["bpp"], r["init"], r["layer"]): r for r in results["runs"]}
+        for (bpp, name), ref in reference.items():
+            g, o = ours.get((bpp, "greedy", name)), ours.get((bpp, "oaem", name))
+            if g is None or o is None:
+                continue
+            print(f"{name:34s} {bpp:3d} {ref['reference_seconds']:7.2f} {g['total_seconds']:8.2f} {o['total_seconds']:7.2f} "
+                  f"{ref['reference_seconds'] / g['total_seconds']:8.1f} {ref['reference_seconds'] / o['total_seconds']:7.1f} "
+                  f"{ref['reference_final_relative_mse']:10.5f} {g['final_relative_mse']:8.5f} {o['final_relative_mse']:8.5f}")
+        for bpp in sorted({b for b, _ in reference}):
+            rows = [r for (b, _), r in reference.items() if b == bpp]
+            print(f"reference {bpp} bpp: {len(rows)} layers, {sum(r['reference_seconds'] for r in rows):.1f} s, "
+                  f"mean final relMSE {sum(r['reference_final_relative_mse'] for r in rows) / len(rows):.5f}")
     print(f"\n{'bpp':>3s} {'init':>6s} {'layers':>6s} {'total s':>8s} {'mean relMSE init':>16s} {'mean relMSE final':>17s}")
     keys = sorted({(r["bpp"], r["init"]) for r in results["runs"]})
     for bpp, init in keys:
