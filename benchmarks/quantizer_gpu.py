@@ -151,7 +151,7 @@ def run_reference_layer(layer, settings, engine_class) -> dict:
     engine = engine_class(linear)
     engine.XTX.copy_(xtx.double())  # its default float64 accumulator
     args = Namespace(
-        devices=[torch.device(DEVICE)], out_group_size=1, in_group_size=settings.group_size,
+        devices=[weight.device], out_group_size=1, in_group_size=settings.group_size,
         num_codebooks=settings.num_codebooks, nbits_per_codebook=settings.nbits, codebook_value_nbits=16,
         codebook_value_num_groups=1, scale_nbits=0, init_max_iter=settings.kmeans_max_iter,
         init_max_points_per_centroid=None, lr=settings.lr, max_epochs=settings.max_epochs,
