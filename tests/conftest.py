@@ -2,6 +2,8 @@ import os
 
 # aqlm's numba CPU kernel for 8-bit codebooks races with more than one thread (wrong outputs).
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+# Triton kernels run on the CPU through Triton's interpreter (only where a test asks for them).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

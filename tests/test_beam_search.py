@@ -57,14 +57,16 @@ def test_single_group_reaches_exhaustive_optimum(num_codebooks, nbits, rng):
     torch.testing.assert_close(row_errors(weight, xtx, codebooks, scales, found), optimum, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("num_groups,num_codebooks,nbits", [(2, 2, 1), (3, 2, 1), (2, 2, 2), (2, 3, 1)])
-def test_full_beam_over_coupled_groups_reaches_exhaustive_optimum(num_groups, num_codebooks, nbits, rng):
+def test_full_beam_over_coupled_groups_reaches_exhaustive_optimum(num_groups, num_codebooks, nbits, use_triton, rng):
     """Full XᵀX couples the groups of a row. A beam of K^(M·G-1) holds every partial assignment, so
     one pass must find the exhaustive optimum over all (K^M)^G assignments of each row."""
     k = 1 << nbits
     weight, xtx, codebooks, scales, codes = problem(8, num_groups, num_codebooks, nbits, rng)
     assert xtx[:G, G:].abs().sum() > 0  # really coupled
-    found = beam_search_rows(weight, xtx, codebooks, scales, codes, beam_size=k ** (num_codebooks * num_groups - 1))
+    beam = k ** (num_codebooks * num_groups - 1)
+    found = beam_search_rows(weight, xtx, codebooks, scales, codes, beam_size=beam, use_triton=use_triton)
     optimum = exhaustive_row_optimum(weight, xtx, codebooks, scales, num_groups, k)
     torch.testing.assert_close(row_errors(weight, xtx, codebooks, scales, found), optimum, rtol=1e-10, atol=1e-10)
 
@@ -103,3 +105,13 @@ def test_chunked_rows_give_the_same_codes(rng):
     whole = BeamSearcher(xtx, 4, memory_budget_bytes=1 << 30)(weight, codebooks, scales, codes)
     tiny_budget = BeamSearcher(xtx, 4, memory_budget_bytes=1)  # one row per chunk
     assert torch.equal(tiny_budget(weight, codebooks, scales, codes), whole)
+
+
+@pytest.mark.parametrize("num_codebooks,nbits,beam", [(2, 4, 1), (2, 4, 3), (3, 3, 8), (1, 5, 2), (2, 8, 8)])
+def test_triton_stage_searches_exactly_like_the_torch_stage(num_codebooks, nbits, beam, rng):
+    """The one-kernel stage (Triton, interpreted on the CPU here) must pick the same codes."""
+    for dtype in (torch.float64, torch.float32):
+        weight, xtx, codebooks, scales, codes = (t.to(dtype) if t.is_floating_point() else t for t in problem(6, 3, num_codebooks, nbits, rng))
+        torch_codes = beam_search_rows(weight, xtx, codebooks, scales, codes, beam, use_triton=False)
+        triton_codes = beam_search_rows(weight, xtx, codebooks, scales, codes, beam, use_triton=True)
+        assert torch.equal(torch_codes, triton_codes)

@@ -3,7 +3,7 @@
 import torch
 
 from aqflow.quant.init import INITIALISERS, InitSettings, oaem_m_step, oaem_objective, oaem_refine
-from aqflow.quant.kmeans import fit_kmeans, nearest_mahalanobis
+from aqflow.quant.kmeans import fit_kmeans, nearest_euclidean, nearest_mahalanobis
 from aqflow.quant.objective import damped_diagonal_blocks, relative_output_mse
 from aqflow.quant.representation import dequantize_weight
 from tests.conftest import anisotropic_xtx
@@ -100,3 +100,20 @@ def test_m_step_gradient_is_the_objective_gradient(rng):
     reference.step()
     ours = oaem_m_step(groups, centroids, codes, metrics, steps=1, lr=1e-3)
     torch.testing.assert_close(ours, c.detach())
+
+
+def test_fused_nearest_kernel_matches_torch(rng):
+    """The Triton assignment kernel (interpreted on the CPU here) gives the torch argmin."""
+    points = torch.randn(300, 8, generator=rng)
+    centroids = torch.randn(64, 8, generator=rng)
+    codes, dist = nearest_euclidean(points, centroids, fused=False)
+    fused_codes, fused_dist = nearest_euclidean(points, centroids, fused=True)
+    assert torch.equal(codes, fused_codes)
+    torch.testing.assert_close(dist, fused_dist, rtol=1e-4, atol=1e-4)
+    groups = torch.randn(10, 4, 8, generator=rng)
+    a = torch.randn(4, 8, 8, generator=rng)
+    metrics = a @ a.transpose(1, 2) + torch.eye(8)
+    codes, dist = nearest_mahalanobis(groups, centroids, metrics, fused=False)
+    fused_codes, fused_dist = nearest_mahalanobis(groups, centroids, metrics, fused=True)
+    assert torch.equal(codes, fused_codes)
+    torch.testing.assert_close(dist, fused_dist, rtol=1e-4, atol=1e-3)

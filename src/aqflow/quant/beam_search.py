@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from aqflow.quant.beam_kernels import beam_stage, triton_stage_supported
 from aqflow.quant.objective import diagonal_blocks
 from aqflow.quant.representation import group_reconstruction
 
@@ -65,9 +66,11 @@ def beam_search_rows(
     scales: torch.Tensor,
     codes: torch.Tensor,
     beam_size: int,
+    use_triton: bool | None = None,
 ) -> torch.Tensor:
     """One beam-search pass over all groups of a chunk of rows. Free of host synchronisation, so it
-    can be captured as a CUDA graph.
+    can be captured as a CUDA graph. use_triton: run each stage as one Triton kernel (default: on
+    CUDA where `triton_stage_supported`), else as torch operations; both search the same way.
 
     weight [R, in], xtx [in, in], codebooks [M, K, g], scales [R], codes [R, G, M] int64
     -> new codes [R, G, M] int64 with objective <= that of `codes`
@@ -78,12 +81,17 @@ def beam_search_rows(
     beam = beam_size
     device, dtype = weight.device, weight.dtype
     rows = torch.arange(num_rows, device=device)
+    if use_triton is None:
+        use_triton = device.type == "cuda" and triton_stage_supported(beam, num_codewords, group_size, device)
+    elif use_triton and not triton_stage_supported(beam, num_codewords, group_size, device):
+        raise ValueError(f"the Triton stage cannot run on {device} for beam {beam}, K={num_codewords}, g={group_size}")
 
     sums = group_reconstruction(codes, codebooks)  # [R, G, g] unscaled; unchanged until a group is reached
     reconstruction = sums * scales[:, None, None]  # [R, G, g]
     residual_xtx = ((weight - reconstruction.reshape(num_rows, in_features)) @ xtx)[:, None, :]  # [R, 1, in]
     residual_xtx = residual_xtx.expand(num_rows, beam, in_features)  # [R, b, in], one per hypothesis
-    table = candidate_table(codebooks, diagonal_blocks(xtx, group_size))  # [M, G, g+2, K]
+    blocks = diagonal_blocks(xtx, group_size)  # [G, g, g]
+    table = candidate_table(codebooks, blocks)  # [M, G, g+2, K]
     scale_col = scales[:, None, None]  # [R, 1, 1]
     scale_sq = (scales * scales)[:, None, None].expand(num_rows, beam, 1)  # [R, b, 1]
     loss = torch.full((num_rows, beam), float("inf"), dtype=dtype, device=device)  # relative to the start
@@ -94,7 +102,7 @@ def beam_search_rows(
 
     for j in range(num_groups):
         cols = slice(j * group_size, (j + 1) * group_size)
-        block = xtx[cols, cols]  # [g, g]
+        block = blocks[j]  # [g, g]
         current = reconstruction[:, j, None, :]  # [R, 1, g]
         p_start = residual_xtx[:, :, cols]  # [R, b, g] per group-start hypothesis
         origin = slots
@@ -103,6 +111,12 @@ def beam_search_rows(
         scores = loss
         for m in range(num_codebooks):
             codebook = codebooks[m]  # [K, g]
+            if use_triton:
+                hypotheses, origin, hyp_sums, scores = beam_stage(
+                    hyp_sums, hypotheses, origin, scores, p_start, loss, reconstruction[:, j], scales, block,
+                    codebook, table[m, j, group_size + 1], m,
+                )
+                continue
             p = p_start.gather(1, origin[..., None].expand(num_rows, beam, group_size))  # [R, b, g]
             rest = hyp_sums - codebook[hypotheses[..., m]]  # [R, b, g]: the sum without codebook m
             f = scale_col * rest - current

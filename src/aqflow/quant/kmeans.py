@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from aqflow.quant.nearest_kernels import nearest_fused, nearest_fused_supported
+
 # Rows of the [rows, G, K] distance tensor processed at once; bounds memory at large K.
 _DISTANCE_BUDGET_ELEMENTS = 1 << 26
 
@@ -19,11 +21,14 @@ def _row_chunks(num_rows: int, elements_per_row: int):
         yield slice(start, min(num_rows, start + step))
 
 
-def nearest_euclidean(points: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Nearest centroid by squared Euclidean distance.
+def nearest_euclidean(points: torch.Tensor, centroids: torch.Tensor, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest centroid by squared Euclidean distance. fused: the Triton kernel (default on CUDA).
 
     points [N, g], centroids [K, g] -> codes [N] int64, squared distance [N]
     """
+    if fused if fused is not None else nearest_fused_supported(centroids.shape[0], centroids.shape[1], points.device):
+        codes, best = nearest_fused(points, (centroids * centroids).sum(-1)[None], centroids)
+        return codes, (best.to(points.dtype) + (points * points).sum(-1)).clamp_min(0)
     codes = torch.empty(points.shape[0], dtype=torch.int64, device=points.device)
     dist = torch.empty(points.shape[0], dtype=points.dtype, device=points.device)
     centroid_sq = (centroids * centroids).sum(-1)  # [K]
@@ -36,7 +41,7 @@ def nearest_euclidean(points: torch.Tensor, centroids: torch.Tensor) -> tuple[to
 
 
 def nearest_mahalanobis(
-    groups: torch.Tensor, centroids: torch.Tensor, metrics: torch.Tensor
+    groups: torch.Tensor, centroids: torch.Tensor, metrics: torch.Tensor, fused: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Nearest centroid under the metric of each column group (paper, eq. 4).
 
@@ -46,6 +51,11 @@ def nearest_mahalanobis(
     num_rows, num_groups, _ = groups.shape
     num_centroids = centroids.shape[0]
     centroid_energy = torch.einsum("kg,jgh,kh->jk", centroids, metrics, centroids)  # [G, K]
+    if fused if fused is not None else nearest_fused_supported(num_centroids, groups.shape[-1], groups.device):
+        weighted = torch.einsum("rjg,jgh->rjh", groups, metrics)  # [rows, G, g]
+        codes, best = nearest_fused(weighted.reshape(-1, groups.shape[-1]), centroid_energy, centroids)
+        dist = best.to(groups.dtype).view(num_rows, num_groups) + (weighted * groups).sum(-1)
+        return codes.view(num_rows, num_groups), dist.clamp_min(0)
     codes = torch.empty(num_rows, num_groups, dtype=torch.int64, device=groups.device)
     dist = torch.empty(num_rows, num_groups, dtype=groups.dtype, device=groups.device)
     for rows in _row_chunks(num_rows, num_groups * num_centroids):
