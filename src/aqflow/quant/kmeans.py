@@ -21,13 +21,17 @@ def _row_chunks(num_rows: int, elements_per_row: int):
         yield slice(start, min(num_rows, start + step))
 
 
-def nearest_euclidean(points: torch.Tensor, centroids: torch.Tensor, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def nearest_euclidean(
+    points: torch.Tensor, centroids: torch.Tensor, fused: bool | None = None, with_distance: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Nearest centroid by squared Euclidean distance. fused: the Triton kernel (default on CUDA).
 
-    points [N, g], centroids [K, g] -> codes [N] int64, squared distance [N]
+    points [N, g], centroids [K, g] -> codes [N] int64, squared distance [N] (None without with_distance)
     """
     if fused if fused is not None else nearest_fused_supported(centroids.shape[0], centroids.shape[1], points.device):
         codes, best = nearest_fused(points, (centroids * centroids).sum(-1)[None], centroids)
+        if not with_distance:
+            return codes, None
         return codes, (best.to(points.dtype) + (points * points).sum(-1)).clamp_min(0)
     codes = torch.empty(points.shape[0], dtype=torch.int64, device=points.device)
     dist = torch.empty(points.shape[0], dtype=points.dtype, device=points.device)
@@ -89,12 +93,55 @@ def reseed_empty_clusters(
 
 def cluster_means(points: torch.Tensor, codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """Mean of the points of each cluster; a cluster with no points keeps its centroid.
+    (Counts by index_add, not bincount: bincount synchronises, which a captured graph forbids.)
 
     points [N, g], codes [N], centroids [K, g] -> [K, g]
     """
     sums = torch.zeros_like(centroids).index_add_(0, codes, points)
-    counts = torch.bincount(codes, minlength=centroids.shape[0]).to(points.dtype)[:, None]
+    counts = torch.zeros(centroids.shape[0], 1, dtype=points.dtype, device=points.device)
+    counts.index_add_(0, codes, torch.ones_like(points[:, :1]))
     return torch.where(counts > 0, sums / counts.clamp_min(1), centroids)
+
+
+def lloyd_steps(points: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`steps` Lloyd iterations (means, then nearest), free of host synchronisation.
+
+    points [N, g], centroids [K, g], codes [N] -> centroids [K, g], codes [N]
+    """
+    for _ in range(steps):
+        centroids = cluster_means(points, codes, centroids)
+        codes, _ = nearest_euclidean(points, centroids, with_distance=False)
+    return centroids, codes
+
+
+# Captured blocks of Lloyd iterations, by (N, K, g, steps, dtype, device): a k-means run is up to
+# a thousand small iterations whose launch overhead would otherwise exceed their work.
+_LLOYD_GRAPHS: dict[tuple, tuple] = {}
+
+
+def _run_lloyd(points, centroids, codes, steps):
+    if not points.is_cuda:
+        return lloyd_steps(points, centroids, codes, steps)
+    key = (tuple(points.shape), centroids.shape[0], steps, points.dtype, points.device)
+    if key not in _LLOYD_GRAPHS:
+        static = (points.clone(), centroids.clone(), codes.clone())
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: kernels compiled, allocator pools made
+            lloyd_steps(*(t.clone() for t in static), steps)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            new_centroids, new_codes = lloyd_steps(*static, steps)
+            static[1].copy_(new_centroids)
+            static[2].copy_(new_codes)
+        _LLOYD_GRAPHS[key] = (graph, static)
+    graph, (static_points, static_centroids, static_codes) = _LLOYD_GRAPHS[key]
+    static_points.copy_(points)
+    static_centroids.copy_(centroids)
+    static_codes.copy_(codes)
+    graph.replay()
+    return static_centroids.clone(), static_codes.clone()
 
 
 def fit_kmeans(
@@ -102,8 +149,9 @@ def fit_kmeans(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lloyd's k-means from K distinct random points until assignments settle or max_iter.
 
-    Empty clusters keep their centroid between checks and are reseeded at every check (each
-    `check_every` iterations: checks synchronise with the device, so they are not done every step).
+    Every `check_every` iterations (checks synchronise with the device, so they are not done every
+    step; on CUDA the iterations between checks replay as one graph) empty clusters are reseeded
+    and convergence is tested.
     points [N, g] (N >= K) -> centroids [K, g], codes [N] int64
     """
     if points.shape[0] < num_clusters:
@@ -112,13 +160,14 @@ def fit_kmeans(
     centroids = points[start.to(points.device)].clone()
     codes, dist = nearest_euclidean(points, centroids)
     checked = codes
-    for iteration in range(1, max_iter + 1):
-        centroids = cluster_means(points, codes, centroids)
-        codes, dist = nearest_euclidean(points, centroids)
-        if iteration % check_every == 0 or iteration == max_iter:
-            centroids, codes, reseeded = reseed_empty_clusters(points, centroids, codes, dist)
-            if reseeded == 0 and torch.equal(codes, checked):
-                break
-            checked = codes
-    centroids, codes, _ = reseed_empty_clusters(points, centroids, codes, dist)
+    done = 0
+    while done < max_iter:
+        steps = min(check_every, max_iter - done)
+        centroids, codes = _run_lloyd(points, centroids, codes, steps)
+        done += steps
+        dist = ((points - centroids[codes]) ** 2).sum(-1)
+        centroids, codes, reseeded = reseed_empty_clusters(points, centroids, codes, dist)
+        if reseeded == 0 and torch.equal(codes, checked):
+            break
+        checked = codes
     return centroids, codes

@@ -175,3 +175,11 @@ def layer_summary(out_features: int, in_features: int, settings: QuantizerSettin
             out_features, in_features, settings.num_codebooks, settings.nbits, settings.group_size
         ),
     }
+
+
+def release_cuda_graphs() -> None:
+    """Drop every captured CUDA graph (beam search, Adam phase, k-means) and its memory pool."""
+    from aqflow.quant import beam_search, codebook_update, kmeans
+
+    for cache in (beam_search._GRAPH_CACHE, codebook_update._GRAPH_CACHE, kmeans._LLOYD_GRAPHS):
+        cache.clear()
