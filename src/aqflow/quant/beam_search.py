@@ -177,8 +177,18 @@ class BeamSearcher:
         self.memory_budget_bytes = memory_budget_bytes
         self.use_graphs = use_graphs and xtx.is_cuda
 
-    def __call__(self, weight: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        """weight [out, in], codebooks [M, K, g], scales [out], codes [out, G, M] -> new codes [out, G, M]"""
+    def __call__(
+        self, weight: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor, order_seed: int | None = None
+    ) -> torch.Tensor:
+        """weight [out, in], codebooks [M, K, g], scales [out], codes [out, G, M] -> new codes [out, G, M]
+
+        order_seed: visit the groups and codebooks in a random order drawn from this seed (as AQLM
+        does each epoch) instead of 0..G-1, 0..M-1. The objective is invariant under a consistent
+        permutation of groups (columns of W, rows and columns of XᵀX, codes) and of codebooks, so
+        the pass runs unchanged on permuted inputs and its codes are permuted back.
+        """
+        if order_seed is not None:
+            return self._shuffled(weight, codebooks, scales, codes, order_seed)
         chunk = rows_per_chunk(
             weight.shape[0], weight.shape[1], self.beam_size, codebooks.shape[1], self.memory_budget_bytes, weight.element_size()
         )
@@ -188,6 +198,20 @@ class BeamSearcher:
             run = self._replay if self.use_graphs else self._eager
             out[rows] = run(weight[rows], self.xtx, codebooks, scales[rows], codes[rows])
         return out
+
+    def _shuffled(self, weight, codebooks, scales, codes, order_seed):
+        num_rows, num_groups, num_codebooks = codes.shape
+        group_size = codebooks.shape[-1]
+        generator = torch.Generator().manual_seed(order_seed)
+        groups = torch.randperm(num_groups, generator=generator).to(weight.device)
+        books = torch.randperm(num_codebooks, generator=generator).to(weight.device)
+        permuted_weight = weight.view(num_rows, num_groups, group_size)[:, groups].reshape_as(weight)
+        xtx = self.xtx.view(num_groups, group_size, num_groups, group_size)[groups][:, :, groups].reshape_as(self.xtx)
+        searcher = BeamSearcher(xtx, self.beam_size, self.memory_budget_bytes, self.use_graphs)
+        found = searcher(permuted_weight, codebooks[books], scales, codes[:, groups][:, :, books])
+        restored = torch.empty_like(codes)
+        restored[:, groups[:, None], books[None, :]] = found
+        return restored
 
     def _eager(self, weight, xtx, codebooks, scales, codes):
         return beam_search_rows(weight, xtx, codebooks, scales, codes, self.beam_size)

@@ -49,6 +49,57 @@ def cosine_lr(step: int, total_steps: int, lr: float, final_ratio: float = 0.1) 
     return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * step / max(1, total_steps)))
 
 
+def quadratic_adam_steps(
+    centroids: torch.Tensor, curvature: torch.Tensor, pull: torch.Tensor, scale: float, steps: int, lr: float,
+    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+) -> torch.Tensor:
+    """Adam (torch's defaults) with the cosine schedule on  scale/2 · Σ_k c_kᵀA_k c_k - 2 c_kᵀb_k,
+    whose gradient is scale·(A_k c_k - b_k). Every constant is a Python float known in advance,
+    so the loop can be captured as a CUDA graph.
+
+    centroids [K, g], curvature A [K, g, g], pull b [K, g] -> centroids [K, g]
+    """
+    beta1, beta2 = betas
+    centroids = centroids.clone()
+    exp_avg = torch.zeros_like(centroids)
+    exp_avg_sq = torch.zeros_like(centroids)
+    for step in range(steps):
+        grad = scale * (torch.bmm(curvature, centroids[:, :, None])[:, :, 0] - pull)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** (step + 1))).add_(eps)
+        centroids.addcdiv_(exp_avg, denom, value=-cosine_lr(step, steps, lr) / (1 - beta1 ** (step + 1)))
+    return centroids
+
+
+# Captured M-step loops by (K, g, steps, lr, dtype, device); see beam_search._GRAPH_CACHE.
+_M_STEP_GRAPHS: dict[tuple, tuple] = {}
+
+
+def _run_quadratic_adam(centroids, curvature, pull, scale, steps, lr):
+    if not centroids.is_cuda:
+        return quadratic_adam_steps(centroids, curvature, pull, scale, steps, lr)
+    key = (tuple(centroids.shape), steps, lr, centroids.dtype, centroids.device)
+    if key not in _M_STEP_GRAPHS:
+        static = [centroids.clone(), curvature.clone(), pull.clone()]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            quadratic_adam_steps(static[0], static[1], static[2], 1.0, 1, lr)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            # the scale enters through the pull and curvature buffers (scaled before the copy in)
+            out = quadratic_adam_steps(static[0], static[1], static[2], 1.0, steps, lr)
+        _M_STEP_GRAPHS[key] = (graph, static, out)
+    graph, static, out = _M_STEP_GRAPHS[key]
+    static[0].copy_(centroids)
+    static[1].copy_(curvature * scale)
+    static[2].copy_(pull * scale)
+    graph.replay()
+    return out.clone()
+
+
 def oaem_m_step(
     groups: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor, metrics: torch.Tensor, steps: int, lr: float
 ) -> torch.Tensor:
@@ -65,15 +116,7 @@ def oaem_m_step(
     curvature = torch.einsum("kj,jgh->kgh", counts.view(num_centroids, num_groups).to(groups.dtype), metrics)  # A [K, g, g]
     weighted = torch.einsum("rjg,jgh->rjh", groups, metrics).reshape(-1, group_size)  # H_i w_i [N, g]
     pull = torch.zeros_like(centroids).index_add_(0, codes.flatten(), weighted)  # b [K, g]
-    scale = 2.0 / codes.numel()
-    centroids = centroids.clone()
-    optimizer = torch.optim.Adam([centroids], lr=lr)
-    for step in range(steps):
-        for group in optimizer.param_groups:
-            group["lr"] = cosine_lr(step, steps, lr)
-        centroids.grad = scale * (torch.bmm(curvature, centroids[:, :, None])[:, :, 0] - pull)
-        optimizer.step()
-    return centroids
+    return _run_quadratic_adam(centroids, curvature, pull, 2.0 / codes.numel(), steps, lr)
 
 
 def oaem_refine(

@@ -43,6 +43,7 @@ class QuantizerSettings:
     oaem_lr: float = 1e-4
     oaem_damping: float = 0.01
     seed: int = 42
+    shuffle_order: bool = True
     memory_budget_bytes: int = 2 << 30
     use_cuda_graphs: bool = True
 
@@ -137,7 +138,8 @@ def quantize_layer(
         codebooks, scales = adam.codebooks, adam.scales
         _synchronize(device)
         t1 = time.perf_counter()
-        codes = search(w, codebooks, scales, codes)
+        order_seed = settings.seed * 100_003 + epoch if settings.shuffle_order else None
+        codes = search(w, codebooks, scales, codes, order_seed=order_seed)
         current = rel_mse(codes, codebooks, scales)
         t2 = time.perf_counter()
         report.epochs.append(
@@ -179,7 +181,7 @@ def layer_summary(out_features: int, in_features: int, settings: QuantizerSettin
 
 def release_cuda_graphs() -> None:
     """Drop every captured CUDA graph (beam search, Adam phase, k-means) and its memory pool."""
-    from aqflow.quant import beam_search, codebook_update, kmeans
+    from aqflow.quant import beam_search, codebook_update, init, kmeans
 
-    for cache in (beam_search._GRAPH_CACHE, codebook_update._GRAPH_CACHE, kmeans._LLOYD_GRAPHS):
+    for cache in (beam_search._GRAPH_CACHE, codebook_update._GRAPH_CACHE, kmeans._LLOYD_GRAPHS, init._M_STEP_GRAPHS):
         cache.clear()
