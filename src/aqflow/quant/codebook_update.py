@@ -19,10 +19,21 @@ from aqflow.quant.objective import output_error
 from aqflow.quant.representation import group_reconstruction
 
 
+def codeword_index(codes: torch.Tensor, num_codewords: int) -> torch.Tensor:
+    """Row of each (group, codebook) code in the flattened [M*K, g] codebooks. codes [out, G, M] -> [out*G*M]"""
+    return (codes + torch.arange(codes.shape[-1], device=codes.device) * num_codewords).reshape(-1)
+
+
 def objective_gradients(
-    weight: torch.Tensor, xtx: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor, reference_error: torch.Tensor
+    weight: torch.Tensor,
+    xtx: torch.Tensor,
+    codes: torch.Tensor,
+    codebooks: torch.Tensor,
+    scales: torch.Tensor,
+    reference_error: torch.Tensor,
+    flat_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of the relative output error.
+    """Gradients of the relative output error. flat_index: `codeword_index(codes, K)`, if at hand.
 
     weight [out, in], xtx [in, in], codes [out, G, M], codebooks [M, K, g], scales [out], reference_error scalar
     -> (d/dcodebooks [M, K, g], d/dscales [out])
@@ -33,7 +44,8 @@ def objective_gradients(
     delta = weight - (sums * scales[:, None, None]).reshape(num_rows, -1)
     grad_weight = ((delta @ xtx) * (-2 / reference_error)).view(num_rows, num_groups, group_size)
     grad_scales = (grad_weight * sums).sum(dim=(1, 2))
-    flat_index = (codes + torch.arange(num_codebooks, device=codes.device) * num_codewords).reshape(-1)  # [out*G*M]
+    if flat_index is None:
+        flat_index = codeword_index(codes, num_codewords)  # [out*G*M]
     per_code = (grad_weight * scales[:, None, None])[:, :, None, :].expand(num_rows, num_groups, num_codebooks, group_size)
     grad_codebooks = torch.zeros(num_codebooks * num_codewords, group_size, dtype=codebooks.dtype, device=codebooks.device)
     grad_codebooks.index_add_(0, flat_index, per_code.reshape(-1, group_size))
@@ -118,8 +130,9 @@ class CodebookAdam:
         return cached
 
     def _steps_(self, codes: torch.Tensor, steps: int) -> None:
+        flat_index = codeword_index(codes, self.codebooks.shape[1])  # codes are fixed for the phase
         for _ in range(steps):
-            grads = objective_gradients(self.weight, self.xtx, codes, self.codebooks, self.scales, self.reference_error)
+            grads = objective_gradients(self.weight, self.xtx, codes, self.codebooks, self.scales, self.reference_error, flat_index)
             self.optimizer.update_(list(grads))
 
     def run(self, codes: torch.Tensor, steps: int) -> None:
