@@ -6,7 +6,13 @@ import importlib
 import sys
 
 STAGES = {
+    "fetch-model": "aqflow.stages.fetch_model",
+    "fetch-data": "aqflow.stages.fetch_data",
+    "calibrate": "aqflow.stages.calibrate",
     "quantize-layer": "aqflow.stages.quantize_layer",
+    "stitch": "aqflow.stages.stitch",
+    "evaluate": "aqflow.stages.evaluate",
+    "report": "aqflow.stages.report",
 }
 
 

@@ -1,5 +1,10 @@
 """`python -m aqflow quantize-layer`: one linear layer from a weight file and an XᵀX file.
 
+Inputs either as files (--weight/--xtx with optional keys), or as the pipeline passes them: a model
+folder, a calibration folder (from `calibrate`) and the layer's module name (--model-dir,
+--calibration-dir, --layer model.layers.3.mlp.down_proj); the layer's XᵀX site is looked up in the
+calibration manifest.
+
 Writes the AQLM-layout result (codes packed as AQLM stores them, codebooks, scales) as
 safetensors and a metrics JSON (relative output MSE after init and after every epoch, seconds
 per stage, rho, bits per parameter, settings). Inputs are checked before any work; on a bad
@@ -12,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -37,10 +43,13 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aqflow quantize-layer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weight", required=True, type=Path, help="weight file (.safetensors or .npz)")
+    parser.add_argument("--weight", type=Path, help="weight file (.safetensors or .npz)")
     parser.add_argument("--weight-key", default=None, help="tensor name in the weight file (default: its only tensor)")
-    parser.add_argument("--xtx", required=True, type=Path, help="XᵀX file (.safetensors or .npz)")
+    parser.add_argument("--xtx", type=Path, help="XᵀX file (.safetensors or .npz)")
     parser.add_argument("--xtx-key", default=None, help="tensor name in the XᵀX file (default: its only tensor)")
+    parser.add_argument("--model-dir", type=Path, help="model folder (instead of --weight)")
+    parser.add_argument("--calibration-dir", type=Path, help="calibration folder (instead of --xtx)")
+    parser.add_argument("--layer", help="module name of the linear, with --model-dir and --calibration-dir")
     parser.add_argument("--output", required=True, type=Path, help="result .safetensors (codes, codebooks, scales)")
     parser.add_argument("--metrics", required=True, type=Path, help="metrics .json")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -54,11 +63,44 @@ def settings_from_args(args: argparse.Namespace) -> QuantizerSettings:
     return QuantizerSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(QuantizerSettings)})
 
 
+def split_module_name(layer: str) -> tuple[int, str]:
+    """`model.layers.3.mlp.down_proj` -> (3, "mlp.down_proj"): block index and name inside the block."""
+    match = re.match(r"^(?:.*?\.)?(\d+)\.(.+)$", layer)
+    if match is None:
+        raise ValueError(f"layer {layer!r} has no block index (expected e.g. model.layers.3.mlp.down_proj)")
+    return int(match.group(1)), match.group(2)
+
+
+def calibration_site(calibration_dir: Path, layer: str) -> tuple[Path, str]:
+    """(block file, NPZ key) holding the XᵀX of `layer`'s input."""
+    from aqflow.calibration.hessians import load_manifest
+
+    block, linear = split_module_name(layer)
+    manifest = load_manifest(calibration_dir)
+    rows = manifest[(manifest["block"] == block) & manifest["linears"].apply(lambda names: linear in list(names))]
+    if rows.empty:
+        raise KeyError(f"{calibration_dir}: the manifest has no input site for block {block} linear {linear!r}")
+    return calibration_dir / rows.iloc[0]["file"], f"xtx/{rows.iloc[0]['site']}"
+
+
+def load_inputs(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(weight [out, in], XᵀX [in, in], layer name) from files or from model + calibration folders."""
+    if args.layer is not None:
+        if args.model_dir is None or args.calibration_dir is None:
+            raise ValueError("--layer needs --model-dir and --calibration-dir")
+        from aqflow.models.weights import load_model_tensor
+
+        block_file, key = calibration_site(args.calibration_dir, args.layer)
+        return load_model_tensor(args.model_dir, f"{args.layer}.weight"), load_tensor(block_file, key), args.layer
+    if args.weight is None or args.xtx is None:
+        raise ValueError("give --weight and --xtx, or --model-dir, --calibration-dir and --layer")
+    return load_tensor(args.weight, args.weight_key), load_tensor(args.xtx, args.xtx_key), args.weight.stem
+
+
 def run(args: argparse.Namespace) -> dict:
     settings = settings_from_args(args)
-    weight = load_tensor(args.weight, args.weight_key)
-    xtx = load_tensor(args.xtx, args.xtx_key)
-    name = args.name or args.weight.stem
+    weight, xtx, default_name = load_inputs(args)
+    name = args.name or default_name
     layer, report = quantize_layer(weight, xtx, settings, device=args.device, progress=not args.quiet, name=name)
     metrics = {
         "layer": name,
@@ -73,7 +115,7 @@ def run(args: argparse.Namespace) -> dict:
         "device": str(args.device) if not str(args.device).startswith("cuda") else torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "inputs": {"weight": str(args.weight), "xtx": str(args.xtx)},
+        "inputs": {k: str(getattr(args, k)) for k in ("weight", "xtx", "model_dir", "calibration_dir") if getattr(args, k)},
     }
     tensors = {
         "codes": pack_codes(layer.codes, settings.nbits),

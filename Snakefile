@@ -1,0 +1,28 @@
+# aqflow: calibrate -> quantize every linear (one job each) -> stitch an AQLM checkpoint -> evaluate -> report.
+# Rules only wire: every computation is a `python -m aqflow <stage>` of the library in src/aqflow.
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config.yaml"
+
+
+validate(config, "workflow/schemas/config.schema.yaml")
+
+
+report: "workflow/report/workflow.rst"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/fetch.smk"
+include: "workflow/rules/calibrate.smk"
+include: "workflow/rules/quantize.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    input:
+        all_targets(),
+    default_target: True

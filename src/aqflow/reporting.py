@@ -1,0 +1,126 @@
+"""The report: one row per evaluated variant, a quality-vs-time Pareto plot and per-layer plots.
+
+Inputs are `eval.json` files (see `aqflow.stages.evaluate`); each carries its metrics, the
+settings that produced it (with per-layer quantization summaries) and timings.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+
+def _get(mapping, *keys, default=None):
+    for key in keys:
+        if not isinstance(mapping, dict) or key not in mapping:
+            return default
+        mapping = mapping[key]
+    return mapping
+
+
+def summary_row(path: str | Path) -> dict:
+    """One eval.json -> one flat row (missing metrics are None)."""
+    record = json.loads(Path(path).read_text())
+    settings = record.get("settings") or {}
+    quantizer = settings.get("quantizer") or {}
+    metrics = record.get("metrics") or {}
+    row = {
+        "variant": record.get("label") or str(Path(path).parent),
+        "model": settings.get("model"),
+        "bpp": settings.get("bpp"),
+        "init": quantizer.get("init", "fp" if not quantizer else None),
+        "beam": quantizer.get("beam_size"),
+        "max_epochs": quantizer.get("max_epochs"),
+        "bits_per_parameter": record.get("bits_per_parameter"),
+        "wikitext2_ppl": _get(metrics, "wikitext2", "perplexity"),
+        "c4_ppl": _get(metrics, "c4", "perplexity"),
+        "avg_acc": metrics.get("avg_acc"),
+        "quantization_seconds": settings.get("quantization_seconds"),
+        "calibration_seconds": settings.get("calibration_seconds"),
+        "mean_layer_relative_mse": _mean(layer["final_relative_mse"] for layer in settings.get("layers", [])),
+        "eval_json": str(path),
+    }
+    for task, values in (metrics.get("tasks") or {}).items():
+        for metric, value in values.items():
+            if isinstance(value, (int, float)):
+                row[f"{task}/{metric}"] = value
+    return row
+
+
+def _mean(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def summary_table(paths: Iterable[str | Path]) -> pd.DataFrame:
+    return pd.DataFrame([summary_row(p) for p in paths])
+
+
+def pareto_front(frame: pd.DataFrame, cost: str, quality: str) -> pd.DataFrame:
+    """Rows not dominated in (lower cost, lower quality value), sorted by cost."""
+    rows = frame.dropna(subset=[cost, quality]).sort_values([cost, quality])
+    best = float("inf")
+    keep = []
+    for index, row in rows.iterrows():
+        if row[quality] < best:
+            keep.append(index)
+            best = row[quality]
+    return rows.loc[keep]
+
+
+def plot_pareto(frame: pd.DataFrame, out: str | Path) -> None:
+    """WikiText-2 perplexity against quantization time, frontier drawn, fp baselines as lines."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    quantized = frame[frame["init"].isin(["greedy", "oaem"])]
+    for (init, bpp), group in quantized.groupby(["init", "bpp"], dropna=False):
+        ax.scatter(group["quantization_seconds"], group["wikitext2_ppl"], label=f"{init} {bpp} bpp",
+                   marker="o" if init == "oaem" else "s")
+        for _, row in group.iterrows():
+            ax.annotate(f"b{row['beam']}", (row["quantization_seconds"], row["wikitext2_ppl"]), fontsize=7)
+    front = pareto_front(quantized, "quantization_seconds", "wikitext2_ppl")
+    if len(front) > 1:
+        ax.plot(front["quantization_seconds"], front["wikitext2_ppl"], "k--", linewidth=0.8, label="Pareto front")
+    for _, row in frame[frame["init"] == "fp"].iterrows():
+        if row["wikitext2_ppl"] is not None:
+            ax.axhline(row["wikitext2_ppl"], color="grey", linewidth=0.8, linestyle=":")
+            ax.annotate(f"{row['model']} source model", (ax.get_xlim()[0], row["wikitext2_ppl"]), fontsize=7)
+    ax.set_xlabel("quantization time, s (sum over layer jobs)")
+    ax.set_ylabel("WikiText-2 perplexity")
+    ax.set_title("quality vs quantization time")
+    if len(quantized):
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110, format="png")
+    plt.close(fig)
+
+
+def plot_layers(paths: Iterable[str | Path], out: str | Path) -> None:
+    """Per-layer relative output MSE after init and at the end, and ρ, for every variant."""
+    fig, (ax_mse, ax_rho) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for path in paths:
+        record = json.loads(Path(path).read_text())
+        layers = (record.get("settings") or {}).get("layers") or []
+        if not layers:
+            continue
+        label = record.get("label") or str(path)
+        x = range(len(layers))
+        line = ax_mse.plot(x, [layer["final_relative_mse"] for layer in layers], label=f"{label} final")[0]
+        ax_mse.plot(x, [layer["init_relative_mse"] for layer in layers], linestyle=":", color=line.get_color(), label=f"{label} init")
+        ax_rho.plot(x, [layer["rho"] for layer in layers], color=line.get_color(), label=label)
+    ax_mse.set_yscale("log")
+    ax_mse.set_ylabel("relative output MSE")
+    ax_rho.set_ylabel("ρ = N / K^M")
+    ax_rho.set_yscale("log")
+    ax_rho.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+    ax_rho.set_xlabel("layer (block order)")
+    ax_mse.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110, format="png")
+    plt.close(fig)

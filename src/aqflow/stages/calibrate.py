@@ -1,0 +1,82 @@
+"""`python -m aqflow calibrate`: XᵀX of every linear's input, per block, from calibration text.
+
+Samples a fixed, seeded set of token windows from the calibration-role documents of a corpus,
+runs the full-precision model over them (propagation `fp`) and writes `block{i}.npz` per block
+plus `manifest.parquet` (site, linears, shape, tokens, sha256, source data) into --output-dir,
+atomically. Every quantization variant that shares these settings reuses the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from aqflow import artifacts
+from aqflow.calibration.hessians import collect_xtx_fp, find_decoder_blocks, save_block_xtx
+from aqflow.data.offline_text import load_split_corpus, role_texts
+from aqflow.data.windows import sample_calibration_windows
+from aqflow.models.fetch import load_causal_lm, load_tokenizer
+
+PROPAGATION_MODES = ("fp",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aqflow calibrate", description=__doc__)
+    parser.add_argument("--model-dir", required=True, type=Path)
+    parser.add_argument("--corpus", required=True, type=Path, help="corpus .parquet (from fetch-data)")
+    parser.add_argument("--output-dir", required=True, type=Path)
+    parser.add_argument("--num-windows", type=int, default=128)
+    parser.add_argument("--window-tokens", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--propagation", default="fp", choices=PROPAGATION_MODES)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quiet", action="store_true")
+    return parser
+
+
+def calibrate(args: argparse.Namespace) -> dict:
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(args.model_dir)
+    doc_ids, texts = role_texts(load_split_corpus(args.corpus), "calibration")
+    windows = sample_calibration_windows(doc_ids, texts, tokenizer, args.num_windows, args.window_tokens, seed=args.seed)
+    model = load_causal_lm(args.model_dir, dtype="float32" if args.device == "cpu" else "bfloat16", device=args.device)
+    stats = collect_xtx_fp(model, windows.input_ids, batch_size=args.batch_size, progress=not args.quiet)
+    source = f"{args.corpus.stem}/calibration/seed{args.seed}/{args.num_windows}x{args.window_tokens}"
+    staging = args.output_dir.with_name(args.output_dir.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    manifest = save_block_xtx(staging, stats, source)
+    artifacts.write_parquet(staging / "windows.parquet", windows.to_frame())
+    prefix, _ = find_decoder_blocks(model)
+    summary = {
+        # module names of every linear to quantize: the pipeline fans out one job per entry
+        "layers": [f"{prefix}.{row.block}.{linear}" for row in manifest.itertuples() for linear in row.linears],
+        "blocks": int(manifest["block"].nunique()),
+        "sites": len(manifest),
+        "tokens": int(manifest["tokens"].iloc[0]),
+        "seconds": time.perf_counter() - started,
+        "source": source,
+        "propagation": args.propagation,
+        "device": args.device,
+    }
+    artifacts.write_json(staging / "calibration.json", summary)
+    shutil.rmtree(args.output_dir, ignore_errors=True)
+    staging.rename(args.output_dir)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        summary = calibrate(args)
+    except (FileNotFoundError, KeyError, ValueError) as error:
+        print(f"aqflow calibrate: error: {error}", file=sys.stderr)
+        return 2
+    print(f"calibrated {summary['blocks']} blocks, {summary['sites']} input sites, {summary['tokens']} tokens "
+          f"in {summary['seconds']:.1f} s -> {args.output_dir}")
+    return 0

@@ -1,0 +1,29 @@
+"""`python -m aqflow report`: summary table (CSV + Parquet) and plots from eval.json files."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from aqflow import artifacts
+from aqflow.reporting import plot_layers, plot_pareto, summary_table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="aqflow report", description=__doc__)
+    parser.add_argument("evals", nargs="+", type=Path, help="eval.json files")
+    parser.add_argument("--csv", required=True, type=Path)
+    parser.add_argument("--parquet", required=True, type=Path)
+    parser.add_argument("--pareto", required=True, type=Path)
+    parser.add_argument("--layers", required=True, type=Path)
+    args = parser.parse_args(argv)
+    table = summary_table(args.evals)
+    artifacts.write_parquet(args.parquet, table)
+    with artifacts.atomic_path(args.csv) as tmp:
+        table.to_csv(tmp, index=False)
+    with artifacts.atomic_path(args.pareto) as tmp:
+        plot_pareto(table, tmp)
+    with artifacts.atomic_path(args.layers) as tmp:
+        plot_layers(args.evals, tmp)
+    print(table.to_string(index=False))
+    return 0

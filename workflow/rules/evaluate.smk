@@ -1,0 +1,50 @@
+rule evaluate_quantized:
+    input:
+        model="results/{model}/{bpp}bpp/{init}/{variant}/model",
+        layer_metrics=layer_metrics,
+        wikitext2=corpus_path(EVAL_CORPORA["wikitext2"]),
+        c4=corpus_path(EVAL_CORPORA["c4"]),
+    output:
+        "results/{model}/{bpp}bpp/{init}/{variant}/eval.json",
+    log:
+        "logs/evaluate/{model}/{bpp}bpp/{init}/{variant}.log",
+    params:
+        evaluation=config["evaluation"],
+        settings=quantizer_settings,
+        calibration=CALIBRATION,
+        label=lambda w: f"{w.model}/{w.bpp}bpp/{w.init}/{w.variant}",
+    threads: rule_resources("evaluate")["cpus"]
+    resources:
+        mem_mb=rule_resources("evaluate")["mem_mb"],
+        runtime=rule_resources("evaluate")["runtime"],
+        gpu=rule_resources("evaluate")["gpu"],
+    conda:
+        "../../envs/aqflow.yaml"
+    script:
+        "../scripts/evaluate.py"
+
+
+rule evaluate_fp:
+    input:
+        model=model_dir,
+        layer_metrics=[],
+        wikitext2=corpus_path(EVAL_CORPORA["wikitext2"]),
+        c4=corpus_path(EVAL_CORPORA["c4"]),
+    output:
+        "results/{model}/fp/eval.json",
+    log:
+        "logs/evaluate/{model}/fp.log",
+    params:
+        evaluation=config["evaluation"],
+        settings={},
+        calibration={},
+        label=lambda w: f"{w.model}/fp",
+    threads: rule_resources("evaluate")["cpus"]
+    resources:
+        mem_mb=rule_resources("evaluate")["mem_mb"],
+        runtime=rule_resources("evaluate")["runtime"],
+        gpu=rule_resources("evaluate")["gpu"],
+    conda:
+        "../../envs/aqflow.yaml"
+    script:
+        "../scripts/evaluate.py"

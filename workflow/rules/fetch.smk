@@ -1,0 +1,37 @@
+rule fetch_model:
+    output:
+        directory("resources/models/{model}"),
+    log:
+        "logs/fetch_model/{model}.log",
+    params:
+        preset=lambda w: config["models"][w.model]["preset"],
+        dtype=lambda w: config["models"][w.model].get("dtype", "float16"),
+        tiny_layers=lambda w: config["models"][w.model].get("tiny_layers", 2),
+        tiny_hidden=lambda w: config["models"][w.model].get("tiny_hidden", 64),
+    threads: 1
+    resources:
+        mem_mb=rule_resources("fetch_model")["mem_mb"],
+        runtime=rule_resources("fetch_model")["runtime"],
+    conda:
+        "../../envs/aqflow.yaml"
+    script:
+        "../scripts/fetch_model.py"
+
+
+rule fetch_data:
+    output:
+        corpus="resources/data/{corpus}.parquet",
+        split="resources/data/{corpus}.split.json",
+    log:
+        "logs/fetch_data/{corpus}.log",
+    params:
+        calibration_fraction=config["data"].get("calibration_fraction", 0.5),
+        seed=config["data"].get("split_seed", 0),
+    threads: 1
+    resources:
+        mem_mb=rule_resources("fetch_data")["mem_mb"],
+        runtime=rule_resources("fetch_data")["runtime"],
+    conda:
+        "../../envs/aqflow.yaml"
+    script:
+        "../scripts/fetch_data.py"

@@ -1,0 +1,26 @@
+rule report:
+    input:
+        evals=target_evals() + baseline_evals(),
+    output:
+        table=report(
+            "results/report/summary.csv",
+            caption="../report/summary.rst",
+            category="Summary",
+        ),
+        parquet="results/report/summary.parquet",
+        pareto=report(
+            "results/report/pareto.png", caption="../report/pareto.rst", category="Summary"
+        ),
+        layers=report(
+            "results/report/layers.png", caption="../report/layers.rst", category="Layers"
+        ),
+    log:
+        "logs/report.log",
+    threads: 1
+    resources:
+        mem_mb=rule_resources("report")["mem_mb"],
+        runtime=rule_resources("report")["runtime"],
+    conda:
+        "../../envs/aqflow.yaml"
+    script:
+        "../scripts/report.py"
