@@ -1,0 +1,303 @@
+"""Per-layer AQLM results -> one standard AQLM Hugging Face checkpoint, and back.
+
+Every linear of every decoder block is quantized by its own job, which leaves one file per
+linear under `layers_dir` (see `layer_artifact_path`):
+
+    codes      [out, in/g, M]   int8 (nbits <= 8) or int16, packed as the `aqlm` package stores them
+    codebooks  [M, K, 1, g]     float32, K = 2^nbits
+    scales     [out, 1, 1, 1]   float32
+
+`write_aqlm_checkpoint` joins them with the untouched rest of the full-precision model into the
+folder `transformers` + `aqlm` load with `from_pretrained`: config.json carries
+`quantization_config = {"quant_method": "aqlm", ...}` and the weights of each quantized linear `X`
+are stored as `X.codes`, `X.codebooks`, `X.scales` (and `X.bias`), which is exactly the parameter
+layout of `aqlm.QuantizedLinear`. `dequantized_model` is the reference it must agree with: the
+full-precision model with each quantized weight replaced by the weight its codes represent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .artifacts import write_json
+from .calibration.hessians import find_decoder_blocks, find_linears
+from .models.fetch import MARKER_FILE, _dtype, _staging_dir, load_causal_lm
+from .quant.representation import MAX_NBITS, aqlm_code_dtype, codebook_size, dequantize_weight, unpack_codes
+
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+ARTIFACT_TENSORS = ("codes", "codebooks", "scales")
+_NOT_COPIED = {WEIGHTS_FILE, WEIGHTS_INDEX_FILE, CONFIG_FILE, MARKER_FILE}
+
+
+class CheckpointError(ValueError):
+    """A layer artifact is missing or does not fit the model; the message names module and file."""
+
+
+# --- layout ------------------------------------------------------------------------------------
+
+def layer_artifact_path(layers_dir: str | os.PathLike, module_name: str) -> Path:
+    """Where the result for the linear `module_name` (full dotted name, e.g.
+    `model.layers.0.self_attn.q_proj`) lives: `layers_dir/<module_name>.safetensors`."""
+    return Path(layers_dir) / f"{module_name}.safetensors"
+
+
+def quantized_linear_names(model: nn.Module) -> list[str]:
+    """Full names of the linears that are quantized: every nn.Linear of every decoder block, in
+    module order (the head, embeddings and anything outside the blocks stay in full precision)."""
+    blocks_name, blocks = find_decoder_blocks(model)
+    return [f"{blocks_name}.{index}.{name}" for index, block in enumerate(blocks) for name in find_linears(block)]
+
+
+def not_quantized_names(model: nn.Module, quantized: list[str]) -> list[str]:
+    """`linear_weights_not_to_quantize` for the AQLM config: every module outside `quantized` that
+    owns a weight, both as a module name (`lm_head`: transformers >= 5 matches module names) and as
+    a parameter name (`lm_head.weight`: what transformers 4.x compared against).
+
+    Raises if one of these names would also exclude a quantized linear under the transformers
+    matching rules (equal, a prefix at a module boundary, or a suffix).
+    """
+    quantized_set = set(quantized)
+    modules = [name for name, module in model.named_modules()
+               if name and name not in quantized_set and "weight" in dict(module.named_parameters(recurse=False))]
+    for pattern in modules:
+        clashes = [q for q in quantized if q == pattern or q.startswith(pattern + ".") or q.endswith(pattern)]
+        if clashes:
+            raise CheckpointError(f"module {pattern!r} stays in full precision, but listing it in "
+                                  f"linear_weights_not_to_quantize would also exclude {clashes[:3]}")
+    return sorted(modules + [f"{name}.weight" for name in modules])
+
+
+def _meta_model(model_dir: Path) -> nn.Module:
+    """The model's module tree, without allocating or reading any weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+# --- layer artifacts ---------------------------------------------------------------------------
+
+def read_layer_artifact(layers_dir: str | os.PathLike, module_name: str, linear: nn.Linear,
+                        num_codebooks: int | None = None, nbits: int | None = None,
+                        group_size: int | None = None) -> dict[str, torch.Tensor]:
+    """Load and check the artifact of one linear [out, in].
+
+    Returns {"codes": [out, in/g, M] packed int, "codebooks": [M, K, 1, g], "scales": [out, 1, 1, 1]}
+    as stored. M, K = 2^nbits and g are read from the codebooks; where `num_codebooks`, `nbits`
+    or `group_size` are given they must agree. Raises CheckpointError naming module and file.
+    """
+    from safetensors.torch import load_file
+
+    path = layer_artifact_path(layers_dir, module_name)
+    if not path.is_file():
+        raise CheckpointError(f"{module_name}: no layer artifact {path}")
+    tensors = load_file(str(path))
+    missing = [key for key in ARTIFACT_TENSORS if key not in tensors]
+    if missing:
+        raise CheckpointError(f"{module_name}: {path} lacks tensors {missing} (has {sorted(tensors)})")
+    codes, codebooks, scales = (tensors[key] for key in ARTIFACT_TENSORS)
+    if codebooks.dim() != 4 or codebooks.shape[2] != 1:
+        raise CheckpointError(f"{module_name}: {path} has codebooks of shape {tuple(codebooks.shape)}, "
+                              "expected [M, K, 1, g]")
+    found_m, found_k, _, found_g = codebooks.shape
+    found_nbits = found_k.bit_length() - 1
+    settings = {"num_codebooks": (num_codebooks, found_m), "nbits": (nbits, found_nbits),
+                "group_size": (group_size, found_g)}
+    wrong = {name: f"{got} (expected {want})" for name, (want, got) in settings.items()
+             if want is not None and want != got}
+    if codebook_size(found_nbits) != found_k:
+        wrong["codebook_size"] = f"{found_k} (not a power of two)"
+    if wrong:
+        raise CheckpointError(f"{module_name}: {path} was quantized with other settings: {wrong}")
+    out_features, in_features = linear.out_features, linear.in_features
+    shapes = {"codes": (codes, (out_features, in_features // found_g, found_m)),
+              "scales": (scales, (out_features, 1, 1, 1))}
+    mismatched = {key: f"{tuple(tensor.shape)} (expected {want})" for key, (tensor, want) in shapes.items()
+                  if tuple(tensor.shape) != want}
+    if in_features % found_g or mismatched:
+        raise CheckpointError(f"{module_name}: {path} does not fit the linear [{out_features}, {in_features}] "
+                              f"with group size {found_g}: {mismatched or 'in_features not divisible'}")
+    if codes.dtype != aqlm_code_dtype(found_nbits):
+        raise CheckpointError(f"{module_name}: {path} stores codes as {codes.dtype}, but {found_nbits}-bit codes "
+                              f"are {aqlm_code_dtype(found_nbits)} in the AQLM format")
+    return {"codes": codes, "codebooks": codebooks, "scales": scales}
+
+
+def _read_all_artifacts(model: nn.Module, names: list[str], layers_dir: Path,
+                        **expected: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Every artifact, checked; one error listing every module whose artifact is missing or wrong."""
+    found, problems = {}, []
+    for name in names:
+        try:
+            found[name] = read_layer_artifact(layers_dir, name, model.get_submodule(name), **expected)
+        except CheckpointError as error:
+            problems.append(str(error))
+    if problems:
+        shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        raise CheckpointError(f"{len(problems)} of {len(names)} quantized linears have no usable artifact "
+                              f"in {layers_dir}:\n  {shown}")
+    return found
+
+
+# --- source weights ----------------------------------------------------------------------------
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a model folder (one file, or the shards its index names)."""
+    index = model_dir / WEIGHTS_INDEX_FILE
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / shard for shard in shards]
+    single = model_dir / WEIGHTS_FILE
+    if not single.is_file():
+        raise FileNotFoundError(f"{model_dir} has neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}")
+    return [single]
+
+
+def _files_to_copy(model_dir: Path) -> list[Path]:
+    """Tokenizer files, generation config and the like: every file but weights, config and marker."""
+    return [item for item in sorted(model_dir.iterdir())
+            if item.is_file() and item.name not in _NOT_COPIED and not item.name.startswith(".")
+            and item.suffix != ".safetensors"]
+
+
+# --- the checkpoint ----------------------------------------------------------------------------
+
+def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.PathLike, output_dir: str | os.PathLike,
+                          num_codebooks: int, nbits: int, group_size: int = 8, dtype: str = "float16") -> Path:
+    """Write a standard AQLM checkpoint folder at `output_dir` (atomically: staged, then renamed).
+
+    Every linear of every decoder block must have its artifact in `layers_dir`, quantized with
+    `num_codebooks` codebooks of 2^`nbits` codewords over groups of `group_size` inputs. Quantized
+    linear `X` is stored as `X.codes` (packed int), `X.codebooks` and `X.scales` (in `dtype`) and
+    `X.bias`; every other tensor of the model is copied, floating ones cast to `dtype` (tied
+    embeddings stay tied: the head is not quantized and the file keeps what the source kept).
+    Tokenizer and generation config are copied. Nothing is written if any check fails.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model_dir, layers_dir, output_dir = Path(model_dir), Path(layers_dir), Path(output_dir)
+    torch_dtype = _dtype(dtype)
+    if num_codebooks < 1 or not 1 <= nbits <= MAX_NBITS or group_size < 1:
+        raise ValueError(f"need num_codebooks >= 1, 1 <= nbits <= {MAX_NBITS} and group_size >= 1; "
+                         f"got {num_codebooks}, {nbits}, {group_size}")
+    if output_dir.exists():
+        raise FileExistsError(f"{output_dir} already exists; remove it to stitch again")
+    if not (model_dir / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{model_dir} has no {CONFIG_FILE}: not a model folder")
+    if not layers_dir.is_dir():
+        raise FileNotFoundError(f"{layers_dir}: no such layers folder")
+    model = _meta_model(model_dir)
+    quantized = quantized_linear_names(model)
+    keep_fp = not_quantized_names(model, quantized)
+    layers = _read_all_artifacts(model, quantized, layers_dir,
+                                 num_codebooks=num_codebooks, nbits=nbits, group_size=group_size)
+
+    tensors: dict[str, torch.Tensor] = {}
+    quantized_weights = {f"{name}.weight" for name in quantized}
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                if key in quantized_weights:
+                    quantized_weights.discard(key)
+                    continue
+                tensor = handle.get_tensor(key)
+                tensors[key] = tensor.to(torch_dtype) if tensor.is_floating_point() else tensor
+    if quantized_weights:
+        raise CheckpointError(f"{model_dir} has no weights for the quantized linears {sorted(quantized_weights)[:5]}")
+    for name, layer in layers.items():
+        tensors[f"{name}.codes"] = layer["codes"]
+        tensors[f"{name}.codebooks"] = layer["codebooks"].to(torch_dtype)
+        tensors[f"{name}.scales"] = layer["scales"].to(torch_dtype)
+
+    config = json.loads((model_dir / CONFIG_FILE).read_text())
+    config.update(dtype=dtype, torch_dtype=dtype, quantization_config={
+        "quant_method": "aqlm",
+        "in_group_size": group_size,
+        "out_group_size": 1,
+        "num_codebooks": num_codebooks,
+        "nbits_per_codebook": nbits,
+        "linear_weights_not_to_quantize": keep_fp,
+    })
+    source_marker = model_dir / MARKER_FILE
+    staging = _staging_dir(output_dir)
+    try:
+        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for item in _files_to_copy(model_dir):
+            shutil.copy2(item, staging / item.name)
+        write_json(staging / MARKER_FILE, {
+            "source_model": str(model_dir),
+            "source_marker": json.loads(source_marker.read_text()) if source_marker.is_file() else None,
+            "layers_dir": str(layers_dir),
+            "dtype": dtype,
+            "quantization": {"num_codebooks": num_codebooks, "nbits": nbits, "group_size": group_size},
+            "quantized_linears": len(quantized),
+            "stored_bits_per_parameter": stored_bits_per_parameter(staging),
+        })
+        os.replace(staging, output_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return output_dir
+
+
+def dequantized_model(model_dir: str | os.PathLike, layers_dir: str | os.PathLike) -> nn.Module:
+    """The float32 model of `model_dir` with every quantized linear's weight [out, in] replaced by
+    `dequantize_weight(codes, codebooks, scales)` from its artifact: the reference a stitched
+    checkpoint must reproduce. Raises CheckpointError if an artifact is missing or wrong."""
+    model = load_causal_lm(model_dir, dtype="float32")
+    names = quantized_linear_names(model)
+    layers = _read_all_artifacts(model, names, Path(layers_dir))
+    with torch.no_grad():
+        for name, layer in layers.items():
+            nbits = layer["codebooks"].shape[1].bit_length() - 1
+            codes = unpack_codes(layer["codes"], nbits)  # [out, in/g, M] int64
+            model.get_submodule(name).weight.copy_(
+                dequantize_weight(codes, layer["codebooks"].float(), layer["scales"].float()))
+    return model
+
+
+# --- accounting --------------------------------------------------------------------------------
+
+def _safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file: name -> {dtype, shape, data_offsets [start, end)}."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def stored_bits_per_parameter(output_dir: str | os.PathLike) -> float:
+    """Bits on disk per quantized weight: the bytes of every `X.codes`, `X.codebooks` and
+    `X.scales` in the checkpoint's safetensors files, over the out*in weights they represent
+    (out = codes.shape[0] * codebooks.shape[2], in = codes.shape[1] * codebooks.shape[3]).
+
+    Codes count at the width of their integer dtype (4-bit codes in int8 cost 8 bits), since that
+    is what the format stores. Full-precision tensors (embeddings, head, norms, biases) are not counted.
+    """
+    entries: dict[str, dict] = {}
+    for path in sorted(Path(output_dir).glob("*.safetensors")):
+        entries.update(_safetensors_header(path))
+    prefixes = [key[: -len(".codes")] for key in entries if key.endswith(".codes")]
+    if not prefixes:
+        raise ValueError(f"{output_dir} holds no quantized linears (no '*.codes' tensors)")
+    stored_bits = num_weights = 0
+    for prefix in prefixes:
+        codes_shape, codebooks_shape = entries[f"{prefix}.codes"]["shape"], entries[f"{prefix}.codebooks"]["shape"]
+        num_weights += codes_shape[0] * codebooks_shape[2] * codes_shape[1] * codebooks_shape[3]
+        for key in ARTIFACT_TENSORS:
+            start, end = entries[f"{prefix}.{key}"]["data_offsets"]
+            stored_bits += 8 * (end - start)
+    return stored_bits / num_weights

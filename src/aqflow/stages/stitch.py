@@ -1,0 +1,41 @@
+"""`python -m aqflow stitch`: per-layer AQLM results + the full-precision model -> one AQLM checkpoint.
+
+Reads the model folder and one `<module name>.safetensors` per quantized linear from the layers
+folder, and writes a standard AQLM Hugging Face folder (config with `quantization_config`,
+safetensors weights, tokenizer) that `transformers` + `aqlm` load with `from_pretrained`. Every
+artifact is checked before anything is written; on a bad input nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from aqflow.checkpoint import CheckpointError, stored_bits_per_parameter, write_aqlm_checkpoint
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aqflow stitch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", required=True, type=Path, help="full-precision Hugging Face model folder")
+    parser.add_argument("--layers-dir", required=True, type=Path, help="folder of <module name>.safetensors layer results")
+    parser.add_argument("--output-dir", required=True, type=Path, help="checkpoint folder to create (must not exist)")
+    parser.add_argument("--num-codebooks", required=True, type=int)
+    parser.add_argument("--nbits", required=True, type=int, help="bits per code (codebooks of 2^nbits codewords)")
+    parser.add_argument("--group-size", type=int, default=8, help="input weights per group")
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"),
+                        help="dtype of codebooks, scales and the full-precision tensors")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        output_dir = write_aqlm_checkpoint(args.model_dir, args.layers_dir, args.output_dir,
+                                           num_codebooks=args.num_codebooks, nbits=args.nbits,
+                                           group_size=args.group_size, dtype=args.dtype)
+    except (CheckpointError, ValueError, KeyError, OSError) as error:
+        print(f"aqflow stitch: error: {error}", file=sys.stderr)
+        return 2
+    print(f"{output_dir}: AQLM checkpoint, {stored_bits_per_parameter(output_dir):.3f} stored bits per quantized weight")
+    return 0
