@@ -28,7 +28,7 @@ def _get(mapping, *keys, default=None):
 def summary_row(path: str | Path) -> dict:
     """One eval.json -> one flat row (missing metrics are None)."""
     record = json.loads(Path(path).read_text())
-    settings = record.get("settings") or {}
+    settings = pipeline_settings(record)
     quantizer = settings.get("quantizer") or {}
     metrics = record.get("metrics") or {}
     row = {
@@ -52,6 +52,12 @@ def summary_row(path: str | Path) -> dict:
             if isinstance(value, (int, float)):
                 row[f"{task}/{metric}"] = value
     return row
+
+
+def pipeline_settings(record: dict) -> dict:
+    """The pipeline's own settings (model, bpp, quantizer, calibration, layers) embedded in an eval.json."""
+    settings = record.get("settings") or {}
+    return settings.get("upstream") or settings
 
 
 def _mean(values: Iterable[float]) -> float | None:
@@ -106,7 +112,7 @@ def plot_layers(paths: Iterable[str | Path], out: str | Path) -> None:
     fig, (ax_mse, ax_rho) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for path in paths:
         record = json.loads(Path(path).read_text())
-        layers = (record.get("settings") or {}).get("layers") or []
+        layers = pipeline_settings(record).get("layers") or []
         if not layers:
             continue
         label = record.get("label") or str(path)

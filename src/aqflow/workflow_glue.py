@@ -31,3 +31,17 @@ def run_stage(snakemake, stage: str, argv: list[str]) -> None:
         code = module.main(argv)
     if code:
         raise SystemExit(f"aqflow {stage} failed with exit code {code}; see {log_path}")
+
+
+def layer_summaries(metric_files) -> list[dict]:
+    """The per-layer facts the report plots, from quantize-layer metrics JSONs (in the given order)."""
+    import json
+
+    keys = ("layer", "out_features", "in_features", "rho", "bits_per_parameter", "init_relative_mse",
+            "final_relative_mse", "init_seconds", "total_seconds", "stopped_because")
+    summaries = []
+    for path in metric_files:
+        with open(path) as handle:
+            metrics = json.load(handle)
+        summaries.append({key: metrics.get(key) for key in keys} | {"epochs": len(metrics.get("epochs", []))})
+    return summaries

@@ -6,18 +6,18 @@ checkpoint calibrate:
         directory("results/{model}/calib/{calib}"),
     log:
         "logs/calibrate/{model}/{calib}.log",
+    conda:
+        "../../envs/aqflow.yaml"
+    threads: rule_resources("calibrate")["cpus"]
+    resources:
+        mem_mb=rule_resources("calibrate")["mem_mb"],
+        runtime=rule_resources("calibrate")["runtime"],
+        gpu=rule_resources("calibrate")["gpu"],
     params:
         num_windows=CALIBRATION["num_windows"],
         window_tokens=CALIBRATION["window_tokens"],
         seed=CALIBRATION.get("seed", 0),
         propagation=CALIBRATION.get("propagation", "fp"),
         batch_size=CALIBRATION.get("batch_size", 4),
-    threads: rule_resources("calibrate")["cpus"]
-    resources:
-        mem_mb=rule_resources("calibrate")["mem_mb"],
-        runtime=rule_resources("calibrate")["runtime"],
-        gpu=rule_resources("calibrate")["gpu"],
-    conda:
-        "../../envs/aqflow.yaml"
     script:
         "../scripts/calibrate.py"

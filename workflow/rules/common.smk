@@ -37,7 +37,9 @@ def variant_dir(wildcards):
 
 def bitrate(wildcards):
     if str(wildcards.bpp) not in {str(k) for k in config["bitrates"]}:
-        raise ValueError(f"{wildcards.bpp} bpp is not in config bitrates ({sorted(config['bitrates'])})")
+        raise ValueError(
+            f"{wildcards.bpp} bpp is not in config bitrates ({sorted(config['bitrates'])})"
+        )
     return {str(k): v for k, v in config["bitrates"].items()}[str(wildcards.bpp)]
 
 
@@ -55,14 +57,18 @@ def quantizer_settings(wildcards):
 
 def quantized_layers(wildcards):
     """Module names of the linears to quantize, as the calibration found them (a checkpoint)."""
-    folder = checkpoints.calibrate.get(model=wildcards.model, calib=CALIBRATION_ID).output[0]
+    folder = checkpoints.calibrate.get(
+        model=wildcards.model, calib=CALIBRATION_ID
+    ).output[0]
     with open(f"{folder}/calibration.json") as handle:
         return json.load(handle)["layers"]
 
 
 def layer_artifacts(wildcards):
     base = variant_dir(wildcards)
-    return [f"{base}/layers/{layer}.safetensors" for layer in quantized_layers(wildcards)]
+    return [
+        f"{base}/layers/{layer}.safetensors" for layer in quantized_layers(wildcards)
+    ]
 
 
 def layer_metrics(wildcards):

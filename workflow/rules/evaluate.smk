@@ -8,18 +8,18 @@ rule evaluate_quantized:
         "results/{model}/{bpp}bpp/{init}/{variant}/eval.json",
     log:
         "logs/evaluate/{model}/{bpp}bpp/{init}/{variant}.log",
-    params:
-        evaluation=config["evaluation"],
-        settings=quantizer_settings,
-        calibration=CALIBRATION,
-        label=lambda w: f"{w.model}/{w.bpp}bpp/{w.init}/{w.variant}",
+    conda:
+        "../../envs/aqflow.yaml"
     threads: rule_resources("evaluate")["cpus"]
     resources:
         mem_mb=rule_resources("evaluate")["mem_mb"],
         runtime=rule_resources("evaluate")["runtime"],
         gpu=rule_resources("evaluate")["gpu"],
-    conda:
-        "../../envs/aqflow.yaml"
+    params:
+        evaluation=config["evaluation"],
+        settings=quantizer_settings,
+        calibration=CALIBRATION,
+        label=lambda w: f"{w.model}/{w.bpp}bpp/{w.init}/{w.variant}",
     script:
         "../scripts/evaluate.py"
 
@@ -34,17 +34,17 @@ rule evaluate_fp:
         "results/{model}/fp/eval.json",
     log:
         "logs/evaluate/{model}/fp.log",
-    params:
-        evaluation=config["evaluation"],
-        settings={},
-        calibration={},
-        label=lambda w: f"{w.model}/fp",
+    conda:
+        "../../envs/aqflow.yaml"
     threads: rule_resources("evaluate")["cpus"]
     resources:
         mem_mb=rule_resources("evaluate")["mem_mb"],
         runtime=rule_resources("evaluate")["runtime"],
         gpu=rule_resources("evaluate")["gpu"],
-    conda:
-        "../../envs/aqflow.yaml"
+    params:
+        evaluation=config["evaluation"],
+        settings={},
+        calibration={},
+        label=lambda w: f"{w.model}/fp",
     script:
         "../scripts/evaluate.py"

@@ -3,17 +3,17 @@ rule fetch_model:
         directory("resources/models/{model}"),
     log:
         "logs/fetch_model/{model}.log",
+    conda:
+        "../../envs/aqflow.yaml"
+    threads: 1
+    resources:
+        mem_mb=rule_resources("fetch_model")["mem_mb"],
+        runtime=rule_resources("fetch_model")["runtime"],
     params:
         preset=lambda w: config["models"][w.model]["preset"],
         dtype=lambda w: config["models"][w.model].get("dtype", "float16"),
         tiny_layers=lambda w: config["models"][w.model].get("tiny_layers", 2),
         tiny_hidden=lambda w: config["models"][w.model].get("tiny_hidden", 64),
-    threads: 1
-    resources:
-        mem_mb=rule_resources("fetch_model")["mem_mb"],
-        runtime=rule_resources("fetch_model")["runtime"],
-    conda:
-        "../../envs/aqflow.yaml"
     script:
         "../scripts/fetch_model.py"
 
@@ -24,14 +24,14 @@ rule fetch_data:
         split="resources/data/{corpus}.split.json",
     log:
         "logs/fetch_data/{corpus}.log",
-    params:
-        calibration_fraction=config["data"].get("calibration_fraction", 0.5),
-        seed=config["data"].get("split_seed", 0),
+    conda:
+        "../../envs/aqflow.yaml"
     threads: 1
     resources:
         mem_mb=rule_resources("fetch_data")["mem_mb"],
         runtime=rule_resources("fetch_data")["runtime"],
-    conda:
-        "../../envs/aqflow.yaml"
+    params:
+        calibration_fraction=config["data"].get("calibration_fraction", 0.5),
+        seed=config["data"].get("split_seed", 0),
     script:
         "../scripts/fetch_data.py"

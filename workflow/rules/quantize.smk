@@ -7,15 +7,15 @@ rule quantize_layer:
         metrics="results/{model}/{bpp}bpp/{init}/{variant}/layers/{layer}.json",
     log:
         "logs/quantize_layer/{model}/{bpp}bpp/{init}/{variant}/{layer}.log",
-    params:
-        settings=quantizer_settings,
+    conda:
+        "../../envs/aqflow.yaml"
     threads: rule_resources("quantize_layer")["cpus"]
     resources:
         mem_mb=rule_resources("quantize_layer")["mem_mb"],
         runtime=rule_resources("quantize_layer")["runtime"],
         gpu=rule_resources("quantize_layer")["gpu"],
-    conda:
-        "../../envs/aqflow.yaml"
+    params:
+        settings=quantizer_settings,
     script:
         "../scripts/quantize_layer.py"
 
@@ -28,17 +28,17 @@ rule stitch:
         directory("results/{model}/{bpp}bpp/{init}/{variant}/model"),
     log:
         "logs/stitch/{model}/{bpp}bpp/{init}/{variant}.log",
+    conda:
+        "../../envs/aqflow.yaml"
+    threads: 1
+    resources:
+        mem_mb=rule_resources("stitch")["mem_mb"],
+        runtime=rule_resources("stitch")["runtime"],
     params:
         layers_dir=lambda w: f"{variant_dir(w)}/layers",
         num_codebooks=lambda w: bitrate(w)["num_codebooks"],
         nbits=lambda w: bitrate(w)["nbits"],
         group_size=config["quantization"].get("group_size", 8),
         dtype=lambda w: config["models"][w.model].get("dtype", "float16"),
-    threads: 1
-    resources:
-        mem_mb=rule_resources("stitch")["mem_mb"],
-        runtime=rule_resources("stitch")["runtime"],
-    conda:
-        "../../envs/aqflow.yaml"
     script:
         "../scripts/stitch.py"

@@ -9,18 +9,22 @@ rule report:
         ),
         parquet="results/report/summary.parquet",
         pareto=report(
-            "results/report/pareto.png", caption="../report/pareto.rst", category="Summary"
+            "results/report/pareto.png",
+            caption="../report/pareto.rst",
+            category="Summary",
         ),
         layers=report(
-            "results/report/layers.png", caption="../report/layers.rst", category="Layers"
+            "results/report/layers.png",
+            caption="../report/layers.rst",
+            category="Layers",
         ),
     log:
         "logs/report.log",
+    conda:
+        "../../envs/aqflow.yaml"
     threads: 1
     resources:
         mem_mb=rule_resources("report")["mem_mb"],
         runtime=rule_resources("report")["runtime"],
-    conda:
-        "../../envs/aqflow.yaml"
     script:
         "../scripts/report.py"

@@ -1,0 +1,115 @@
+"""The whole Snakemake DAG on CPU with a tiny random model: it runs, and reruns only what changed."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "tests" / "workflow" / "config.tiny.yaml"
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
+VARIANT = "results/tiny/2bpp/greedy/b2e2"
+
+
+def snakemake(workdir: Path, *args: str, config: Path = CONFIG) -> subprocess.CompletedProcess:
+    env = dict(os.environ, AQFLOW_CACHE=os.environ.get("AQFLOW_CACHE", str(REPO / "resources" / "cache")))
+    return subprocess.run([*SNAKEMAKE, "--configfile", str(config), "--directory", str(workdir), *args],
+                          capture_output=True, text=True, env=env, timeout=1800)
+
+
+def planned_jobs(workdir: Path, *args: str, config: Path = CONFIG) -> dict[str, int]:
+    """rule -> job count of a dry run."""
+    result = snakemake(workdir, "-n", "--quiet", "rules", *args, config=config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = {}
+    for line in result.stdout.splitlines():
+        match = re.match(r"^(\w+)\s+(\d+)$", line.strip())
+        if match and match.group(1) != "total":
+            counts[match.group(1)] = int(match.group(2))
+    return counts
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("dag")
+    result = snakemake(workdir, "--cores", "2")
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-5000:])
+    return workdir
+
+
+def edited_config(workdir: Path, section: str, key: str, value) -> Path:
+    config = yaml.safe_load(CONFIG.read_text())
+    config[section][key] = value
+    path = workdir / f"config.{section}.{key}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.slow
+def test_dag_runs_end_to_end_and_writes_a_sane_eval(finished_run):
+    record = json.loads((finished_run / VARIANT / "eval.json").read_text())
+    ppl = record["metrics"]["wikitext2"]["perplexity"]
+    assert 1 < ppl < 10 * 512  # a random model over a ~500-token vocabulary
+    assert 2.0 < record["bits_per_parameter"] < 8
+    assert set(record["metrics"]["tasks"]) == {"arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "lambada_openai"}
+    layers = record["settings"]["upstream"]["layers"]
+    assert len(layers) == 14 and all(layer["final_relative_mse"] < layer["init_relative_mse"] for layer in layers)
+    summary = pd.read_csv(finished_run / "results/report/summary.csv")
+    assert set(summary["init"]) == {"greedy", "oaem", "fp"}
+    assert (finished_run / "results/report/pareto.png").stat().st_size > 0
+    assert (finished_run / VARIANT / "model" / "config.json").exists()
+    assert planned_jobs(finished_run) == {}  # nothing left to do
+
+
+@pytest.mark.slow
+def test_quantization_setting_reruns_quantize_and_after_not_calibrate(finished_run):
+    jobs = planned_jobs(finished_run, config=edited_config(finished_run, "quantization", "steps_per_epoch", 21))
+    assert "calibrate" not in jobs and "fetch_model" not in jobs
+    assert jobs["quantize_layer"] == 28 and jobs["stitch"] == 2 and jobs["evaluate_quantized"] == 2
+    assert "evaluate_fp" not in jobs
+
+
+@pytest.mark.slow
+def test_calibration_setting_reruns_everything_downstream(finished_run):
+    jobs = planned_jobs(finished_run, config=edited_config(finished_run, "calibration", "num_windows", 6))
+    assert jobs["calibrate"] == 1 and jobs["quantize_layer"] == 28 and jobs["stitch"] == 2
+    assert jobs["evaluate_quantized"] == 2 and jobs["report"] == 1
+
+
+@pytest.mark.slow
+def test_deleting_one_layer_reruns_only_that_layer_and_what_follows(finished_run):
+    layer = finished_run / VARIANT / "layers" / "model.layers.1.mlp.down_proj.safetensors"
+    layer.unlink()
+    jobs = planned_jobs(finished_run)
+    assert jobs == {"quantize_layer": 1, "stitch": 1, "evaluate_quantized": 1, "report": 1}
+
+
+def test_config_typo_names_the_key(tmp_path):
+    config = yaml.safe_load(CONFIG.read_text())
+    config["quantization"]["beam_sise"] = 4
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = snakemake(tmp_path, "-n", config=path)
+    assert result.returncode != 0
+    assert "beam_sise" in result.stdout + result.stderr
+
+
+def test_lint_and_format_are_clean():
+    lint = subprocess.run([*SNAKEMAKE, "--lint", "--configfile", str(CONFIG)], capture_output=True, text=True, cwd=REPO)
+    assert lint.returncode == 0, lint.stdout[-3000:] + lint.stderr[-3000:]
+    fmt = subprocess.run([shutil.which("snakefmt", path=str(Path(sys.executable).parent)) or "snakefmt", "--check",
+                          str(REPO / "Snakefile"), str(REPO / "workflow")], capture_output=True, text=True)
+    assert fmt.returncode == 0, fmt.stdout[-3000:] + fmt.stderr[-3000:]
+
+
+def test_dag_and_rulegraph_render():
+    for what in ("--dag", "--rulegraph"):
+        result = subprocess.run([*SNAKEMAKE, what, "--configfile", str(CONFIG)], capture_output=True, text=True, cwd=REPO)
+        assert result.returncode == 0 and "digraph" in result.stdout, result.stderr[-3000:]

@@ -1,0 +1,31 @@
+import json
+import tempfile
+
+from aqflow.workflow_glue import layer_summaries, run_stage
+
+p = snakemake.params
+wildcards = dict(snakemake.wildcards)
+layers = layer_summaries(snakemake.input.layer_metrics)
+settings = {
+    "model": wildcards["model"],
+    "bpp": int(wildcards["bpp"]) if "bpp" in wildcards else None,
+    "quantizer": dict(p.settings),
+    "calibration": dict(p.calibration),
+    "evaluation": dict(p.evaluation),
+    "layers": layers,
+    "quantization_seconds": sum(layer["total_seconds"] for layer in layers) if layers else None,
+}
+ev = p.evaluation
+with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+    json.dump(settings, handle)
+argv = [
+    "--model-dir", snakemake.input.model, "--output", snakemake.output[0], "--label", p.label,
+    "--settings", handle.name, "--wikitext2-corpus", snakemake.input.wikitext2, "--c4-corpus", snakemake.input.c4,
+    "--context", str(ev["context"]), "--c4-windows", str(ev["c4_windows"]), "--batch-size", str(ev["batch_size"]),
+    "--tasks", *ev["tasks"], "--quiet",
+]
+if ev.get("max_windows"):
+    argv += ["--max-windows", str(ev["max_windows"])]
+if ev.get("task_limit"):
+    argv += ["--task-limit", str(ev["task_limit"])]
+run_stage(snakemake, "evaluate", argv)
