@@ -7,7 +7,8 @@ Both corpora come from ordinary packages (see /work/shared/assets.md):
 * `c4-standin`: npm `nlp-corpus@4.4.0`, 100 files `builds/doc-{k}.json`, each a JSON list of 1000
   unrelated sentences from mixed web sources. A document is a run of `sentences_per_doc`
   consecutive sentences of one file (there is no longer unit in the package); no sentence is
-  ever cut or shared between documents.
+  ever cut or shared between documents. 400 sentences make documents of about 4.6k-14k SmolLM2
+  tokens, long enough for the paper's 4096-token C4 windows (100 sentences were too short).
 
 Every corpus frame has the columns doc_id (str, unique), text (str), source (str); after
 `split_documents` also role ("calibration" or "evaluation"). Calibration and evaluation text
@@ -123,7 +124,7 @@ def read_wikipedia_standin(gensim_wheel: str | os.PathLike) -> pd.DataFrame:
     )
 
 
-def read_nlp_corpus(tarball: str | os.PathLike, sentences_per_doc: int = 100) -> pd.DataFrame:
+def read_nlp_corpus(tarball: str | os.PathLike, sentences_per_doc: int = 400) -> pd.DataFrame:
     """Documents of the C4 stand-in: runs of `sentences_per_doc` sentences of one JSON file.
 
     doc_id is "nlp-corpus/doc-{k}/{j}" (file k, run j); sentences are joined by one space, as
@@ -162,7 +163,7 @@ def load_wikipedia_standin(cache_dir: str | os.PathLike) -> pd.DataFrame:
     return read_wikipedia_standin(fetch_gensim_wheel(cache_dir))
 
 
-def load_c4_standin(cache_dir: str | os.PathLike, sentences_per_doc: int = 100) -> pd.DataFrame:
+def load_c4_standin(cache_dir: str | os.PathLike, sentences_per_doc: int = 400) -> pd.DataFrame:
     """Fetch (cached) and read the C4 stand-in documents."""
     return read_nlp_corpus(fetch_nlp_corpus_tarball(cache_dir), sentences_per_doc)
 

