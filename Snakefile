@@ -25,4 +25,4 @@ include: "workflow/rules/report.smk"
 rule all:
     default_target: True
     input:
-        all_targets(),
+        all_targets,

@@ -1,5 +1,6 @@
 # Path helpers and input functions: everything the rules compute about paths lives here.
 import json
+from types import SimpleNamespace
 
 
 wildcard_constraints:
@@ -17,6 +18,16 @@ CALIBRATION_ID = (
     f"-s{CALIBRATION.get('seed', 0)}-{CALIBRATION.get('propagation', 'fp')}"
 )
 EVAL_CORPORA = {"wikitext2": "wikitext2-standin", "c4": "c4-standin"}
+
+
+def canonical(mapping):
+    """A settings dict with sorted keys: Snakemake compares params as written, so the same settings
+    in another key order would otherwise look changed and rerun jobs."""
+    return {key: mapping[key] for key in sorted(mapping)}
+
+
+CALIBRATION_SETTINGS = canonical(CALIBRATION)
+EVALUATION_SETTINGS = canonical(config["evaluation"])
 
 
 def model_dir(wildcards):
@@ -52,7 +63,7 @@ def quantizer_settings(wildcards):
     settings["beam_size"] = int(beam)
     if epochs:
         settings["max_epochs"] = int(epochs)
-    return settings
+    return canonical(settings)
 
 
 def quantized_layers(wildcards):
@@ -89,8 +100,18 @@ def baseline_evals():
     return sorted({f"results/{t['model']}/fp/eval.json" for t in config["targets"]})
 
 
-def all_targets():
-    return target_evals() + baseline_evals() + ["results/report/summary.csv"]
+def all_targets(wildcards):
+    """Every target variant's eval.json, the baselines, the report, and every layer artifact:
+    Snakemake regenerates a deleted file only when it is requested, so listing the layers here
+    makes a deleted layer rerun (with what follows it) on the next plain `snakemake`."""
+    layers = []
+    for target in config["targets"]:
+        variant = target_variant(target)
+        model = SimpleNamespace(model=target["model"])
+        layers += [
+            f"{variant}/layers/{layer}.safetensors" for layer in quantized_layers(model)
+        ]
+    return target_evals() + baseline_evals() + ["results/report/summary.csv"] + layers
 
 
 def rule_resources(rule_name):

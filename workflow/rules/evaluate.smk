@@ -16,9 +16,9 @@ rule evaluate_quantized:
         runtime=rule_resources("evaluate")["runtime"],
         gpu=rule_resources("evaluate")["gpu"],
     params:
-        evaluation=config["evaluation"],
+        evaluation=EVALUATION_SETTINGS,
         settings=quantizer_settings,
-        calibration=CALIBRATION,
+        calibration=CALIBRATION_SETTINGS,
         label=lambda w: f"{w.model}/{w.bpp}bpp/{w.init}/{w.variant}",
     script:
         "../scripts/evaluate.py"
@@ -42,7 +42,7 @@ rule evaluate_fp:
         runtime=rule_resources("evaluate")["runtime"],
         gpu=rule_resources("evaluate")["gpu"],
     params:
-        evaluation=config["evaluation"],
+        evaluation=EVALUATION_SETTINGS,
         settings={},
         calibration={},
         label=lambda w: f"{w.model}/fp",
