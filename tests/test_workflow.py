@@ -70,6 +70,10 @@ def test_dag_runs_end_to_end_and_writes_a_sane_eval(finished_run):
     assert (finished_run / "results/report/pareto.png").stat().st_size > 0
     assert (finished_run / VARIANT / "model" / "config.json").exists()
     assert planned_jobs(finished_run) == {}  # nothing left to do
+    report = snakemake(finished_run, "--report", str(finished_run / "report.html"))
+    assert report.returncode == 0, report.stderr[-3000:]
+    html = (finished_run / "report.html").read_text(errors="ignore")
+    assert "summary.csv" in html and "pareto.png" in html and "layers.png" in html
 
 
 @pytest.mark.slow
