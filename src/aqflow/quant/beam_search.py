@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from aqflow.quant.beam_kernels import beam_stage, triton_stage_supported
+from aqflow.quant.cuda_graphs import capture_graph
 from aqflow.quant.objective import diagonal_blocks
 from aqflow.quant.representation import group_reconstruction
 
@@ -228,12 +229,5 @@ class BeamSearcher:
 
     def _capture(self, *inputs):
         static_inputs = tuple(t.clone() for t in inputs)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the graph: cuBLAS handles, allocator pools
-            self._eager(*static_inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_output = self._eager(*static_inputs)
+        graph, static_output = capture_graph(lambda: self._eager(*static_inputs), lambda: self._eager(*static_inputs))
         return graph, static_inputs, static_output

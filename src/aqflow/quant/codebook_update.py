@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from aqflow.quant.cuda_graphs import capture_graph
 from aqflow.quant.objective import output_error
 from aqflow.quant.representation import group_reconstruction
 
@@ -148,13 +149,7 @@ class CodebookAdam:
         self.graph[steps].replay()
 
     def _capture(self, steps: int) -> torch.cuda.CUDAGraph:
+        # the warm-up runs on scratch copies: the real parameters and optimiser state must not move
         scratch = CodebookAdam(self.weight, self.xtx, self.codebooks, self.scales, self.optimizer.lr, self.optimizer.betas, self.optimizer.eps)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up on scratch copies: the real state must not move
-            scratch._steps_(self.static_codes, 1)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._steps_(self.static_codes, steps)
+        graph, _ = capture_graph(lambda: self._steps_(self.static_codes, steps), lambda: scratch._steps_(self.static_codes, 1))
         return graph

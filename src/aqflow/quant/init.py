@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from aqflow.quant.cuda_graphs import capture_graph
 from aqflow.quant.kmeans import fit_kmeans, nearest_mahalanobis, reseed_empty_clusters
 
 
@@ -82,15 +83,10 @@ def _run_quadratic_adam(centroids, curvature, pull, scale, steps, lr):
     key = (tuple(centroids.shape), steps, lr, centroids.dtype, centroids.device)
     if key not in _M_STEP_GRAPHS:
         static = [centroids.clone(), curvature.clone(), pull.clone()]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            quadratic_adam_steps(static[0], static[1], static[2], 1.0, 1, lr)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            # the scale enters through the pull and curvature buffers (scaled before the copy in)
-            out = quadratic_adam_steps(static[0], static[1], static[2], 1.0, steps, lr)
+        # the scale enters through the pull and curvature buffers (scaled as they are copied in)
+        graph, out = capture_graph(
+            lambda: quadratic_adam_steps(*static, 1.0, steps, lr), lambda: quadratic_adam_steps(*static, 1.0, 1, lr)
+        )
         _M_STEP_GRAPHS[key] = (graph, static, out)
     graph, static, out = _M_STEP_GRAPHS[key]
     static[0].copy_(centroids)

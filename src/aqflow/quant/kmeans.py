@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from aqflow.quant.cuda_graphs import capture_graph
 from aqflow.quant.nearest_kernels import nearest_fused, nearest_fused_supported
 
 # Rows of the [rows, G, K] distance tensor processed at once; bounds memory at large K.
@@ -125,16 +126,13 @@ def _run_lloyd(points, centroids, codes, steps):
     key = (tuple(points.shape), centroids.shape[0], steps, points.dtype, points.device)
     if key not in _LLOYD_GRAPHS:
         static = (points.clone(), centroids.clone(), codes.clone())
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: kernels compiled, allocator pools made
-            lloyd_steps(*(t.clone() for t in static), steps)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+
+        def run():
             new_centroids, new_codes = lloyd_steps(*static, steps)
             static[1].copy_(new_centroids)
             static[2].copy_(new_codes)
+
+        graph, _ = capture_graph(run, lambda: lloyd_steps(*(t.clone() for t in static), steps))
         _LLOYD_GRAPHS[key] = (graph, static)
     graph, (static_points, static_centroids, static_codes) = _LLOYD_GRAPHS[key]
     static_points.copy_(points)
