@@ -315,7 +315,7 @@ def print_tables(results) -> None:
               f"{r['adam_step_flop_floor'] / 1e9:8.2f} {r['init_relative_mse']:11.5f} {r['final_relative_mse']:8.5f} {r['total_seconds']:7.2f}")
     reference = {(r["bpp"], r["layer"]): r for r in results["reference_full"]}
     if reference:
-        print(f"\nwhole per-layer loop, same settings: ours vs AQLM reference (greedy init both; oaem ours)")
+        print("\nwhole per-layer loop, same settings: ours vs AQLM reference (greedy init both; oaem ours)")
         print(f"{'layer':34s} {'bpp':>3s} {'ref s':>7s} {'greedy s':>8s} {'oaem s':>7s} {'x greedy':>8s} {'x oaem':>7s} {'ref relMSE':>10s} {'greedy':>8s} {'oaem':>8s}")
         ours = {(r["bpp"], r["init"], r["layer"]): r for r in results["runs"]}
         for (bpp, name), ref in reference.items():
