@@ -12,12 +12,14 @@ import torch
 from aqflow.quant.cuda_graphs import capture_graph
 from aqflow.quant.nearest_kernels import nearest_fused, nearest_fused_supported
 
-# Rows of the [rows, G, K] distance tensor processed at once; bounds memory at large K.
-_DISTANCE_BUDGET_ELEMENTS = 1 << 26
+# Elements of a distance block computed at once: on the GPU a bound on memory, on the CPU a block
+# that stays in cache (4.5x faster than one [N, K] matrix for SmolLM2's 110k groups x 256 codewords).
+_DISTANCE_BUDGET_ELEMENTS = {"cuda": 1 << 26, "cpu": 1 << 19}
 
 
-def _row_chunks(num_rows: int, elements_per_row: int):
-    step = max(1, _DISTANCE_BUDGET_ELEMENTS // max(1, elements_per_row))
+def _row_chunks(num_rows: int, elements_per_row: int, device: torch.device):
+    budget = _DISTANCE_BUDGET_ELEMENTS["cuda" if device.type == "cuda" else "cpu"]
+    step = max(1, budget // max(1, elements_per_row))
     for start in range(0, num_rows, step):
         yield slice(start, min(num_rows, start + step))
 
@@ -35,14 +37,14 @@ def nearest_euclidean(
             return codes, None
         return codes, (best.to(points.dtype) + (points * points).sum(-1)).clamp_min(0)
     codes = torch.empty(points.shape[0], dtype=torch.int64, device=points.device)
-    dist = torch.empty(points.shape[0], dtype=points.dtype, device=points.device)
+    best = torch.empty(points.shape[0], dtype=points.dtype, device=points.device)
     centroid_sq = (centroids * centroids).sum(-1)  # [K]
-    for rows in _row_chunks(points.shape[0], centroids.shape[0]):
-        chunk = points[rows]
-        d = centroid_sq - 2 * chunk @ centroids.T  # [n, K], up to the constant |x|^2
-        best, codes[rows] = d.min(dim=-1)
-        dist[rows] = (best + (chunk * chunk).sum(-1)).clamp_min(0)
-    return codes, dist
+    for rows in _row_chunks(points.shape[0], centroids.shape[0], points.device):
+        # |c|² - 2 x·c, one fused product; |x|² is the same for every centroid
+        best[rows], codes[rows] = torch.addmm(centroid_sq, points[rows], centroids.T, alpha=-2).min(dim=-1)
+    if not with_distance:
+        return codes, None
+    return codes, (best + (points * points).sum(-1)).clamp_min(0)
 
 
 def nearest_mahalanobis(
@@ -63,9 +65,9 @@ def nearest_mahalanobis(
         return codes.view(num_rows, num_groups), dist.clamp_min(0)
     codes = torch.empty(num_rows, num_groups, dtype=torch.int64, device=groups.device)
     dist = torch.empty(num_rows, num_groups, dtype=groups.dtype, device=groups.device)
-    for rows in _row_chunks(num_rows, num_groups * num_centroids):
+    for rows in _row_chunks(num_rows, num_groups * num_centroids, groups.device):
         weighted = torch.einsum("rjg,jgh->rjh", groups[rows], metrics)  # [n, G, g] = w H_j
-        d = centroid_energy - 2 * weighted @ centroids.T  # [n, G, K]
+        d = torch.matmul(weighted, centroids.T).mul_(-2).add_(centroid_energy)  # [n, G, K], in place
         best, codes[rows] = d.min(dim=-1)
         dist[rows] = (best + (weighted * groups[rows]).sum(-1)).clamp_min(0)
     return codes, dist
