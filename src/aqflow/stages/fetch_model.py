@@ -30,13 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def fetch(args: argparse.Namespace) -> Path:
     if args.preset == "tiny":
-        staging = args.output_dir.with_name(args.output_dir.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        build_tiny_llama(staging, hidden_size=args.tiny_hidden, num_layers=args.tiny_layers,
-                         intermediate_size=2 * args.tiny_hidden, dtype=args.dtype)
-        artifacts.write_json(staging / MARKER_FILE, {"preset": "tiny", "dtype": args.dtype, "layers": args.tiny_layers})
-        shutil.rmtree(args.output_dir, ignore_errors=True)
-        staging.rename(args.output_dir)
+        with artifacts.atomic_dir(args.output_dir) as staging:
+            build_tiny_llama(staging, hidden_size=args.tiny_hidden, num_layers=args.tiny_layers,
+                             intermediate_size=2 * args.tiny_hidden, dtype=args.dtype)
+            artifacts.write_json(staging / MARKER_FILE, {"preset": "tiny", "dtype": args.dtype, "layers": args.tiny_layers})
         return args.output_dir
     if (args.output_dir / MARKER_FILE).exists():
         return args.output_dir
