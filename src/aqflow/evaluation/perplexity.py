@@ -22,9 +22,13 @@ def window_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
     Returns nll_nats: [batch] float64, each the sum over the T - 1 predicted tokens.
     """
     logits = model(input_ids=input_ids).logits  # [batch, T, vocab]
-    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # float32: fp16 log-softmax loses digits
-    targets = input_ids[:, 1:].unsqueeze(-1)  # [batch, T - 1, 1]
-    return -log_probs.gather(-1, targets).squeeze(-1).double().sum(dim=1)
+    nll = []
+    # One window at a time in float32: the float32 log-probabilities of a whole batch of long
+    # windows (T x vocab x 4 bytes each, ~0.8 GB at 4096 x 49k) would dwarf the model's own memory.
+    for window_logits, window_ids in zip(logits, input_ids):
+        log_probs = torch.log_softmax(window_logits[:-1].float(), dim=-1)  # fp16 log-softmax loses digits
+        nll.append(-log_probs.gather(-1, window_ids[1:].unsqueeze(-1)).double().sum())
+    return torch.stack(nll)
 
 
 @torch.no_grad()
