@@ -206,3 +206,16 @@ def test_finetuned_block_is_what_propagates_and_what_is_stitched(setup, chain, t
         assert torch.equal(stored[key], tensor)
     tuned_layer = load_file(str(tuned / "model.layers.1.mlp.down_proj.safetensors"))
     assert torch.equal(stored["model.layers.1.mlp.down_proj.codebooks"], tuned_layer["codebooks"])
+
+
+def test_cast_floats_reaches_every_block_argument(setup):
+    from aqflow.calibration.block_finetune import cast_floats
+
+    _, model_dir, _, windows, _ = setup
+    call = block_call_inputs(load_causal_lm(model_dir), windows, 1)
+    cast = cast_floats(call, torch.bfloat16)
+    cos, sin = cast.kwargs["position_embeddings"]
+    assert cast.hidden_states.dtype == cos.dtype == sin.dtype == torch.bfloat16
+    for key, value in call.kwargs.items():  # integer tensors (positions) keep their dtype
+        if isinstance(value, torch.Tensor) and not value.is_floating_point():
+            assert cast.kwargs[key].dtype == value.dtype

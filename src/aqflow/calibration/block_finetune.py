@@ -71,14 +71,17 @@ class BlockFinetuneResult:
     seconds: float = 0.0
 
 
-def _floats_to(value: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating tensor inside nested tuples / lists / dicts (block-call arguments)."""
+def cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating tensor inside a BlockInputs or nested tuples / lists / dicts."""
+    if isinstance(value, BlockInputs):
+        return BlockInputs(cast_floats(value.hidden_states, dtype), cast_floats(value.args, dtype),
+                           cast_floats(value.kwargs, dtype), value.hidden_in_kwargs)
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() else value
     if isinstance(value, (tuple, list)):
-        return type(value)(_floats_to(v, dtype) for v in value)
+        return type(value)(cast_floats(v, dtype) for v in value)
     if isinstance(value, dict):
-        return {k: _floats_to(v, dtype) for k, v in value.items()}
+        return {k: cast_floats(v, dtype) for k, v in value.items()}
     return value
 
 
@@ -132,7 +135,7 @@ def finetune_block(block: nn.Module, call: BlockInputs, hidden_in: torch.Tensor,
         raise KeyError(f"quantized parameters for {sorted(quantized)}, but the block's linears are {sorted(linear_names)}")
     device = next(block.parameters()).device
     block = block.float()
-    call = _floats_to(call, torch.float32)
+    call = cast_floats(call, torch.float32)
     hidden_in, targets = hidden_in.float(), targets.float()
     linears = {name: QuantizedLinearParams(p.codes.to(device),
                                            p.codebooks.detach().float().to(device).clone().requires_grad_(),

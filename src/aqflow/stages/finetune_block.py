@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from aqflow import artifacts
-from aqflow.calibration.block_finetune import BlockFinetuneSettings, QuantizedLinearParams, finetune_block
+from aqflow.calibration.block_finetune import BlockFinetuneSettings, QuantizedLinearParams, cast_floats, finetune_block
 from aqflow.calibration.hessians import block_forward, find_decoder_blocks
 from aqflow.calibration.sequential import (
     BLOCK_TENSORS_FILE,
@@ -69,7 +69,8 @@ def read_quantized(path: Path) -> tuple[QuantizedLinearParams, int]:
 def run(args: argparse.Namespace) -> dict:
     settings = BlockFinetuneSettings(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
     windows = load_windows(args.calibration_dir / WINDOWS_FILE)
-    model = load_causal_lm(args.model_dir, dtype="float32", device=args.device)
+    # the model in its compute dtype (bfloat16 on a GPU); only the tuned block goes to float32
+    model = load_causal_lm(args.model_dir, dtype="float32" if args.device == "cpu" else "bfloat16", device=args.device)
     _, blocks = find_decoder_blocks(model)
     if not 0 <= args.block < len(blocks):
         raise ValueError(f"--block {args.block}: the model has blocks 0..{len(blocks) - 1}")
@@ -81,11 +82,13 @@ def run(args: argparse.Namespace) -> dict:
     if missing:
         raise FileNotFoundError(f"block {args.block} is not fully quantized: missing {missing}")
     quantized = {name: read_quantized(path) for name, path in files.items()}
-    call = block_call_inputs(model, windows, args.block)
+    call = cast_floats(block_call_inputs(model, windows, args.block), torch.float32)
     if args.inputs is None:
         hidden_in = embedded_inputs(model, windows, settings.batch_size, progress=not args.quiet)
     else:
-        hidden_in = load_hidden_states(args.inputs, windows).to(device=args.device, dtype=torch.float32)
+        hidden_in = load_hidden_states(args.inputs, windows).to(args.device)
+    hidden_in = hidden_in.float()
+    block.float()  # targets and tuning in float32
     with torch.no_grad():  # targets: the full-precision block on the same inputs
         targets = torch.cat([block_forward(block, call, hidden_in[s:s + settings.batch_size])
                              for s in range(0, hidden_in.shape[0], settings.batch_size)])
