@@ -24,8 +24,8 @@ checkpoint calibrate:
 
 
 # Sequential propagation: block i >= 1 of a variant is calibrated on the outputs of its quantized
-# (and, if enabled, tuned) block i-1; the job stores block i's inputs for block i+1 (temporary:
-# num_windows x window_tokens x hidden values, removed once block i+1 and its fine-tuning used them).
+# (and, if enabled, tuned) block i-1; the job stores block i's inputs for block i+1 (num_windows x
+# window_tokens x hidden values: temporary unless calibration.keep_block_inputs).
 rule calibrate_block:
     input:
         model=model_dir,
@@ -36,7 +36,7 @@ rule calibrate_block:
         calibration=directory(
             "results/{model}/{bpp}bpp/{init}/{variant}/calib/block{block}"
         ),
-        inputs=temp(
+        inputs=block_inputs_output(
             "results/{model}/{bpp}bpp/{init}/{variant}/calib/block{block}.inputs.safetensors"
         ),
     log:

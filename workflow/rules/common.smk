@@ -101,6 +101,13 @@ def block_inputs_path(wildcards, block):
     return f"{variant_dir(wildcards)}/calib/block{block}.inputs.safetensors"
 
 
+def block_inputs_output(path):
+    """Block inputs are removed once used (temp), unless calibration.keep_block_inputs: kept, a
+    later rerun of block i starts from block i-1's stored inputs instead of recomputing from block 1.
+    """
+    return path if CALIBRATION.get("keep_block_inputs", False) else temp(path)
+
+
 def previous_block_layers(wildcards):
     """What calibrate_block of block i runs: block i-1 as quantized (and tuned, if enabled)."""
     previous = int(wildcards.block) - 1
