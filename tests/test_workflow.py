@@ -196,6 +196,18 @@ def test_sequential_quantizer_change_reruns_blocks_after_the_first_not_fetch(seq
                     "evaluate_quantized": 1, "report": 1}  # not fetch_*, not the shared calibrate
 
 
+@pytest.mark.slow
+def test_sequential_deleted_layer_recomputes_the_temporary_block_inputs(sequential_run, tmp_path):
+    """Block 1's inputs were temporary: requantizing one of its layers (which its fine-tuning needs
+    again) recalibrates block 1 from the kept tuned block 0, so all of block 1 reruns; block 0 does not."""
+    workdir, config = sequential_run
+    copy = tmp_path / "copy"
+    shutil.copytree(workdir, copy, symlinks=True)
+    (copy / SEQUENTIAL_VARIANT / "layers" / "model.layers.1.mlp.down_proj.safetensors").unlink()
+    assert planned_jobs(copy, config=config) == {"calibrate_block": 1, "quantize_layer": 7, "finetune_block": 1,
+                                                 "stitch": 1, "evaluate_quantized": 1, "report": 1}
+
+
 def test_block_finetune_needs_sequential_mode(tmp_path):
     config = yaml.safe_load(CONFIG.read_text())
     config["calibration"]["block_finetune"] = {"enabled": True}

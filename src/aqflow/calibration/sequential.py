@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import torch
 from torch import nn
@@ -41,7 +41,8 @@ from .hessians import (
 from ..quant.representation import dequantize_weight, unpack_codes
 
 HIDDEN_KEY = "hidden_states"
-BLOCK_TENSORS_FILE = "block.safetensors"
+BLOCK_TENSORS_FILE = "block.safetensors"  # block fine-tuning's tuned norms and biases, by full name
+WINDOWS_FILE = "windows.safetensors"  # the calibration token ids, in the shared calibration folder
 
 
 # --- quantized blocks --------------------------------------------------------------------------
@@ -221,8 +222,8 @@ def block_prefix_of(model: nn.Module, block_index: int) -> str:
     return f"{name}.{block_index}"
 
 
-__all__: Sequence[str] = (
-    "BLOCK_TENSORS_FILE", "block_call_inputs", "block_layer_files", "block_prefix_of", "embedded_inputs",
+__all__ = [
+    "BLOCK_TENSORS_FILE", "WINDOWS_FILE", "block_call_inputs", "block_layer_files", "block_prefix_of", "embedded_inputs",
     "install_quantized_block", "load_block_tensors", "load_hidden_states", "load_quantized_weight",
     "load_windows", "propagate_and_collect", "save_hidden_states", "save_windows", "sequential_block_xtx",
-)
+]

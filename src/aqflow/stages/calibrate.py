@@ -29,13 +29,12 @@ from aqflow.calibration.hessians import (
     find_decoder_blocks,
     save_block_xtx,
 )
-from aqflow.calibration.sequential import save_windows
+from aqflow.calibration.sequential import WINDOWS_FILE, save_windows
 from aqflow.data.offline_text import load_split_corpus, role_texts
 from aqflow.data.windows import sample_calibration_windows
 from aqflow.models.fetch import load_causal_lm, load_tokenizer
 
 PROPAGATION_MODES = ("fp", "sequential")
-WINDOWS_FILE = "windows.safetensors"
 
 
 def build_parser() -> argparse.ArgumentParser:

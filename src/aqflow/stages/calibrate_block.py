@@ -27,6 +27,7 @@ import torch
 from aqflow import artifacts
 from aqflow.calibration.hessians import find_decoder_blocks, save_block_xtx
 from aqflow.calibration.sequential import (
+    WINDOWS_FILE,
     block_layer_files,
     block_prefix_of,
     embedded_inputs,
@@ -37,8 +38,6 @@ from aqflow.calibration.sequential import (
     sequential_block_xtx,
 )
 from aqflow.models.fetch import load_causal_lm
-
-WINDOWS_FILE = "windows.safetensors"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,6 +26,7 @@ from aqflow import artifacts
 from aqflow.calibration.block_finetune import BlockFinetuneSettings, QuantizedLinearParams, cast_floats, finetune_block
 from aqflow.calibration.hessians import block_forward, find_decoder_blocks
 from aqflow.calibration.sequential import (
+    WINDOWS_FILE,
     BLOCK_TENSORS_FILE,
     block_call_inputs,
     block_layer_files,
@@ -36,8 +37,6 @@ from aqflow.calibration.sequential import (
 )
 from aqflow.models.fetch import load_causal_lm
 from aqflow.quant.representation import pack_codes, unpack_codes
-
-WINDOWS_FILE = "windows.safetensors"
 
 
 def build_parser() -> argparse.ArgumentParser:
