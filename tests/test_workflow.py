@@ -197,6 +197,20 @@ def test_sequential_quantizer_change_reruns_blocks_after_the_first_not_fetch(seq
 
 
 @pytest.mark.slow
+def test_sequential_finetune_change_keeps_block0_layers(sequential_run):
+    """Block 0's layers come from the shared fp calibration: tuning settings change only what
+    runs on tuned blocks (block 1's calibration and layers), not block 0's quantization."""
+    workdir, config = sequential_run
+    changed = yaml.safe_load(config.read_text())
+    changed["calibration"]["block_finetune"]["epochs"] = 3
+    path = workdir / "config.sequential.finetune.yaml"
+    path.write_text(yaml.safe_dump(changed))
+    jobs = planned_jobs(workdir, config=path)
+    assert jobs == {"finetune_block": 2, "calibrate_block": 1, "quantize_layer": 7, "stitch": 1,
+                    "evaluate_quantized": 1, "report": 1}
+
+
+@pytest.mark.slow
 def test_sequential_deleted_layer_recomputes_the_temporary_block_inputs(sequential_run, tmp_path):
     """Block 1's inputs were temporary: requantizing one of its layers (which its fine-tuning needs
     again) recalibrates block 1 from the kept tuned block 0, so all of block 1 reruns; block 0 does not."""
