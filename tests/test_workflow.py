@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,6 +110,125 @@ def test_deleting_one_layer_reruns_only_that_layer_and_what_follows(finished_run
     layer.unlink()
     jobs = planned_jobs(finished_run)
     assert jobs == {"quantize_layer": 1, "stitch": 1, "evaluate_quantized": 1, "report": 1}
+
+
+SEQUENTIAL_VARIANT = "results/tiny/2bpp/greedy/b2e2"
+
+
+def sequential_config(directory: Path) -> Path:
+    """The tiny config in sequential mode with block fine-tuning, one target."""
+    config = yaml.safe_load(CONFIG.read_text())
+    config["targets"] = [{"model": "tiny", "bpp": 2, "init": "greedy", "beam": 2, "epochs": 2}]
+    config["calibration"]["propagation"] = "sequential"
+    config["calibration"]["block_finetune"] = {"enabled": True, "epochs": 2, "lr": 1.0e-3, "batch_size": 4, "seed": 0}
+    path = directory / "config.sequential.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sequential_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("dag-sequential")
+    config = sequential_config(workdir)
+    result = snakemake(workdir, "--cores", "2", config=config)
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-5000:])
+    return workdir, config
+
+
+@pytest.mark.slow
+def test_sequential_dag_runs_end_to_end_and_records_the_mode(sequential_run):
+    workdir, config = sequential_run
+    record = json.loads((workdir / SEQUENTIAL_VARIANT / "eval.json").read_text())
+    assert 1 < record["metrics"]["wikitext2"]["perplexity"] < 10 * 512
+    upstream = record["settings"]["upstream"]
+    assert upstream["calibration"]["propagation"] == "sequential"
+    layers = upstream["layers"]
+    assert len(layers) == 14 and all(layer["final_relative_mse"] < layer["init_relative_mse"] for layer in layers)
+    tuned = upstream["block_finetune"]
+    assert [b["block"] for b in tuned] == [0, 1]
+    assert all(b["relative_mse_after"] < b["relative_mse_before"] for b in tuned)
+    summary = pd.read_csv(workdir / "results/report/summary.csv").set_index("init")
+    assert summary.loc["greedy", "propagation"] == "sequential" and summary.loc["greedy", "block_finetune"]
+    shared = next((workdir / "results/tiny/calib").iterdir())
+    assert json.loads((shared / "calibration.json").read_text())["propagation"] == "sequential"
+    assert sorted(p.name for p in shared.glob("block*.npz")) == ["block0.npz"]  # block 1 is the variant's
+    block1 = json.loads((workdir / SEQUENTIAL_VARIANT / "calib/block1/calibration.json").read_text())
+    assert block1["propagation"] == "sequential" and block1["block_finetuned"]
+    assert not list((workdir / SEQUENTIAL_VARIANT / "calib").glob("*.inputs.safetensors"))  # temporary
+    stitched = json.loads((workdir / SEQUENTIAL_VARIANT / "model/aqflow_model.json").read_text())
+    assert "model.layers.1.input_layernorm.weight" in stitched["replaced_tensors"]  # the tuned norms
+    assert planned_jobs(workdir, config=config) == {}  # nothing left to do, though the inputs are gone
+
+
+@pytest.mark.slow
+def test_sequential_block0_equals_fp_and_block1_does_not(sequential_run, tmp_path):
+    """Calibrate the same model on the same corpus in fp mode by hand: block 0 is the same XᵀX,
+    block 1 (calibrated on quantized block 0's outputs) is not."""
+    from aqflow.calibration import load_block_xtx
+    from aqflow.stages import calibrate
+
+    workdir, _ = sequential_run
+    fp_dir = tmp_path / "fp"
+    assert calibrate.main(["--model-dir", str(workdir / "resources/models/tiny"),
+                           "--corpus", str(workdir / "resources/data/c4-standin.parquet"), "--output-dir", str(fp_dir),
+                           "--num-windows", "8", "--window-tokens", "64", "--seed", "0", "--propagation", "fp",
+                           "--batch-size", "4", "--quiet"]) == 0
+    shared = next((workdir / "results/tiny/calib").iterdir())
+    fp0, seq0 = load_block_xtx(fp_dir / "block0.npz"), load_block_xtx(shared / "block0.npz")
+    fp1 = load_block_xtx(fp_dir / "block1.npz")
+    seq1 = load_block_xtx(workdir / SEQUENTIAL_VARIANT / "calib/block1/block1.npz")
+    assert fp0.xtx.keys() == seq0.xtx.keys() == fp1.xtx.keys() == seq1.xtx.keys()
+    for site in fp0.xtx:
+        assert torch.equal(fp0.xtx[site], seq0.xtx[site])
+        assert seq1.tokens[site] == fp1.tokens[site] == 8 * 64
+        assert (seq1.xtx[site] - fp1.xtx[site]).norm() > 1e-3 * fp1.xtx[site].norm()
+
+
+@pytest.mark.slow
+def test_sequential_quantizer_change_reruns_blocks_after_the_first_not_fetch(sequential_run):
+    workdir, config = sequential_run
+    changed = yaml.safe_load(config.read_text())
+    changed["quantization"]["steps_per_epoch"] = 21
+    path = workdir / "config.sequential.steps.yaml"
+    path.write_text(yaml.safe_dump(changed))
+    jobs = planned_jobs(workdir, config=path)
+    assert jobs == {"quantize_layer": 14, "calibrate_block": 1, "finetune_block": 2, "stitch": 1,
+                    "evaluate_quantized": 1, "report": 1}  # not fetch_*, not the shared calibrate
+
+
+@pytest.mark.slow
+def test_sequential_finetune_change_keeps_block0_layers(sequential_run):
+    """Block 0's layers come from the shared fp calibration: tuning settings change only what
+    runs on tuned blocks (block 1's calibration and layers), not block 0's quantization."""
+    workdir, config = sequential_run
+    changed = yaml.safe_load(config.read_text())
+    changed["calibration"]["block_finetune"]["epochs"] = 3
+    path = workdir / "config.sequential.finetune.yaml"
+    path.write_text(yaml.safe_dump(changed))
+    jobs = planned_jobs(workdir, config=path)
+    assert jobs == {"finetune_block": 2, "calibrate_block": 1, "quantize_layer": 7, "stitch": 1,
+                    "evaluate_quantized": 1, "report": 1}
+
+
+@pytest.mark.slow
+def test_sequential_deleted_layer_recomputes_the_temporary_block_inputs(sequential_run, tmp_path):
+    """Block 1's inputs were temporary: requantizing one of its layers (which its fine-tuning needs
+    again) recalibrates block 1 from the kept tuned block 0, so all of block 1 reruns; block 0 does not."""
+    workdir, config = sequential_run
+    copy = tmp_path / "copy"
+    shutil.copytree(workdir, copy, symlinks=True)
+    (copy / SEQUENTIAL_VARIANT / "layers" / "model.layers.1.mlp.down_proj.safetensors").unlink()
+    assert planned_jobs(copy, config=config) == {"calibrate_block": 1, "quantize_layer": 7, "finetune_block": 1,
+                                                 "stitch": 1, "evaluate_quantized": 1, "report": 1}
+
+
+def test_block_finetune_needs_sequential_mode(tmp_path):
+    config = yaml.safe_load(CONFIG.read_text())
+    config["calibration"]["block_finetune"] = {"enabled": True}
+    path = tmp_path / "fp-finetune.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = snakemake(tmp_path, "-n", config=path)
+    assert result.returncode != 0 and "block_finetune" in result.stdout + result.stderr
 
 
 def test_config_typo_names_the_key(tmp_path):

@@ -9,6 +9,8 @@ STAGES = {
     "fetch-model": "aqflow.stages.fetch_model",
     "fetch-data": "aqflow.stages.fetch_data",
     "calibrate": "aqflow.stages.calibrate",
+    "calibrate-block": "aqflow.stages.calibrate_block",
+    "finetune-block": "aqflow.stages.finetune_block",
     "quantize-layer": "aqflow.stages.quantize_layer",
     "stitch": "aqflow.stages.stitch",
     "evaluate": "aqflow.stages.evaluate",

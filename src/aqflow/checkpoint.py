@@ -22,6 +22,7 @@ import os
 import shutil
 import struct
 from pathlib import Path
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -134,19 +135,37 @@ def read_layer_artifact(layers_dir: str | os.PathLike, module_name: str, linear:
     return {"codes": codes, "codebooks": codebooks, "scales": scales}
 
 
-def _read_all_artifacts(model: nn.Module, names: list[str], layers_dir: Path,
+def _artifact_dir(layers_dirs: list[Path], module_name: str) -> Path:
+    """The one folder of `layers_dirs` holding `module_name`'s artifact (the first if none does, so
+    the error names it); an artifact in two folders is ambiguous and refused."""
+    holders = [d for d in layers_dirs if layer_artifact_path(d, module_name).is_file()]
+    if len(holders) > 1:
+        raise CheckpointError(f"{module_name}: artifacts in several layer folders {[str(d) for d in holders]}")
+    return holders[0] if holders else layers_dirs[0]
+
+
+def _as_dirs(layers_dir: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    dirs = [Path(layers_dir)] if isinstance(layers_dir, (str, os.PathLike)) else [Path(d) for d in layers_dir]
+    if not dirs:
+        raise ValueError("no layers folder given")
+    return dirs
+
+
+def _read_all_artifacts(model: nn.Module, names: list[str], layers_dir: list[Path],
                         **expected: int) -> dict[str, dict[str, torch.Tensor]]:
-    """Every artifact, checked; one error listing every module whose artifact is missing or wrong."""
+    """Every artifact, checked; one error listing every module whose artifact is missing or wrong.
+    layers_dir: the folders to look in; each module's artifact must be in exactly one of them."""
     found, problems = {}, []
     for name in names:
         try:
-            found[name] = read_layer_artifact(layers_dir, name, model.get_submodule(name), **expected)
+            found[name] = read_layer_artifact(_artifact_dir(layers_dir, name), name, model.get_submodule(name),
+                                              **expected)
         except CheckpointError as error:
             problems.append(str(error))
     if problems:
         shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise CheckpointError(f"{len(problems)} of {len(names)} quantized linears have no usable artifact "
-                              f"in {layers_dir}:\n  {shown}")
+                              f"in {', '.join(str(d) for d in layers_dir)}:\n  {shown}")
     return found
 
 
@@ -173,8 +192,9 @@ def _files_to_copy(model_dir: Path) -> list[Path]:
 
 # --- the checkpoint ----------------------------------------------------------------------------
 
-def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.PathLike, output_dir: str | os.PathLike,
-                          num_codebooks: int, nbits: int, group_size: int = 8, dtype: str = "float16") -> Path:
+def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.PathLike | Sequence[str | os.PathLike],
+                          output_dir: str | os.PathLike, num_codebooks: int, nbits: int, group_size: int = 8,
+                          dtype: str = "float16", replaced_tensors: Mapping[str, torch.Tensor] | None = None) -> Path:
     """Write a standard AQLM checkpoint folder at `output_dir` (atomically: staged, then renamed).
 
     Every linear of every decoder block must have its artifact in `layers_dir`, quantized with
@@ -183,11 +203,16 @@ def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.Pat
     `X.bias`; every other tensor of the model is copied, floating ones cast to `dtype` (tied
     embeddings stay tied: the head is not quantized and the file keeps what the source kept).
     Tokenizer and generation config are copied. Nothing is written if any check fails.
+
+    layers_dir may be several folders (e.g. one per fine-tuned block); each artifact must be in
+    exactly one. replaced_tensors: full-precision tensors of the model to store instead of the
+    source's (block fine-tuning's tuned norms and biases); each must exist with the same shape.
     """
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    model_dir, layers_dir, output_dir = Path(model_dir), Path(layers_dir), Path(output_dir)
+    model_dir, output_dir = Path(model_dir), Path(output_dir)
+    layers_dirs = _as_dirs(layers_dir)
     torch_dtype = to_torch_dtype(dtype)
     if num_codebooks < 1 or not 1 <= nbits <= MAX_NBITS or group_size < 1:
         raise ValueError(f"need num_codebooks >= 1, 1 <= nbits <= {MAX_NBITS} and group_size >= 1; "
@@ -196,12 +221,13 @@ def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.Pat
         raise FileExistsError(f"{output_dir} already exists; remove it to stitch again")
     if not (model_dir / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{model_dir} has no {CONFIG_FILE}: not a model folder")
-    if not layers_dir.is_dir():
-        raise FileNotFoundError(f"{layers_dir}: no such layers folder")
+    for folder in layers_dirs:
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder}: no such layers folder")
     model = _meta_model(model_dir)
     quantized = quantized_linear_names(model)
     keep_fp = not_quantized_names(model, quantized)
-    layers = _read_all_artifacts(model, quantized, layers_dir,
+    layers = _read_all_artifacts(model, quantized, layers_dirs,
                                  num_codebooks=num_codebooks, nbits=nbits, group_size=group_size)
 
     tensors: dict[str, torch.Tensor] = {}
@@ -214,6 +240,11 @@ def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.Pat
                     continue
                 tensor = handle.get_tensor(key)
                 tensors[key] = tensor.to(torch_dtype) if tensor.is_floating_point() else tensor
+    for key, tensor in (replaced_tensors or {}).items():
+        if key not in tensors or tensors[key].shape != tensor.shape:
+            raise CheckpointError(f"replacement tensor {key!r} {tuple(tensor.shape)} matches no full-precision "
+                                  f"tensor of {model_dir}")
+        tensors[key] = tensor.to(torch_dtype)
     if quantized_weights:
         raise CheckpointError(f"{model_dir} has no weights for the quantized linears {sorted(quantized_weights)[:5]}")
     for name, layer in layers.items():
@@ -239,7 +270,8 @@ def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.Pat
         write_json(staging / MARKER_FILE, {
             "source_model": str(model_dir),
             "source_marker": json.loads(source_marker.read_text()) if source_marker.is_file() else None,
-            "layers_dir": str(layers_dir),
+            "layers_dir": str(layers_dirs[0]) if len(layers_dirs) == 1 else [str(d) for d in layers_dirs],
+            "replaced_tensors": sorted(replaced_tensors or {}),
             "dtype": dtype,
             "quantization": {"num_codebooks": num_codebooks, "nbits": nbits, "group_size": group_size},
             "quantized_linears": len(quantized),
@@ -254,7 +286,7 @@ def dequantized_model(model_dir: str | os.PathLike, layers_dir: str | os.PathLik
     checkpoint must reproduce. Raises CheckpointError if an artifact is missing or wrong."""
     model = load_causal_lm(model_dir, dtype="float32")
     names = quantized_linear_names(model)
-    layers = _read_all_artifacts(model, names, Path(layers_dir))
+    layers = _read_all_artifacts(model, names, _as_dirs(layers_dir))
     with torch.no_grad():
         for name, layer in layers.items():
             nbits = layer["codebooks"].shape[1].bit_length() - 1

@@ -30,6 +30,7 @@ def summary_row(path: str | Path) -> dict:
     record = json.loads(Path(path).read_text())
     settings = pipeline_settings(record)
     quantizer = settings.get("quantizer") or {}
+    calibration = settings.get("calibration") or {}
     metrics = record.get("metrics") or {}
     row = {
         "variant": record.get("label") or str(Path(path).parent),
@@ -38,6 +39,9 @@ def summary_row(path: str | Path) -> dict:
         "init": quantizer.get("init", "fp" if not quantizer else None),
         "beam": quantizer.get("beam_size"),
         "max_epochs": quantizer.get("max_epochs"),
+        # which propagation mode calibrated the variant (fp baselines have none)
+        "propagation": calibration.get("propagation", "fp") if calibration else None,
+        "block_finetune": bool(_get(calibration, "block_finetune", "enabled", default=False)) if calibration else None,
         "bits_per_parameter": record.get("bits_per_parameter"),
         "wikitext2_ppl": _get(metrics, "wikitext2", "perplexity"),
         "c4_ppl": _get(metrics, "c4", "perplexity"),

@@ -33,6 +33,21 @@ def run_stage(snakemake, stage: str, argv: list[str]) -> None:
         raise SystemExit(f"aqflow {stage} failed with exit code {code}; see {log_path}")
 
 
+def block_finetune_summaries(tuned_block_dirs) -> list[dict]:
+    """Per block: relative output error before and after block fine-tuning, from each tuned block
+    folder's finetune.json (an empty list when fine-tuning is off). A single folder may come as a str."""
+    import json
+    from pathlib import Path
+
+    dirs = [tuned_block_dirs] if isinstance(tuned_block_dirs, str) else list(tuned_block_dirs)
+    keys = ("block", "relative_mse_before", "relative_mse_after", "best_epoch", "seconds")
+    summaries = []
+    for folder in dirs:
+        record = json.loads((Path(folder) / "finetune.json").read_text())
+        summaries.append({key: record.get(key) for key in keys})
+    return summaries
+
+
 def layer_summaries(metric_files) -> list[dict]:
     """The per-layer facts the report plots, from quantize-layer metrics JSONs (in the given order)."""
     import json

@@ -21,3 +21,71 @@ checkpoint calibrate:
         batch_size=CALIBRATION.get("batch_size", 4),
     script:
         "../scripts/calibrate.py"
+
+
+# Sequential propagation: block i >= 1 of a variant is calibrated on the outputs of its quantized
+# (and, if enabled, tuned) block i-1; the job stores block i's inputs for block i+1 (num_windows x
+# window_tokens x hidden values: temporary unless calibration.keep_block_inputs).
+rule calibrate_block:
+    input:
+        model=model_dir,
+        calibration=calibration_dir,
+        previous_layers=previous_block_layers,
+        previous_inputs=previous_block_inputs,
+    output:
+        calibration=directory(
+            "results/{model}/{bpp}bpp/{init}/{variant}/calib/block{block}"
+        ),
+        inputs=block_inputs_output(
+            "results/{model}/{bpp}bpp/{init}/{variant}/calib/block{block}.inputs.safetensors"
+        ),
+    log:
+        "logs/calibrate_block/{model}/{bpp}bpp/{init}/{variant}/block{block}.log",
+    conda:
+        "../../envs/aqflow.yaml"
+    threads: rule_resources("calibrate")["cpus"]
+    resources:
+        mem_mb=rule_resources("calibrate")["mem_mb"],
+        runtime=rule_resources("calibrate")["runtime"],
+        gpu=rule_resources("calibrate")["gpu"],
+    params:
+        previous_layers_dir=lambda w: (
+            tuned_block_dir(w, int(w.block) - 1)
+            if FINETUNE
+            else f"{variant_dir(w)}/layers"
+        ),
+        previous_block_tensors=lambda w: (
+            f"{tuned_block_dir(w, int(w.block) - 1)}/block.safetensors"
+            if FINETUNE
+            else ""
+        ),
+        batch_size=CALIBRATION.get("batch_size", 4),
+    script:
+        "../scripts/calibrate_block.py"
+
+
+rule finetune_block:
+    input:
+        model=model_dir,
+        calibration=calibration_dir,
+        layers=lambda w: block_layer_artifacts(w, int(w.block)),
+        inputs=finetune_inputs,
+    output:
+        directory("results/{model}/{bpp}bpp/{init}/{variant}/tuned/block{block}"),
+    log:
+        "logs/finetune_block/{model}/{bpp}bpp/{init}/{variant}/block{block}.log",
+    conda:
+        "../../envs/aqflow.yaml"
+    threads: rule_resources("calibrate")["cpus"]
+    resources:
+        mem_mb=rule_resources("calibrate")["mem_mb"],
+        runtime=rule_resources("calibrate")["runtime"],
+        gpu=rule_resources("calibrate")["gpu"],
+    params:
+        layers_dir=lambda w: f"{variant_dir(w)}/layers",
+        epochs=BLOCK_FINETUNE.get("epochs", 5),
+        lr=BLOCK_FINETUNE.get("lr", 1.0e-4),
+        batch_size=BLOCK_FINETUNE.get("batch_size", 4),
+        seed=BLOCK_FINETUNE.get("seed", 0),
+    script:
+        "../scripts/finetune_block.py"

@@ -1,5 +1,6 @@
 # Path helpers and input functions: everything the rules compute about paths lives here.
 import json
+import re
 from types import SimpleNamespace
 
 
@@ -10,6 +11,7 @@ wildcard_constraints:
     variant=r"b\d+(e\d+)?",
     layer="[^/]+",
     corpus="[^/]+",
+    block=r"\d+",
 
 
 CALIBRATION = config["calibration"]
@@ -18,6 +20,14 @@ CALIBRATION_ID = (
     f"-s{CALIBRATION.get('seed', 0)}-{CALIBRATION.get('propagation', 'fp')}"
 )
 EVAL_CORPORA = {"wikitext2": "wikitext2-standin", "c4": "c4-standin"}
+SEQUENTIAL = CALIBRATION.get("propagation", "fp") == "sequential"
+BLOCK_FINETUNE = dict(CALIBRATION.get("block_finetune") or {})
+FINETUNE = bool(BLOCK_FINETUNE.pop("enabled", False))
+if FINETUNE and not SEQUENTIAL:
+    raise ValueError(
+        "calibration.block_finetune.enabled needs calibration.propagation: sequential "
+        "(in fp mode every block is calibrated from the full-precision model)"
+    )
 
 
 def canonical(mapping):
@@ -26,7 +36,12 @@ def canonical(mapping):
     return {key: mapping[key] for key in sorted(mapping)}
 
 
-CALIBRATION_SETTINGS = canonical(CALIBRATION)
+CALIBRATION_SETTINGS = canonical(
+    {
+        key: canonical(value) if isinstance(value, dict) else value
+        for key, value in CALIBRATION.items()
+    }
+)
 EVALUATION_SETTINGS = canonical(config["evaluation"])
 
 
@@ -40,6 +55,88 @@ def corpus_path(name):
 
 def calibration_dir(wildcards):
     return f"results/{wildcards.model}/calib/{CALIBRATION_ID}"
+
+
+def block_of(layer):
+    """`model.layers.3.mlp.down_proj` -> 3 (the first dotted integer, as quantize-layer reads it)."""
+    match = re.match(r"^(?:.*?\.)?(\d+)\.(.+)$", layer)
+    if match is None:
+        raise ValueError(f"layer {layer!r} has no block index")
+    return int(match.group(1))
+
+
+def layer_calibration_dir(wildcards):
+    """The XᵀX of a layer's block: shared (fp mode, and block 0 in sequential mode) or, for a block
+    after the first in sequential mode, the variant's own (it depends on its quantized blocks).
+    """
+    block = block_of(wildcards.layer)
+    if SEQUENTIAL and block > 0:
+        return f"{variant_dir(wildcards)}/calib/block{block}"
+    return calibration_dir(wildcards)
+
+
+def num_blocks(wildcards):
+    folder = checkpoints.calibrate.get(
+        model=wildcards.model, calib=CALIBRATION_ID
+    ).output[0]
+    with open(f"{folder}/calibration.json") as handle:
+        return json.load(handle)["blocks"]
+
+
+def block_layer_artifacts(wildcards, block):
+    base = variant_dir(wildcards)
+    return [
+        f"{base}/layers/{layer}.safetensors"
+        for layer in quantized_layers(wildcards)
+        if block_of(layer) == block
+    ]
+
+
+def tuned_block_dir(wildcards, block):
+    return f"{variant_dir(wildcards)}/tuned/block{block}"
+
+
+def block_inputs_path(wildcards, block):
+    """Inputs of `block` in the quantized model (a temporary artifact of its calibrate_block job)."""
+    return f"{variant_dir(wildcards)}/calib/block{block}.inputs.safetensors"
+
+
+def block_inputs_output(path):
+    """Block inputs are removed once used (temp), unless calibration.keep_block_inputs: kept, a
+    later rerun of block i starts from block i-1's stored inputs instead of recomputing from block 1.
+    """
+    return path if CALIBRATION.get("keep_block_inputs", False) else temp(path)
+
+
+def previous_block_layers(wildcards):
+    """What calibrate_block of block i runs: block i-1 as quantized (and tuned, if enabled)."""
+    previous = int(wildcards.block) - 1
+    if FINETUNE:
+        return [tuned_block_dir(wildcards, previous)]
+    return block_layer_artifacts(wildcards, previous)
+
+
+def previous_block_inputs(wildcards):
+    previous = int(wildcards.block) - 1
+    return [block_inputs_path(wildcards, previous)] if previous >= 1 else []
+
+
+def finetune_inputs(wildcards):
+    """The inputs of the block being tuned; block 0's are the embeddings, recomputed."""
+    block = int(wildcards.block)
+    return [block_inputs_path(wildcards, block)] if block >= 1 else []
+
+
+def finetuned_blocks(wildcards):
+    """Every tuned block folder of a variant (none unless block fine-tuning is enabled)."""
+    if not FINETUNE:
+        return []
+    return [tuned_block_dir(wildcards, block) for block in range(num_blocks(wildcards))]
+
+
+def stitch_layers_dirs(wildcards):
+    """Where stitch finds the layers: the tuned block folders, or the variant's layers folder."""
+    return finetuned_blocks(wildcards) or [f"{variant_dir(wildcards)}/layers"]
 
 
 def variant_dir(wildcards):

@@ -2,6 +2,7 @@ rule evaluate_quantized:
     input:
         model="results/{model}/{bpp}bpp/{init}/{variant}/model",
         layer_metrics=layer_metrics,
+        tuned_blocks=finetuned_blocks,
         wikitext2=corpus_path(EVAL_CORPORA["wikitext2"]),
         c4=corpus_path(EVAL_CORPORA["c4"]),
     output:
@@ -28,6 +29,7 @@ rule evaluate_fp:
     input:
         model=model_dir,
         layer_metrics=[],
+        tuned_blocks=[],
         wikitext2=corpus_path(EVAL_CORPORA["wikitext2"]),
         c4=corpus_path(EVAL_CORPORA["c4"]),
     output:

@@ -1,7 +1,7 @@
 rule quantize_layer:
     input:
         model=model_dir,
-        calibration=calibration_dir,
+        calibration=layer_calibration_dir,
     output:
         layer="results/{model}/{bpp}bpp/{init}/{variant}/layers/{layer}.safetensors",
         metrics="results/{model}/{bpp}bpp/{init}/{variant}/layers/{layer}.json",
@@ -24,6 +24,7 @@ rule stitch:
     input:
         model=model_dir,
         layers=layer_artifacts,
+        tuned=finetuned_blocks,
     output:
         directory("results/{model}/{bpp}bpp/{init}/{variant}/model"),
     log:
@@ -35,7 +36,10 @@ rule stitch:
         mem_mb=rule_resources("stitch")["mem_mb"],
         runtime=rule_resources("stitch")["runtime"],
     params:
-        layers_dir=lambda w: f"{variant_dir(w)}/layers",
+        layers_dirs=stitch_layers_dirs,
+        replace_tensors=lambda w: [
+            f"{folder}/block.safetensors" for folder in finetuned_blocks(w)
+        ],
         num_codebooks=lambda w: bitrate(w)["num_codebooks"],
         nbits=lambda w: bitrate(w)["nbits"],
         group_size=config["quantization"].get("group_size", 8),

@@ -1,7 +1,7 @@
 import json
 import tempfile
 
-from aqflow.workflow_glue import layer_summaries, run_stage
+from aqflow.workflow_glue import block_finetune_summaries, layer_summaries, run_stage
 
 p = snakemake.params
 wildcards = dict(snakemake.wildcards)
@@ -13,6 +13,7 @@ settings = {
     "calibration": dict(p.calibration),
     "evaluation": dict(p.evaluation),
     "layers": layers,
+    "block_finetune": block_finetune_summaries(snakemake.input.tuned_blocks),
     "quantization_seconds": sum(layer["total_seconds"] for layer in layers) if layers else None,
 }
 ev = p.evaluation

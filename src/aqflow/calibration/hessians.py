@@ -16,9 +16,10 @@ model and comparing the tensors each linear receives, not by tables of layer nam
 Propagation modes:
 * fp: every block sees the inputs the full-precision model gives it; one forward pass of the
   whole model per batch feeds all blocks at once (`collect_xtx_fp`).
-* sequential (to come): block i sees the outputs of the already-quantized blocks < i. Its
-  building blocks are here: `capture_block_inputs` (the inputs of block 0), `block_forward` (one
-  block on given inputs) and `accumulate_block_xtx` (XᵀX of one block on given inputs).
+* sequential: block i sees the outputs of the already-quantized blocks < i (`sequential.py`,
+  one block per step). Its building blocks are here: `capture_block_inputs` (a block's inputs),
+  `block_forward` (one block on given inputs) and `accumulate_block_xtx` (XᵀX of one block on
+  given inputs).
 """
 
 from __future__ import annotations

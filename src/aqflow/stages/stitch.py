@@ -12,13 +12,19 @@ import argparse
 import sys
 from pathlib import Path
 
+from safetensors.torch import load_file
+
 from aqflow.checkpoint import CheckpointError, stored_bits_per_parameter, write_aqlm_checkpoint
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aqflow stitch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", required=True, type=Path, help="full-precision Hugging Face model folder")
-    parser.add_argument("--layers-dir", required=True, type=Path, help="folder of <module name>.safetensors layer results")
+    parser.add_argument("--layers-dir", required=True, type=Path, nargs="+",
+                        help="folder(s) of <module name>.safetensors layer results; each layer in exactly one")
+    parser.add_argument("--replace-tensors", type=Path, nargs="*", default=[],
+                        help="safetensors files of tuned full-precision tensors (block fine-tuning's "
+                             "block.safetensors) stored instead of the model's")
     parser.add_argument("--output-dir", required=True, type=Path, help="checkpoint folder to create (must not exist)")
     parser.add_argument("--num-codebooks", required=True, type=int)
     parser.add_argument("--nbits", required=True, type=int, help="bits per code (codebooks of 2^nbits codewords)")
@@ -31,9 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        replaced = {}
+        for path in args.replace_tensors:
+            replaced.update(load_file(str(path)))
         output_dir = write_aqlm_checkpoint(args.model_dir, args.layers_dir, args.output_dir,
                                            num_codebooks=args.num_codebooks, nbits=args.nbits,
-                                           group_size=args.group_size, dtype=args.dtype)
+                                           group_size=args.group_size, dtype=args.dtype, replaced_tensors=replaced)
     except (CheckpointError, ValueError, KeyError, OSError) as error:
         print(f"aqflow stitch: error: {error}", file=sys.stderr)
         return 2
