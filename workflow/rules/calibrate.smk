@@ -7,7 +7,9 @@ checkpoint calibrate:
     log:
         "logs/calibrate/{model}/{calib}.log",
     conda:
-        "../../envs/aqflow.yaml"
+        "../../envs/quantize.yaml"
+    container:
+        CONTAINER
     threads: rule_resources("calibrate")["cpus"]
     resources:
         mem_mb=rule_resources("calibrate")["mem_mb"],

@@ -18,6 +18,8 @@ CALIBRATION_ID = (
     f"-s{CALIBRATION.get('seed', 0)}-{CALIBRATION.get('propagation', 'fp')}"
 )
 EVAL_CORPORA = {"wikitext2": "wikitext2-standin", "c4": "c4-standin"}
+# the image every rule runs in with `--sdm apptainer` (built from docker/Dockerfile)
+CONTAINER = config["container"]
 
 
 def canonical(mapping):
