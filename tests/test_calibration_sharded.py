@@ -114,5 +114,11 @@ def test_bad_requests_are_refused_before_anything_starts(model_dir, corpus, tmp_
     if torch.cuda.device_count() < 3:
         assert calibrate_stage.main([*base, "--num-windows", "8", "--device", "cuda", "--num-devices", "3"]) == 2
         assert "3 devices asked for, but" in capsys.readouterr().err
+    # a propagation mode other than fp (block after block) is not sharded
+    args = calibrate_stage.build_parser().parse_args([*base, "--num-windows", "8", "--device", "cpu",
+                                                      "--num-devices", "2"])
+    args.propagation = "sequential"
+    with pytest.raises(ValueError, match="shards fp propagation only, not 'sequential'"):
+        calibrate_stage.launch_sharded(args, [])
     assert not (tmp_path / "out").exists()
     assert shard_devices("cpu", 3) == ["cpu", "cpu", "cpu"]

@@ -98,6 +98,8 @@ def _calibrate_one_shard(args: argparse.Namespace, windows, source: str, started
 
 def launch_sharded(args: argparse.Namespace, argv: list[str]) -> int:
     """Run this stage under torchrun with one process per device; the exit code of the group."""
+    if args.propagation != "fp":  # other modes calibrate block after block from quantized outputs
+        raise ValueError(f"--num-devices {args.num_devices} shards fp propagation only, not {args.propagation!r}")
     shard_devices(args.device, args.num_devices)  # names what is missing before anything starts
     shard_bounds(args.num_windows, args.num_devices, 0)
     command = torchrun_command(args.num_devices, "aqflow", ["calibrate", *argv])
