@@ -163,17 +163,20 @@ def test_cluster_generic_profile_submits_its_sbatch_line(slurm, tmp_path):
     before = set(slurm.completions())
     result = run_snakemake(slurm, tmp_path, GENERIC_PROFILE,
                            "--cluster-generic-status-cmd", str(GENERIC_PROFILE / "status.sh"),
-                           "resources/models/tiny", "resources/data/c4-standin.parquet")
+                           "results/tiny/calib/c4-standin-n8-t64-s0-fp")
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:] + job_logs(tmp_path) + slurm.logs()
     submitted = set(re.findall(r"Submitted job \d+ with external jobid '(\d+)", output))
-    assert len(submitted) == 2, output[-3000:]
+    assert len(submitted) == 3, output[-3000:]
     jobs = slurm.jobs()
     completions = slurm.completions()
     assert submitted <= set(completions) - before
-    names = sorted(jobs[job_id]["JobName"] for job_id in submitted)
-    assert names == ["aqflow-fetch_data", "aqflow-fetch_model"]
-    for job_id in submitted:
+    rules = {jobs[job_id]["JobName"].removeprefix("aqflow-"): job_id for job_id in submitted}
+    assert sorted(rules) == ["calibrate", "fetch_data", "fetch_model"]
+    for rule, job_id in rules.items():
         assert completions[job_id]["state"] == "COMPLETED" and jobs[job_id]["ExitCode"] == "0:0"
-        assert gpus_of(jobs[job_id]) == 0
-    assert (tmp_path / "resources/models/tiny/config.json").exists()
+        # config.yaml's GPUs (this profile has no set-resources): 1 for calibrate, none for fetching
+        real = yaml.safe_load((REPO / "config.yaml").read_text())["resources"]
+        assert gpus_of(jobs[job_id]) == (real["default"] | real.get(RESOURCE_KEY[rule], {}))["gpu"], rule
+    assert gpus_of(jobs[rules["calibrate"]]) == 1
+    assert (tmp_path / "results/tiny/calib/c4-standin-n8-t64-s0-fp/calibration.json").exists()
