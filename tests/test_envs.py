@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from importlib import metadata
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
 LOCK = REPO / "envs" / "requirements.txt"
@@ -91,6 +93,41 @@ def test_each_env_pins_every_direct_dependency_of_what_it_installs():
         names = set(core) | {dep for extra in (wanted.group(1).split(",") if wanted else []) for dep in extras[extra]}
         missing = names - set(pins)
         assert not missing, f"{path.name} installs aqflow{wanted.group(0) if wanted else ''} but leaves {missing} unpinned"
+
+
+def dependency_closure(roots: set[str]) -> set[str]:
+    """Every distribution installed here that `roots` need, transitively (markers evaluated for this
+    platform, no extras beyond those listed as roots)."""
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue  # not needed on this platform
+        seen.add(name)
+        for spec in dist.requires or []:
+            requirement = Requirement(spec)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(normalized(requirement.name))
+    return seen
+
+
+def test_each_env_pins_its_whole_dependency_closure_at_the_tested_versions():
+    """Not only the direct dependencies: whatever they pull in is pinned too, so an env built later
+    resolves to the versions the tests ran with (pip and setuptools, the installers, excepted)."""
+    core, extras = project_dependencies()
+    lock = lock_pins()
+    for path in ENVS:
+        pins, other, _ = env_pins(path)
+        wanted = re.search(r"\[([\w,]+)\]$", other[0])
+        roots = set(pins) | set(core) | {dep for extra in (wanted.group(1).split(",") if wanted else [])
+                                          for dep in extras[extra]}
+        missing = sorted(dependency_closure(roots) - set(pins) - {"pip", "setuptools", "wheel"})
+        assert not missing, f"{path.name} leaves unpinned: " + " ".join(f"{n}=={lock.get(n)}" for n in missing)
 
 
 def test_every_rule_names_an_env_and_the_container():
