@@ -122,6 +122,7 @@ def gpus_of(job: dict[str, str]) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.slurm
 def test_every_job_of_the_dag_runs_as_a_slurm_job(slurm, tmp_path):
     result = run_snakemake(slurm, tmp_path, SLURM_PROFILE, "--slurm-no-account", "--slurm-status-command", "squeue",
                            "--slurm-init-seconds-before-status-checks", "1", "--slurm-keep-successful-logs")
@@ -159,6 +160,7 @@ def test_every_job_of_the_dag_runs_as_a_slurm_job(slurm, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slurm
 def test_cluster_generic_profile_submits_its_sbatch_line(slurm, tmp_path):
     before = set(slurm.completions())
     result = run_snakemake(slurm, tmp_path, GENERIC_PROFILE,
