@@ -7,7 +7,9 @@ checkpoint calibrate:
     log:
         "logs/calibrate/{model}/{calib}.log",
     conda:
-        "../../envs/aqflow.yaml"
+        "../../envs/quantize.yaml"
+    container:
+        CONTAINER
     threads: rule_resources("calibrate")["cpus"]
     resources:
         mem_mb=rule_resources("calibrate")["mem_mb"],
@@ -42,12 +44,14 @@ rule calibrate_block:
     log:
         "logs/calibrate_block/{model}/{bpp}bpp/{init}/{variant}/block{block}.log",
     conda:
-        "../../envs/aqflow.yaml"
-    threads: rule_resources("calibrate")["cpus"]
+        "../../envs/quantize.yaml"
+    container:
+        CONTAINER
+    threads: rule_resources("calibrate_block")["cpus"]
     resources:
-        mem_mb=rule_resources("calibrate")["mem_mb"],
-        runtime=rule_resources("calibrate")["runtime"],
-        gpu=rule_resources("calibrate")["gpu"],
+        mem_mb=rule_resources("calibrate_block")["mem_mb"],
+        runtime=rule_resources("calibrate_block")["runtime"],
+        gpu=rule_resources("calibrate_block")["gpu"],
     params:
         previous_layers_dir=lambda w: (
             tuned_block_dir(w, int(w.block) - 1)
@@ -75,12 +79,14 @@ rule finetune_block:
     log:
         "logs/finetune_block/{model}/{bpp}bpp/{init}/{variant}/block{block}.log",
     conda:
-        "../../envs/aqflow.yaml"
-    threads: rule_resources("calibrate")["cpus"]
+        "../../envs/quantize.yaml"
+    container:
+        CONTAINER
+    threads: rule_resources("finetune_block")["cpus"]
     resources:
-        mem_mb=rule_resources("calibrate")["mem_mb"],
-        runtime=rule_resources("calibrate")["runtime"],
-        gpu=rule_resources("calibrate")["gpu"],
+        mem_mb=rule_resources("finetune_block")["mem_mb"],
+        runtime=rule_resources("finetune_block")["runtime"],
+        gpu=rule_resources("finetune_block")["gpu"],
     params:
         layers_dir=lambda w: f"{variant_dir(w)}/layers",
         epochs=BLOCK_FINETUNE.get("epochs", 5),

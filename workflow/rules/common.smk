@@ -28,6 +28,8 @@ if FINETUNE and not SEQUENTIAL:
         "calibration.block_finetune.enabled needs calibration.propagation: sequential "
         "(in fp mode every block is calibrated from the full-precision model)"
     )
+# the image every rule runs in with `--sdm apptainer` (built from docker/Dockerfile)
+CONTAINER = config["container"]
 
 
 def canonical(mapping):

@@ -10,7 +10,9 @@ rule evaluate_quantized:
     log:
         "logs/evaluate/{model}/{bpp}bpp/{init}/{variant}.log",
     conda:
-        "../../envs/aqflow.yaml"
+        "../../envs/evaluate.yaml"
+    container:
+        CONTAINER
     threads: rule_resources("evaluate")["cpus"]
     resources:
         mem_mb=rule_resources("evaluate")["mem_mb"],
@@ -37,7 +39,9 @@ rule evaluate_fp:
     log:
         "logs/evaluate/{model}/fp.log",
     conda:
-        "../../envs/aqflow.yaml"
+        "../../envs/evaluate.yaml"
+    container:
+        CONTAINER
     threads: rule_resources("evaluate")["cpus"]
     resources:
         mem_mb=rule_resources("evaluate")["mem_mb"],

@@ -4,11 +4,14 @@ rule fetch_model:
     log:
         "logs/fetch_model/{model}.log",
     conda:
-        "../../envs/aqflow.yaml"
-    threads: 1
+        "../../envs/quantize.yaml"
+    container:
+        CONTAINER
+    threads: rule_resources("fetch_model")["cpus"]
     resources:
         mem_mb=rule_resources("fetch_model")["mem_mb"],
         runtime=rule_resources("fetch_model")["runtime"],
+        gpu=rule_resources("fetch_model")["gpu"],
     params:
         preset=lambda w: config["models"][w.model]["preset"],
         dtype=lambda w: config["models"][w.model].get("dtype", "float16"),
@@ -25,11 +28,14 @@ rule fetch_data:
     log:
         "logs/fetch_data/{corpus}.log",
     conda:
-        "../../envs/aqflow.yaml"
-    threads: 1
+        "../../envs/quantize.yaml"
+    container:
+        CONTAINER
+    threads: rule_resources("fetch_data")["cpus"]
     resources:
         mem_mb=rule_resources("fetch_data")["mem_mb"],
         runtime=rule_resources("fetch_data")["runtime"],
+        gpu=rule_resources("fetch_data")["gpu"],
     params:
         calibration_fraction=config["data"].get("calibration_fraction", 0.5),
         seed=config["data"].get("split_seed", 0),

@@ -8,7 +8,9 @@ rule quantize_layer:
     log:
         "logs/quantize_layer/{model}/{bpp}bpp/{init}/{variant}/{layer}.log",
     conda:
-        "../../envs/aqflow.yaml"
+        "../../envs/quantize.yaml"
+    container:
+        CONTAINER
     threads: rule_resources("quantize_layer")["cpus"]
     resources:
         mem_mb=rule_resources("quantize_layer")["mem_mb"],
@@ -30,11 +32,14 @@ rule stitch:
     log:
         "logs/stitch/{model}/{bpp}bpp/{init}/{variant}.log",
     conda:
-        "../../envs/aqflow.yaml"
-    threads: 1
+        "../../envs/quantize.yaml"
+    container:
+        CONTAINER
+    threads: rule_resources("stitch")["cpus"]
     resources:
         mem_mb=rule_resources("stitch")["mem_mb"],
         runtime=rule_resources("stitch")["runtime"],
+        gpu=rule_resources("stitch")["gpu"],
     params:
         layers_dirs=stitch_layers_dirs,
         replace_tensors=lambda w: [

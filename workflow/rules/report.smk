@@ -21,10 +21,13 @@ rule report:
     log:
         "logs/report.log",
     conda:
-        "../../envs/aqflow.yaml"
-    threads: 1
+        "../../envs/report.yaml"
+    container:
+        CONTAINER
+    threads: rule_resources("report")["cpus"]
     resources:
         mem_mb=rule_resources("report")["mem_mb"],
         runtime=rule_resources("report")["runtime"],
+        gpu=rule_resources("report")["gpu"],
     script:
         "../scripts/report.py"

@@ -9,17 +9,25 @@ runs the full-precision model over them and writes `block{i}.npz` per block plus
 --propagation fp: every block. --propagation sequential: block 0 only (the full-precision model
 feeds it, as in fp); block i >= 1 depends on the quantized blocks before it and is calibrated per
 variant by `aqflow calibrate-block`. calibration.json lists the layers of every block either way.
+
+With --num-devices N > 1 the stage restarts itself under torchrun with N processes (cuda:0..N-1,
+or N CPU processes with --device cpu); each takes a shard of the windows and their XᵀX are summed
+(aqflow.calibration.sharded): the same result up to float64 rounding order, N model replicas,
+about 1/N of the time.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from aqflow import artifacts
 from aqflow.calibration.hessians import (
@@ -28,6 +36,14 @@ from aqflow.calibration.hessians import (
     discover_input_sites,
     find_decoder_blocks,
     save_block_xtx,
+)
+from aqflow.calibration.sharded import (
+    collect_xtx_fp_sharded,
+    join_process_group,
+    launched_world_size,
+    shard_bounds,
+    shard_devices,
+    torchrun_command,
 )
 from aqflow.calibration.sequential import WINDOWS_FILE, save_windows
 from aqflow.data.offline_text import load_split_corpus, role_texts
@@ -48,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--propagation", default="fp", choices=PROPAGATION_MODES)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--num-devices", type=int, default=1,
+                        help="shard the windows over this many devices of --device's type (summed XᵀX)")
     parser.add_argument("--quiet", action="store_true")
     return parser
 
@@ -57,20 +75,77 @@ def calibrate(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(args.model_dir)
     doc_ids, texts = role_texts(load_split_corpus(args.corpus), "calibration")
     windows = sample_calibration_windows(doc_ids, texts, tokenizer, args.num_windows, args.window_tokens, seed=args.seed)
-    model = load_causal_lm(args.model_dir, dtype="float32" if args.device == "cpu" else "bfloat16", device=args.device)
+    source = f"{args.corpus.stem}/calibration/seed{args.seed}/{args.num_windows}x{args.window_tokens}"
+    if launched_world_size() > 1:
+        return _calibrate_one_shard(args, windows, source, started)
+    model = load_causal_lm(args.model_dir, dtype=_model_dtype(args.device), device=args.device)
     # sequential: only block 0 sees the full-precision model; the others are calibrated per variant
     blocks = [0] if args.propagation == "sequential" else None
     stats = collect_xtx_fp(model, windows.input_ids, block_indices=blocks, batch_size=args.batch_size,
                            progress=not args.quiet)
-    layers = quantized_layer_names(model, windows.input_ids)
-    source = f"{args.corpus.stem}/calibration/seed{args.seed}/{args.num_windows}x{args.window_tokens}"
+    write_calibration(model, stats, windows, args, source, started, [args.device])
+    return json.loads((args.output_dir / "calibration.json").read_text())
+
+
+def _model_dtype(device: str) -> str:
+    return "float32" if torch.device(device).type == "cpu" else "bfloat16"
+
+
+def _calibrate_one_shard(args: argparse.Namespace, windows, source: str, started: float) -> dict | None:
+    """One process of a sharded calibration: its shard's XᵀX, summed over processes; rank 0 writes."""
+    if launched_world_size() != args.num_devices:
+        raise ValueError(f"--num-devices {args.num_devices} but this process is one of {launched_world_size()} "
+                         "(WORLD_SIZE); launch one process per device")
+    device = join_process_group(args.device)
+    try:
+        model = load_causal_lm(args.model_dir, dtype=_model_dtype(device), device=device)
+        rank = dist.get_rank()
+        stats = collect_xtx_fp_sharded(model, windows.input_ids, batch_size=args.batch_size,
+                                       progress=rank == 0 and not args.quiet)
+        if rank == 0:
+            devices = [f"cuda:{r}" for r in range(args.num_devices)] if device != "cpu" else ["cpu"] * args.num_devices
+            write_calibration(model, stats, windows, args, source, started, devices)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return json.loads((args.output_dir / "calibration.json").read_text()) if rank == 0 else None
+
+
+def launch_sharded(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run this stage under torchrun with one process per device; the exit code of the group."""
+    if args.propagation != "fp":  # other modes calibrate block after block from quantized outputs
+        raise ValueError(f"--num-devices {args.num_devices} shards fp propagation only, not {args.propagation!r}")
+    shard_devices(args.device, args.num_devices)  # names what is missing before anything starts
+    shard_bounds(args.num_windows, args.num_devices, 0)
+    command = torchrun_command(args.num_devices, "aqflow", ["calibrate", *argv])
+    print(" ".join(command), flush=True)
+    stdout, stderr = _real_stream(sys.stdout), _real_stream(sys.stderr)
+    result = subprocess.run(command, stdout=stdout or subprocess.PIPE, stderr=stderr or subprocess.PIPE, text=True)
+    for captured, stream in ((result.stdout, sys.stdout), (result.stderr, sys.stderr)):
+        if captured:  # only where the stream had no file descriptor to hand down
+            stream.write(captured)
+    return result.returncode
+
+
+def _real_stream(stream):
+    """`stream` when it has a file descriptor a child can write to (a log file, a terminal), else None."""
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return None
+    return stream
+
+
+def write_calibration(model, stats, windows, args: argparse.Namespace, source: str, started: float,
+                      devices: list[str]) -> None:
+    """block{i}.npz, manifest.parquet, windows.parquet and calibration.json, atomically."""
     with artifacts.atomic_dir(args.output_dir) as staging:
         manifest = save_block_xtx(staging, stats, source)
         artifacts.write_parquet(staging / "windows.parquet", windows.to_frame())
         save_windows(staging / WINDOWS_FILE, windows.input_ids)
-        artifacts.write_json(staging / "calibration.json",
-                             calibration_summary(model, manifest, layers, args, source, started))
-    return json.loads((args.output_dir / "calibration.json").read_text())
+        layers = quantized_layer_names(model, windows.input_ids)
+        summary = calibration_summary(model, manifest, layers, args, source, started) | {"devices": devices}
+        artifacts.write_json(staging / "calibration.json", summary)
 
 
 def quantized_layer_names(model, windows) -> list[str]:
@@ -99,12 +174,23 @@ def calibration_summary(model, manifest, layers: list[str], args: argparse.Names
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
-        summary = calibrate(args)
+        if args.num_devices > 1 and launched_world_size() == 1:
+            code = launch_sharded(args, argv)
+            if code:
+                print(f"aqflow calibrate: error: the {args.num_devices} calibration processes failed "
+                      f"(exit code {code})", file=sys.stderr)
+                return code
+            summary = json.loads((args.output_dir / "calibration.json").read_text())
+        else:
+            summary = calibrate(args)
     except (FileNotFoundError, KeyError, ValueError) as error:
         print(f"aqflow calibrate: error: {error}", file=sys.stderr)
         return 2
+    if summary is None:  # a rank other than 0 of a sharded calibration: rank 0 reports
+        return 0
     print(f"calibrated {len(summary['blocks_calibrated'])} of {summary['blocks']} blocks ({args.propagation}), {summary['sites']} input sites, {summary['tokens']} tokens "
           f"in {summary['seconds']:.1f} s -> {args.output_dir}")
     return 0
