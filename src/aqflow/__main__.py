@@ -11,6 +11,7 @@ STAGES = {
     "calibrate": "aqflow.stages.calibrate",
     "quantize-layer": "aqflow.stages.quantize_layer",
     "stitch": "aqflow.stages.stitch",
+    "pvtune": "aqflow.stages.pvtune",
     "evaluate": "aqflow.stages.evaluate",
     "report": "aqflow.stages.report",
 }
