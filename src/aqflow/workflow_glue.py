@@ -22,6 +22,20 @@ def settings_argv(settings: Mapping[str, Any]) -> list[str]:
     return argv
 
 
+def flags_argv(settings: Mapping[str, Any]) -> list[str]:
+    """Like `settings_argv`, for stages with on/off switches and optional values:
+    {"update_codes": False, "max_steps": None, "lr": 3e-4} -> ["--no-update-codes", "--lr", "0.0003"]
+    (True -> --key, False -> --no-key, None -> left out: the stage's default)."""
+    argv: list[str] = []
+    for key, value in settings.items():
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(f"--{flag}" if value else f"--no-{flag}")
+        elif value is not None:
+            argv += [f"--{flag}", str(value)]
+    return argv
+
+
 def run_stage(snakemake, stage: str, argv: list[str]) -> None:
     """Run `python -m aqflow <stage> argv` in this process, logging to the rule's log."""
     module = importlib.import_module(STAGES[stage])
