@@ -84,6 +84,24 @@ def test_student_is_the_stitched_model(setup):
     assert len(pv_linears(student)) == 14
 
 
+def test_straight_through_weight_gets_the_weight_gradient_and_changes_no_output(rng):
+    codebooks = torch.randn(2, 16, 8, generator=rng)
+    codes = torch.randint(0, 16, (5, 3, 2), generator=rng)
+    scales, bias = torch.rand(5, generator=rng) + 0.5, torch.randn(5, generator=rng)
+    layer = PVLinear(codes, codebooks, scales, bias)
+    layer.enable_straight_through()
+    with torch.no_grad():
+        layer.straight_through.add_(1.0)  # the float copy may drift: the output must not follow it
+    x = torch.randn(7, 24, generator=rng)
+    weight = dequantize_weight(codes, codebooks, scales).requires_grad_(True)
+    expected = F.linear(x, weight, bias)
+    torch.testing.assert_close(layer(x), expected)
+    layer(x).square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(layer.straight_through.grad, weight.grad)
+    assert layer.codebooks.grad is not None and layer.scales.grad is not None
+
+
 def test_chunked_kl_equals_the_full_kl_and_its_gradient(setup):
     student, teacher = load_student(setup["aqlm_dir"]), _teacher(setup)
     hidden_s = torch.randn(37, 64, requires_grad=True)
@@ -270,3 +288,23 @@ def test_two_processes_average_gradients_like_one(setup, tmp_path, update_codes)
             assert agree == 1.0 if not update_codes else agree > 0.99, name
         else:
             torch.testing.assert_close(ranks[0][name], single[name], rtol=1e-3, atol=1e-5)
+
+
+def test_every_config_setting_reaches_the_stage_as_written():
+    """config.yaml's pvtune keys (as the rule passes them) are exactly flags of the stage, and
+    keys left out of the config fall back to the same values (the paper's)."""
+    from pathlib import Path
+
+    import yaml
+
+    from aqflow.workflow_glue import flags_argv
+
+    section = yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text())["pvtune"]
+    settings = {key: value for key, value in section.items() if key not in ("enabled", "corpus")}
+    required = ["--model-dir", "m", "--checkpoint-dir", "c", "--corpus", "x", "--output-dir", "o", "--train-log", "l",
+                "--metrics", "j"]
+    parsed = vars(pvtune.build_parser().parse_args(required + flags_argv(settings)))
+    defaults = vars(pvtune.build_parser().parse_args(required))
+    for key, value in settings.items():
+        assert parsed[key] == value, key
+        assert defaults[key] == value, key

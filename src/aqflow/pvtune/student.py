@@ -42,8 +42,9 @@ class StudentError(ValueError):
 class PVLinear(nn.Module):
     """A quantized linear with trainable codebooks and scales and integer codes.
 
-    codes [out, G, M] int64 in [0, K) (buffer), codebooks [M, K, g] float32, scales [out] float32,
-    bias [out] or None; straight_through [out, in] float32 or None (see `enable_straight_through`).
+    codes [out, G, M] int32 in [0, K) (buffer; int32 halves the memory of int64, and embedding_bag
+    takes it), codebooks [M, K, g] float32, scales [out] float32, bias [out] or None;
+    straight_through [out, in] float32 or None (see `enable_straight_through`).
     """
 
     def __init__(self, codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
@@ -53,7 +54,7 @@ class PVLinear(nn.Module):
             raise StudentError(f"codes {tuple(codes.shape)}, codebooks {tuple(codebooks.shape)} and scales "
                                f"{tuple(scales.shape)} do not form one AQLM layer")
         self.out_features, self.in_features = num_rows, num_groups * codebooks.shape[-1]
-        self.register_buffer("codes", codes.to(torch.int64))
+        self.register_buffer("codes", codes.to(torch.int32))
         self.codebooks = nn.Parameter(codebooks.float())
         self.scales = nn.Parameter(scales.float())
         self.bias = None if bias is None else nn.Parameter(bias.float())

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from ..quant.beam_search import BeamSearcher
+from ..quant.beam_search import beam_search_rows, rows_per_chunk
 
 DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
 
@@ -55,22 +55,28 @@ def reencode_groups(target: torch.Tensor, codes: torch.Tensor, codebooks: torch.
                     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> torch.Tensor:
     """Beam-search the codes of the groups `indices` toward `target`, in weight space.
 
-    target [out, in] float32, codes [out, G, M] int64, codebooks [M, K, g], scales [out],
+    target [out, in] float32, codes [out, G, M] int, codebooks [M, K, g], scales [out],
     indices [n] flat group indices -> new codes [out, G, M] (groups outside `indices` unchanged)
     """
     num_rows, num_groups, num_codebooks = codes.shape
-    group_size = codebooks.shape[-1]
+    num_codewords, group_size = codebooks.shape[1:]
     new_codes = codes.clone()
     if indices.numel() == 0:
         return new_codes
     flat_codes = new_codes.view(num_rows * num_groups, num_codebooks)
     group_targets = target.reshape(num_rows * num_groups, group_size)[indices]  # [n, g]
-    group_scales = scales[torch.div(indices, num_groups, rounding_mode="floor")]  # [n]
+    group_scales = scales[torch.div(indices, num_groups, rounding_mode="floor")].to(target.dtype)  # [n]
+    start_codes = flat_codes[indices].long()[:, None, :]  # [n, 1, M]
     identity = torch.eye(group_size, dtype=target.dtype, device=target.device)
-    searcher = BeamSearcher(identity, beam_size, memory_budget_bytes, use_graphs=False)
-    found = searcher(group_targets, codebooks.to(target.dtype), group_scales.to(target.dtype),
-                     flat_codes[indices][:, None, :])  # [n, 1, M]
-    flat_codes[indices] = found[:, 0, :]
+    codebooks = codebooks.to(target.dtype)
+    chunk = rows_per_chunk(indices.numel(), group_size, beam_size, num_codewords, memory_budget_bytes,
+                           target.element_size())
+    for first in range(0, indices.numel(), chunk):
+        part = slice(first, first + chunk)
+        # the torch path: with one group per row a pass is M small stages, nothing to fuse
+        found = beam_search_rows(group_targets[part], identity, codebooks, group_scales[part], start_codes[part],
+                                 beam_size, use_triton=False)  # [chunk, 1, M]
+        flat_codes[indices[part]] = found[:, 0, :].to(flat_codes.dtype)
     return new_codes
 
 

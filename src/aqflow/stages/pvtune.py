@@ -32,6 +32,7 @@ from aqflow.models.fetch import load_tokenizer
 from aqflow.pvtune.data import pv_windows
 from aqflow.pvtune.student import StudentError, load_student, load_teacher, pv_linears, save_student
 from aqflow.pvtune.train import SELECTION_METRICS, PVSettings, settings_record, train, world
+from aqflow.quant.representation import pack_codes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,7 +114,7 @@ def _codes_changed_fraction(student, initial_codes: dict[str, torch.Tensor]) -> 
     """Fraction of all groups whose codes differ from the input checkpoint's."""
     changed = total = 0
     for name, layer in pv_linears(student).items():
-        changed += int((layer.codes.cpu() != initial_codes[name]).any(dim=-1).sum())
+        changed += int((pack_codes(layer.codes, layer.nbits).cpu() != initial_codes[name]).any(dim=-1).sum())
         total += layer.codes.shape[0] * layer.codes.shape[1]
     return changed / total
 
@@ -143,7 +144,7 @@ def pvtune(args: argparse.Namespace) -> dict:
     teacher_dtype = args.teacher_dtype if args.teacher_dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     teacher = load_teacher(args.model_dir, device, teacher_dtype)
     student = load_student(args.checkpoint_dir, device)
-    initial_codes = {name: layer.codes.cpu().clone() for name, layer in pv_linears(student).items()}
+    initial_codes = {name: pack_codes(layer.codes, layer.nbits).cpu() for name, layer in pv_linears(student).items()}
     timings["load_seconds"] = time.perf_counter() - phase
     say(f"load: teacher ({teacher_dtype}) and student ({len(initial_codes)} quantized linears) on {device} "
         f"in {timings['load_seconds']:.1f} s", flush=True)
