@@ -295,7 +295,7 @@ def evaluate(args: argparse.Namespace) -> dict:
             zero_shot, data["zero_shot"] = run_tasks(args, model, tokenizer, task_dir)
         metrics.update(zero_shot)
     timings["total_seconds"] = time.perf_counter() - started
-    return {
+    payload = {
         "label": args.label,
         "model_dir": str(args.model_dir),
         "metrics": metrics,
@@ -304,8 +304,10 @@ def evaluate(args: argparse.Namespace) -> dict:
         "bits_per_parameter": bits["bits_per_parameter"],
         "storage": bits,
         "data": data,
-        "pre_pv": json.loads(args.pre_pv.read_text()) if args.pre_pv is not None else None,
     }
+    if args.pre_pv is not None:  # the model before PV-tuning, with its own settings and timings
+        payload["pre_pv"] = json.loads(args.pre_pv.read_text())
+    return payload
 
 
 def summary_line(payload: dict) -> str:
