@@ -308,3 +308,31 @@ def test_every_config_setting_reaches_the_stage_as_written():
     for key, value in settings.items():
         assert parsed[key] == value, key
         assert defaults[key] == value, key
+
+
+def test_torchrun_runs_the_stage_on_two_processes(setup, tmp_path):
+    """`torchrun -m aqflow pvtune` on CPU (gloo): one set of outputs, written by process 0, with
+    the held-out numbers of the single-process run of the same settings."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    common = ["--model-dir", str(setup["model_dir"]), "--checkpoint-dir", str(setup["aqlm_dir"]),
+              "--corpus", str(setup["corpus"]), "--num-samples", "16", "--heldout-samples", "8", "--window-tokens", "48",
+              "--heldout-fraction", "0.25", "--epochs", "1", "--batch-size", "8", "--micro-batch-size", "2",
+              "--eval-every-steps", "1", "--no-update-codes", "--device", "cpu", "--quiet"]
+
+    def outputs(name):
+        return ["--output-dir", str(tmp_path / name), "--train-log", str(tmp_path / f"{name}.parquet"),
+                "--metrics", str(tmp_path / f"{name}.json")]
+
+    result = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "aqflow", "pvtune",
+                             *common, *outputs("two")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("wall time:") == 1
+    assert pvtune.main([*common, *outputs("one")]) == 0
+    two, one = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("two", "one"))
+    assert two["settings"]["world_size"] == 2 and one["settings"]["world_size"] == 1
+    assert two["best_heldout_kl"] == pytest.approx(one["best_heldout_kl"], rel=1e-4)
+    assert (tmp_path / "two" / "config.json").is_file()

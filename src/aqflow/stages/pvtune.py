@@ -193,13 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         record = pvtune(args)
+        rank = world()[0]  # before the process group is gone
     except (StudentError, FileNotFoundError, KeyError, ValueError) as error:
         print(f"aqflow pvtune: error: {error}", file=sys.stderr)
         return 2
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    if world()[0] == 0:
+    if rank == 0:
         phases = ", ".join(f"{key.removesuffix('_seconds')} {value:.1f} s" for key, value in record["timings"].items())
         print(f"held-out KL {record['initial_heldout_kl']:.5f} -> {record['best_heldout_kl']:.5f}, perplexity "
               f"{record['initial_heldout_perplexity']:.4f} -> {record['best_heldout_perplexity']:.4f} (selected step {record['best_step']} of {record['steps']}), {record['codes_changed_fraction']:.2%} of code "
