@@ -177,6 +177,9 @@ def plot_pv_curves(log_paths: Iterable[str | Path], out: str | Path) -> None:
                    transform=ax_kl.transAxes)
     ax_kl.set_ylabel("token KL(teacher || student), nats")
     ax_ppl.set_ylabel("held-out perplexity")
+    if paths:  # variants differ by orders of magnitude, and early steps dwarf later gains
+        ax_kl.set_yscale("log")
+        ax_ppl.set_yscale("log")
     ax_ppl.set_xlabel("optimiser step")
     ax_kl.set_title("PV-tuning (star: the selected held-out state)")
     if paths:
