@@ -1,4 +1,5 @@
-# aqflow: calibrate -> quantize every linear (one job each) -> stitch an AQLM checkpoint -> evaluate -> report.
+# aqflow: calibrate -> quantize every linear (one job each) -> stitch an AQLM checkpoint -> evaluate
+# -> PV-tune -> evaluate -> report.
 # Rules only wire: every computation is a `python -m aqflow <stage>` of the library in src/aqflow.
 from snakemake.utils import min_version, validate
 
@@ -19,6 +20,7 @@ include: "workflow/rules/fetch.smk"
 include: "workflow/rules/calibrate.smk"
 include: "workflow/rules/quantize.smk"
 include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/pvtune.smk"
 include: "workflow/rules/report.smk"
 
 

@@ -290,6 +290,20 @@ def _stage_args(model_dir, output, corpora_dir, task_dir, *extra):
             "--task-limit", "2", "--batch-size", "2", "--device", "cpu", "--quiet", *extra]
 
 
+def test_evaluate_stage_embeds_the_pre_pv_evaluation_whole(tiny_dir, corpora_dir, task_dir, tmp_path, capsys):
+    pre = tmp_path / "eval_pre_pv.json"
+    args = ["--perplexity", "wikitext2", "--tasks"]
+    assert evaluate_stage.main(_stage_args(tiny_dir, pre, corpora_dir, task_dir, *args)) == 0
+    post = tmp_path / "eval.json"
+    assert evaluate_stage.main(_stage_args(tiny_dir, post, corpora_dir, task_dir, *args, "--pre-pv", str(pre))) == 0
+    assert json.loads(post.read_text())["pre_pv"] == json.loads(pre.read_text())
+    not_an_eval = tmp_path / "other.json"
+    not_an_eval.write_text("{}")
+    refused = tmp_path / "refused.json"
+    assert evaluate_stage.main(_stage_args(tiny_dir, refused, corpora_dir, task_dir, *args, "--pre-pv", str(not_an_eval))) == 2
+    assert "--pre-pv" in capsys.readouterr().err and not refused.exists()
+
+
 def test_evaluate_stage_writes_a_complete_eval_json(tiny_dir, corpora_dir, task_dir, tmp_path):
     upstream = tmp_path / "settings.json"
     upstream.write_text(json.dumps({"num_codebooks": 1, "nbits": 16}))

@@ -66,15 +66,29 @@ def test_dag_runs_end_to_end_and_writes_a_sane_eval(finished_run):
     assert record["bits_per_parameter"] == pytest.approx(stored / weights)
     assert set(record["metrics"]["tasks"]) == {"arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "lambada_openai"}
     assert len(layers) == 14 and all(layer["final_relative_mse"] < layer["init_relative_mse"] for layer in layers)
+    # PV-tuning is on in the tiny config: eval.json is the PV-tuned model's, the stitched model's
+    # evaluation is embedded whole (metrics, settings, timings), and so is the PV-tuning record
+    assert record["model_dir"].endswith(f"{VARIANT}/pv/model") and record["label"].endswith("+pv")
+    pre = record["pre_pv"]
+    assert pre["model_dir"].endswith(f"{VARIANT}/model") and pre["timings"]["total_seconds"] > 0
+    assert pre == json.loads((finished_run / VARIANT / "eval_pre_pv.json").read_text())
+    pvtune = record["settings"]["upstream"]["pvtune"]
+    assert pvtune["settings"]["max_code_change_fraction"] == 0.05 and pvtune["timings"]["train_seconds"] > 0
+    assert pvtune["data"]["role"] == "calibration" and pvtune["best_heldout_kl"] <= pvtune["initial_heldout_kl"]
+    log = pd.read_parquet(finished_run / VARIANT / "pv" / "train_log.parquet")
+    assert {"step", "split", "kl", "perplexity", "codes_changed_fraction", "seconds", "selected"} <= set(log.columns)
     summary = pd.read_csv(finished_run / "results/report/summary.csv")
     assert set(summary["init"]) == {"greedy", "oaem", "fp"}
+    quantized = summary[summary["init"] != "fp"]
+    assert quantized["pv_tuned"].all() and quantized["pre_pv_wikitext2_ppl"].notna().all()
     assert (finished_run / "results/report/pareto.png").stat().st_size > 0
+    assert (finished_run / "results/report/pvtune.png").stat().st_size > 0
     assert (finished_run / VARIANT / "model" / "config.json").exists()
     assert planned_jobs(finished_run) == {}  # nothing left to do
     report = snakemake(finished_run, "--report", str(finished_run / "report.html"))
     assert report.returncode == 0, report.stderr[-3000:]
     html = (finished_run / "report.html").read_text(errors="ignore")
-    assert "summary.csv" in html and "pareto.png" in html and "layers.png" in html
+    assert "summary.csv" in html and "pareto.png" in html and "layers.png" in html and "pvtune.png" in html
 
 
 @pytest.mark.slow
@@ -82,7 +96,14 @@ def test_quantization_setting_reruns_quantize_and_after_not_calibrate(finished_r
     jobs = planned_jobs(finished_run, config=edited_config(finished_run, "quantization", "steps_per_epoch", 21))
     assert "calibrate" not in jobs and "fetch_model" not in jobs
     assert jobs["quantize_layer"] == 28 and jobs["stitch"] == 2 and jobs["evaluate_quantized"] == 2
+    assert jobs["pvtune"] == 2 and jobs["evaluate_pvtuned"] == 2
     assert "evaluate_fp" not in jobs
+
+
+@pytest.mark.slow
+def test_pvtune_setting_reruns_only_pvtune_and_after(finished_run):
+    jobs = planned_jobs(finished_run, config=edited_config(finished_run, "pvtune", "code_lr", 2.0e-3))
+    assert jobs == {"pvtune": 2, "evaluate_pvtuned": 2, "report": 1}
 
 
 @pytest.mark.slow
@@ -109,7 +130,8 @@ def test_deleting_one_layer_reruns_only_that_layer_and_what_follows(finished_run
     layer = finished_run / VARIANT / "layers" / "model.layers.1.mlp.down_proj.safetensors"
     layer.unlink()
     jobs = planned_jobs(finished_run)
-    assert jobs == {"quantize_layer": 1, "stitch": 1, "evaluate_quantized": 1, "report": 1}
+    assert jobs == {"quantize_layer": 1, "stitch": 1, "evaluate_quantized": 1, "pvtune": 1, "evaluate_pvtuned": 1,
+                    "report": 1}
 
 
 SEQUENTIAL_VARIANT = "results/tiny/2bpp/greedy/b2e2"

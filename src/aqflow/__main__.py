@@ -13,6 +13,7 @@ STAGES = {
     "finetune-block": "aqflow.stages.finetune_block",
     "quantize-layer": "aqflow.stages.quantize_layer",
     "stitch": "aqflow.stages.stitch",
+    "pvtune": "aqflow.stages.pvtune",
     "evaluate": "aqflow.stages.evaluate",
     "report": "aqflow.stages.report",
 }

@@ -49,6 +49,7 @@ def summary_row(path: str | Path) -> dict:
         "quantization_seconds": settings.get("quantization_seconds"),
         "calibration_seconds": settings.get("calibration_seconds"),
         "mean_layer_relative_mse": _mean(layer["final_relative_mse"] for layer in settings.get("layers", [])),
+        **pv_columns(record),
         "eval_json": str(path),
     }
     for task, values in (metrics.get("tasks") or {}).items():
@@ -56,6 +57,25 @@ def summary_row(path: str | Path) -> dict:
             if isinstance(value, (int, float)):
                 row[f"{task}/{metric}"] = value
     return row
+
+
+def pv_columns(record: dict) -> dict:
+    """Before/after PV-tuning columns of one eval.json: the metrics of the embedded pre-PV
+    evaluation and what the PV-tuning cost (all None for a model that was not PV-tuned)."""
+    pre = record.get("pre_pv") or {}
+    pre_metrics = pre.get("metrics") or {}
+    pvtune = pipeline_settings(record).get("pvtune") or {}
+    return {
+        "pv_tuned": bool(pvtune),
+        "pre_pv_wikitext2_ppl": _get(pre_metrics, "wikitext2", "perplexity"),
+        "pre_pv_c4_ppl": _get(pre_metrics, "c4", "perplexity"),
+        "pre_pv_avg_acc": pre_metrics.get("avg_acc"),
+        "pvtune_seconds": _get(pvtune, "timings", "total_seconds"),
+        "pvtune_steps": pvtune.get("steps"),
+        "pvtune_selected_step": pvtune.get("best_step"),
+        "pvtune_heldout_kl_before": pvtune.get("initial_heldout_kl"),
+        "pvtune_heldout_kl_after": pvtune.get("best_heldout_kl"),
+    }
 
 
 def pipeline_settings(record: dict) -> dict:
@@ -131,6 +151,44 @@ def plot_layers(paths: Iterable[str | Path], out: str | Path) -> None:
     ax_rho.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
     ax_rho.set_xlabel("layer (block order)")
     ax_mse.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110, format="png")
+    plt.close(fig)
+
+
+def pv_log_label(path: str | Path) -> str:
+    """results/<model>/<bpp>bpp/<init>/<variant>/pv/train_log.parquet -> "<model>/<bpp>bpp/<init>/<variant>"."""
+    parts = Path(path).parts
+    return "/".join(parts[-6:-2]) if len(parts) >= 6 else str(path)
+
+
+def plot_pv_curves(log_paths: Iterable[str | Path], out: str | Path) -> None:
+    """PV-tuning curves per variant: training KL per step (thin) and held-out KL (thick, the
+    selected step starred) above, held-out perplexity below."""
+    fig, (ax_kl, ax_ppl) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    paths = list(log_paths)
+    for path in paths:
+        log = pd.read_parquet(path)
+        label = pv_log_label(path)
+        train, heldout = log[log["split"] == "train"], log[log["split"] == "heldout"]
+        line = ax_kl.plot(heldout["step"], heldout["kl"], marker="o", markersize=3, label=f"{label} held-out")[0]
+        ax_kl.plot(train["step"], train["kl"], color=line.get_color(), linewidth=0.7, alpha=0.5, label=f"{label} train")
+        ax_ppl.plot(heldout["step"], heldout["perplexity"], marker="o", markersize=3, color=line.get_color(), label=label)
+        chosen = heldout[heldout["selected"]] if "selected" in heldout else heldout.iloc[0:0]
+        ax_kl.scatter(chosen["step"], chosen["kl"], marker="*", s=120, color=line.get_color(), zorder=3)
+    if not paths:
+        ax_kl.text(0.5, 0.5, "PV-tuning is disabled in this configuration", ha="center", va="center",
+                   transform=ax_kl.transAxes)
+    ax_kl.set_ylabel("token KL(teacher || student), nats")
+    ax_ppl.set_ylabel("held-out perplexity")
+    if paths:  # variants differ by orders of magnitude, and early steps dwarf later gains
+        ax_kl.set_yscale("log")
+        ax_ppl.set_yscale("log")
+    ax_ppl.set_xlabel("optimiser step")
+    ax_kl.set_title("PV-tuning (star: the selected held-out state)")
+    if paths:
+        ax_kl.legend(fontsize=6, ncol=2)
+        ax_ppl.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(out, dpi=110, format="png")
     plt.close(fig)

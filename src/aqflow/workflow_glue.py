@@ -22,6 +22,20 @@ def settings_argv(settings: Mapping[str, Any]) -> list[str]:
     return argv
 
 
+def flags_argv(settings: Mapping[str, Any]) -> list[str]:
+    """Like `settings_argv`, for stages with on/off switches and optional values:
+    {"update_codes": False, "max_steps": None, "lr": 3e-4} -> ["--no-update-codes", "--lr", "0.0003"]
+    (True -> --key, False -> --no-key, None -> left out: the stage's default)."""
+    argv: list[str] = []
+    for key, value in settings.items():
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(f"--{flag}" if value else f"--no-{flag}")
+        elif value is not None:
+            argv += [f"--{flag}", str(value)]
+    return argv
+
+
 def run_stage(snakemake, stage: str, argv: list[str]) -> None:
     """Run `python -m aqflow <stage> argv` in this process, logging to the rule's log."""
     module = importlib.import_module(STAGES[stage])
@@ -46,6 +60,25 @@ def block_finetune_summaries(tuned_block_dirs) -> list[dict]:
         record = json.loads((Path(folder) / "finetune.json").read_text())
         summaries.append({key: record.get(key) for key in keys})
     return summaries
+
+
+def run_stage_on_gpus(snakemake, stage: str, argv: list[str], num_gpus: int) -> None:
+    """`run_stage`, or with num_gpus > 1 the stage under torchrun with one process per GPU of the
+    job (each process joins the group torchrun describes), its output going to the rule's log."""
+    if num_gpus <= 1:
+        run_stage(snakemake, stage, argv)
+        return
+    import subprocess
+
+    from aqflow.calibration.sharded import torchrun_command
+
+    command = torchrun_command(num_gpus, "aqflow", [stage, *argv])
+    log_path = snakemake.log[0]
+    with open(log_path, "w") as log:
+        print(" ".join(command), file=log, flush=True)
+        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
+    if code:
+        raise SystemExit(f"aqflow {stage} on {num_gpus} GPUs failed with exit code {code}; see {log_path}")
 
 
 def layer_summaries(metric_files) -> list[dict]:

@@ -45,6 +45,16 @@ CALIBRATION_SETTINGS = canonical(
     }
 )
 EVALUATION_SETTINGS = canonical(config["evaluation"])
+PVTUNE = config.get("pvtune", {"enabled": False})
+PV_ENABLED = PVTUNE["enabled"]
+# every PV-tuning setting but the switch and the corpus (an input); keys left out of the config
+# take the stage's defaults (the paper's settings)
+PVTUNE_SETTINGS = canonical(
+    {key: value for key, value in PVTUNE.items() if key not in ("enabled", "corpus")}
+)
+# With PV-tuning on, eval.json is the PV-tuned model's evaluation (with the pre-PV one embedded)
+# and the stitched model's own evaluation is written beside it.
+PRE_PV_EVAL = "eval_pre_pv.json" if PV_ENABLED else "eval.json"
 
 
 def model_dir(wildcards):
@@ -193,6 +203,18 @@ def target_variant(target):
 
 def target_evals():
     return [f"{target_variant(t)}/eval.json" for t in config["targets"]]
+
+
+def variant_file(name):
+    """The wildcard pattern of a file in a variant's folder."""
+    return f"results/{{model}}/{{bpp}}bpp/{{init}}/{{variant}}/{name}"
+
+
+def pv_train_logs():
+    """The PV-tuning training logs of the target variants (none when PV-tuning is off)."""
+    if not PV_ENABLED:
+        return []
+    return [f"{target_variant(t)}/pv/train_log.parquet" for t in config["targets"]]
 
 
 def baseline_evals():

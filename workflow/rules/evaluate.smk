@@ -6,7 +6,7 @@ rule evaluate_quantized:
         wikitext2=corpus_path(EVAL_CORPORA["wikitext2"]),
         c4=corpus_path(EVAL_CORPORA["c4"]),
     output:
-        "results/{model}/{bpp}bpp/{init}/{variant}/eval.json",
+        variant_file(PRE_PV_EVAL),
     log:
         "logs/evaluate/{model}/{bpp}bpp/{init}/{variant}.log",
     conda:

@@ -1,6 +1,7 @@
 rule report:
     input:
         evals=target_evals() + baseline_evals(),
+        pv_logs=pv_train_logs(),
     output:
         table=report(
             "results/report/summary.csv",
@@ -17,6 +18,11 @@ rule report:
             "results/report/layers.png",
             caption="../report/layers.rst",
             category="Layers",
+        ),
+        pv_curves=report(
+            "results/report/pvtune.png",
+            caption="../report/pvtune.rst",
+            category="PV-tuning",
         ),
     log:
         "logs/report.log",

@@ -16,6 +16,10 @@ settings = {
     "block_finetune": block_finetune_summaries(snakemake.input.tuned_blocks),
     "quantization_seconds": sum(layer["total_seconds"] for layer in layers) if layers else None,
 }
+pvtune = snakemake.input.get("pvtune")
+if pvtune:  # the PV-tuned model: its training record, and the pre-PV evaluation embedded whole
+    with open(pvtune) as handle:
+        settings["pvtune"] = json.load(handle)
 ev = p.evaluation
 with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
     json.dump(settings, handle)
@@ -25,6 +29,8 @@ argv = [
     "--context", str(ev["context"]), "--c4-windows", str(ev["c4_windows"]), "--batch-size", str(ev["batch_size"]),
     "--tasks", *ev["tasks"], "--quiet",
 ]
+if pvtune:
+    argv += ["--pre-pv", snakemake.input.pre_pv]
 if ev.get("max_windows"):
     argv += ["--max-windows", str(ev["max_windows"])]
 if ev.get("task_limit"):

@@ -73,7 +73,7 @@ class CalibrationWindows:
 
 
 def sample_calibration_windows(doc_ids: Sequence[str], texts: Sequence[str], tokenizer, num_windows: int,
-                               window_tokens: int, seed: int = 0) -> CalibrationWindows:
+                               window_tokens: int, seed: int = 0, allow_fewer: bool = False) -> CalibrationWindows:
     """Draw `num_windows` non-overlapping windows of `window_tokens` tokens from calibration documents.
 
     Each document of T tokens is tiled by floor(T / window_tokens) slots that start at a random
@@ -82,6 +82,9 @@ def sample_calibration_windows(doc_ids: Sequence[str], texts: Sequence[str], tok
     Documents are processed in sorted doc_id order, so the result depends only on the documents,
     the tokenizer and the seed. Tokens are encoded without special tokens: a window starts at an
     arbitrary position in a document, where a BOS token would never occur.
+
+    If the documents hold fewer than `num_windows` slots this raises, unless `allow_fewer`, in
+    which case every slot is returned (at least one must exist).
     """
     if len(doc_ids) != len(texts):
         raise ValueError(f"{len(doc_ids)} doc_ids but {len(texts)} texts")
@@ -99,6 +102,8 @@ def sample_calibration_windows(doc_ids: Sequence[str], texts: Sequence[str], tok
             continue
         offset = int(rng.integers(0, len(ids) - num_slots * window_tokens + 1))
         slots.extend((len(token_lists) - 1, offset + k * window_tokens) for k in range(num_slots))
+    if allow_fewer and 0 < len(slots) < num_windows:
+        num_windows = len(slots)
     if len(slots) < num_windows:
         longest = max((len(t) for t in token_lists), default=0)
         raise ValueError(

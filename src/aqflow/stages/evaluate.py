@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, type=Path, help="eval.json to write")
     parser.add_argument("--label", default=None, help="what this evaluation is, e.g. 'pre-pv'")
     parser.add_argument("--settings", type=Path, default=None, help="JSON file of upstream settings to embed")
+    parser.add_argument("--pre-pv", type=Path, default=None,
+                        help="eval.json of the same model before PV-tuning, embedded whole as 'pre_pv'")
     data = parser.add_argument_group("perplexity")
     data.add_argument("--source", choices=("offline", "hub"), default="offline")
     data.add_argument("--data-dir", type=Path, default=None,
@@ -138,6 +140,13 @@ def check_inputs(args: argparse.Namespace) -> None:
         except json.JSONDecodeError as error:
             raise EvaluationInputError(f"--settings: {args.settings} is not valid JSON ({error})") from None
         _require(isinstance(upstream, dict), f"--settings: {args.settings} must hold a JSON object")
+    if args.pre_pv is not None:
+        _require(args.pre_pv.is_file(), f"--pre-pv: {args.pre_pv} does not exist")
+        try:
+            pre_pv = json.loads(args.pre_pv.read_text())
+        except json.JSONDecodeError as error:
+            raise EvaluationInputError(f"--pre-pv: {args.pre_pv} is not valid JSON ({error})") from None
+        _require(isinstance(pre_pv, dict) and "metrics" in pre_pv, f"--pre-pv: {args.pre_pv} is not an eval.json")
     try:
         quantization_config(args.model_dir)
     except json.JSONDecodeError as error:
@@ -240,7 +249,7 @@ def settings_record(args: argparse.Namespace) -> dict:
     import transformers
 
     settings = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
-                if key not in ("output", "settings", "quiet")}
+                if key not in ("output", "settings", "quiet", "pre_pv")}
     settings["dtype"] = compute_dtype(args)
     settings["num_fewshot"] = 0
     settings["upstream"] = json.loads(args.settings.read_text()) if args.settings else None
@@ -286,7 +295,7 @@ def evaluate(args: argparse.Namespace) -> dict:
             zero_shot, data["zero_shot"] = run_tasks(args, model, tokenizer, task_dir)
         metrics.update(zero_shot)
     timings["total_seconds"] = time.perf_counter() - started
-    return {
+    payload = {
         "label": args.label,
         "model_dir": str(args.model_dir),
         "metrics": metrics,
@@ -296,6 +305,9 @@ def evaluate(args: argparse.Namespace) -> dict:
         "storage": bits,
         "data": data,
     }
+    if args.pre_pv is not None:  # the model before PV-tuning, with its own settings and timings
+        payload["pre_pv"] = json.loads(args.pre_pv.read_text())
+    return payload
 
 
 def summary_line(payload: dict) -> str:

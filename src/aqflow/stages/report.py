@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from aqflow import artifacts
-from aqflow.reporting import plot_layers, plot_pareto, summary_table
+from aqflow.reporting import plot_layers, plot_pareto, plot_pv_curves, summary_table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,6 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parquet", required=True, type=Path)
     parser.add_argument("--pareto", required=True, type=Path)
     parser.add_argument("--layers", required=True, type=Path)
+    parser.add_argument("--pv-curves", type=Path, default=None, help="PV-tuning curves .png to write")
+    parser.add_argument("--pv-logs", nargs="*", type=Path, default=[], help="PV-tuning train_log.parquet files")
     args = parser.parse_args(argv)
     table = summary_table(args.evals)
     artifacts.write_parquet(args.parquet, table)
@@ -25,5 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         plot_pareto(table, tmp)
     with artifacts.atomic_path(args.layers) as tmp:
         plot_layers(args.evals, tmp)
+    if args.pv_curves is not None:
+        with artifacts.atomic_path(args.pv_curves) as tmp:
+            plot_pv_curves(args.pv_logs, tmp)
     print(table.to_string(index=False))
     return 0

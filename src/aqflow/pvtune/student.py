@@ -1,0 +1,263 @@
+"""The student: an AQLM checkpoint as a trainable nn.Module, and writing it back as a checkpoint.
+
+Every quantized linear of the checkpoint becomes a `PVLinear` whose weight [out, in] is
+dequantized on the fly from integer codes (a buffer, never touched by autograd) and trainable
+float32 codebooks and scales:
+
+    W[o, j*g:(j+1)*g] = scales[o] * sum_m codebooks[m, codes[o, j, m], :]
+
+so the gradient of the loss reaches codebooks and scales (the P-step). With the V-step on, the
+layer also holds `straight_through` [out, in], a float copy of its weight. The forward adds
+`st - st.detach()`, which is zero in value, so the output is exactly the quantized layer's while
+dL/dst = dL/dW: the straight-through estimator. Making it a Parameter lets gradient
+accumulation, gradient checkpointing and the cross-process gradient average treat it like any
+other weight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..artifacts import atomic_dir, write_json
+from ..models.fetch import MARKER_FILE, torch_dtype
+from ..quant.representation import dequantize_weight, pack_codes, unpack_codes
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+QUANTIZED_SUFFIXES = ("codes", "codebooks", "scales")
+
+
+class StudentError(ValueError):
+    """The checkpoint cannot be turned into a student (not AQLM, missing tensors); the message says why."""
+
+
+class PVLinear(nn.Module):
+    """A quantized linear with trainable codebooks and scales and integer codes.
+
+    codes [out, G, M] int32 in [0, K) (buffer; int32 halves the memory of int64, and embedding_bag
+    takes it), codebooks [M, K, g] float32, scales [out] float32, bias [out] or None;
+    straight_through [out, in] float32 or None (see `enable_straight_through`).
+    """
+
+    def __init__(self, codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        num_rows, num_groups, num_codebooks = codes.shape
+        if codebooks.dim() != 3 or codebooks.shape[0] != num_codebooks or scales.shape != (num_rows,):
+            raise StudentError(f"codes {tuple(codes.shape)}, codebooks {tuple(codebooks.shape)} and scales "
+                               f"{tuple(scales.shape)} do not form one AQLM layer")
+        self.out_features, self.in_features = num_rows, num_groups * codebooks.shape[-1]
+        self.register_buffer("codes", codes.to(torch.int32))
+        self.codebooks = nn.Parameter(codebooks.float())
+        self.scales = nn.Parameter(scales.float())
+        self.bias = None if bias is None else nn.Parameter(bias.float())
+        self.straight_through: nn.Parameter | None = None
+
+    @property
+    def nbits(self) -> int:
+        return self.codebooks.shape[1].bit_length() - 1
+
+    @property
+    def group_size(self) -> int:
+        return self.codebooks.shape[-1]
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the codes represent, [out, in]; differentiable in codebooks and scales."""
+        return dequantize_weight(self.codes, self.codebooks, self.scales)
+
+    def enable_straight_through(self) -> None:
+        """Create the float copy [out, in] of the weight that the V-step optimises."""
+        with torch.no_grad():
+            self.straight_through = nn.Parameter(self.dequantized().detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.dequantized()
+        if self.straight_through is not None:
+            weight = weight + (self.straight_through - self.straight_through.detach())
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, weight.to(x.dtype), bias)
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+def weight_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a model folder: the shards its index names, or model.safetensors."""
+    model_dir = Path(model_dir)
+    index = model_dir / WEIGHTS_INDEX_FILE
+    if index.is_file():
+        return [model_dir / shard for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if not (model_dir / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"{model_dir} has neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}")
+    return [model_dir / WEIGHTS_FILE]
+
+
+def read_tensors(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a model folder, by name, on the CPU."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in weight_files(model_dir):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def aqlm_settings(checkpoint_dir: str | os.PathLike) -> dict:
+    """quantization_config of an AQLM checkpoint; StudentError for anything else."""
+    path = Path(checkpoint_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise StudentError(f"{checkpoint_dir} has no {CONFIG_FILE}: not a model folder")
+    config = json.loads(path.read_text()).get("quantization_config")
+    if not config or config.get("quant_method") != "aqlm":
+        raise StudentError(f"{checkpoint_dir} is not an AQLM checkpoint (quantization_config: {config})")
+    if config.get("out_group_size", 1) != 1:
+        raise StudentError(f"{checkpoint_dir}: out_group_size {config['out_group_size']} is not supported (only 1)")
+    return config
+
+
+def quantized_prefixes(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Module names X that the checkpoint stores as X.codes / X.codebooks / X.scales."""
+    prefixes = sorted(name[: -len(".codes")] for name in tensors if name.endswith(".codes"))
+    incomplete = [p for p in prefixes if any(f"{p}.{s}" not in tensors for s in QUANTIZED_SUFFIXES)]
+    if incomplete:
+        raise StudentError(f"quantized linears without all of {QUANTIZED_SUFFIXES}: {incomplete[:5]}")
+    return prefixes
+
+
+def _plain_config(checkpoint_dir: Path):
+    """The model config without quantization_config, so transformers builds plain nn.Linear layers."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(checkpoint_dir, local_files_only=True)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    return config
+
+
+def load_student(checkpoint_dir: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Module:
+    """The AQLM checkpoint as a float32 causal LM whose quantized linears are `PVLinear`.
+
+    Every tensor of the checkpoint is used: quantized linears from their codes, codebooks and
+    scales (and bias), everything else loaded into the model built from the checkpoint's config.
+    Raises StudentError if a tensor is left over or a model tensor is not in the checkpoint
+    (tied output embeddings excepted).
+    """
+    from transformers import AutoModelForCausalLM
+
+    checkpoint_dir = Path(checkpoint_dir)
+    nbits = int(aqlm_settings(checkpoint_dir)["nbits_per_codebook"])
+    tensors = read_tensors(checkpoint_dir)
+    prefixes = quantized_prefixes(tensors)
+    if not prefixes:
+        raise StudentError(f"{checkpoint_dir} holds no quantized linears ('*.codes' tensors)")
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(_plain_config(checkpoint_dir), dtype=torch.float32)
+    used: set[str] = set()
+    for prefix in prefixes:
+        try:
+            original = model.get_submodule(prefix)
+        except AttributeError:
+            raise StudentError(f"{checkpoint_dir}: quantized tensor {prefix}.codes names no module of the model") from None
+        if not isinstance(original, nn.Linear):
+            raise StudentError(f"{checkpoint_dir}: {prefix} is a {type(original).__name__}, not a linear")
+        bias = tensors.get(f"{prefix}.bias")
+        if (bias is None) != (original.bias is None):
+            raise StudentError(f"{checkpoint_dir}: {prefix} bias present in the checkpoint: {bias is not None}, "
+                               f"in the model: {original.bias is not None}")
+        layer = PVLinear(unpack_codes(tensors[f"{prefix}.codes"], nbits), tensors[f"{prefix}.codebooks"][:, :, 0, :],
+                         tensors[f"{prefix}.scales"].reshape(-1), bias).to(device)
+        if (layer.out_features, layer.in_features) != (original.out_features, original.in_features):
+            raise StudentError(f"{checkpoint_dir}: {prefix} is [{original.out_features}, {original.in_features}] in the "
+                               f"model but its codes describe [{layer.out_features}, {layer.in_features}]")
+        parent_name, _, child = prefix.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        used.update(f"{prefix}.{key}" for key in (*QUANTIZED_SUFFIXES, "bias"))
+    rest = {name: tensor.float() if tensor.is_floating_point() else tensor
+            for name, tensor in tensors.items() if name not in used}
+    missing, unexpected = model.load_state_dict(rest, strict=False)
+    embedding = model.get_input_embeddings().weight
+    tied = {name for name, parameter in model.named_parameters(remove_duplicate=False) if parameter is embedding}
+    missing = [name for name in missing if name not in tied and name not in used]
+    if missing or unexpected:
+        raise StudentError(f"{checkpoint_dir} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model.to(device)
+
+
+def pv_linears(model: nn.Module) -> dict[str, PVLinear]:
+    """The student's quantized linears by module name, in module order."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, PVLinear)}
+
+
+# --- writing -------------------------------------------------------------------------------------
+
+def _stored_dtypes(checkpoint_dir: Path) -> dict[str, str]:
+    """{tensor name: safetensors dtype string} of a checkpoint, from its headers only."""
+    from safetensors import safe_open
+
+    dtypes = {}
+    for path in weight_files(checkpoint_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                dtypes[name] = handle.get_slice(name).get_dtype()
+    return dtypes
+
+
+_SAFETENSORS_FLOATS = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+def student_tensors(model: nn.Module, like: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The student as checkpoint tensors with exactly the names and dtypes of `like` ({name: dtype}):
+    X.codes packed as AQLM stores them, X.codebooks [M, K, 1, g], X.scales [out, 1, 1, 1], every other
+    tensor from the state dict. Straight-through copies are not part of a checkpoint."""
+    layers = pv_linears(model)
+    state = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for name, stored in like.items():
+        prefix, _, key = name.rpartition(".")
+        if prefix in layers and key in QUANTIZED_SUFFIXES:
+            layer = layers[prefix]
+            tensor = {"codes": lambda: pack_codes(layer.codes, layer.nbits),
+                      "codebooks": lambda: layer.codebooks.detach()[:, :, None, :],
+                      "scales": lambda: layer.scales.detach().reshape(-1, 1, 1, 1)}[key]()
+        elif name in state:
+            tensor = state[name].detach()
+        else:
+            raise StudentError(f"the student has no tensor {name!r} that the source checkpoint holds")
+        if stored in _SAFETENSORS_FLOATS:
+            tensor = tensor.to(_SAFETENSORS_FLOATS[stored])
+        out[name] = tensor.cpu().contiguous()
+    return out
+
+
+def save_student(model: nn.Module, source_dir: str | os.PathLike, output_dir: str | os.PathLike, record: dict) -> Path:
+    """Write the student as an AQLM checkpoint like `source_dir` (same config, tensor names and
+    dtypes, tokenizer files), atomically, with `record` added to the aqflow marker as "pvtune"."""
+    from safetensors.torch import save_file
+
+    source_dir, output_dir = Path(source_dir), Path(output_dir)
+    tensors = student_tensors(model, _stored_dtypes(source_dir))
+    marker_path = source_dir / MARKER_FILE
+    marker = json.loads(marker_path.read_text()) if marker_path.is_file() else {}
+    with atomic_dir(output_dir) as staging:
+        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        for item in sorted(source_dir.iterdir()):
+            if item.is_file() and item.suffix != ".safetensors" and item.name not in (WEIGHTS_INDEX_FILE, MARKER_FILE):
+                shutil.copy2(item, staging / item.name)
+        write_json(staging / MARKER_FILE, {**marker, "pvtune": record, "pvtune_source_checkpoint": str(source_dir)})
+    return output_dir
+
+
+def load_teacher(model_dir: str | os.PathLike, device: str | torch.device, dtype: str) -> nn.Module:
+    """The full-precision model, frozen, in eval mode."""
+    from ..models.fetch import load_causal_lm
+
+    torch_dtype(dtype)  # refuse a bad name before loading anything
+    teacher = load_causal_lm(model_dir, dtype=dtype, device=device)
+    teacher.requires_grad_(False)
+    return teacher

@@ -1,0 +1,350 @@
+"""The PV-tuning loop: KL(teacher || student) on calibration windows, P-step and V-step per step,
+held-out evaluation and selection of the best held-out state.
+
+One optimiser step consumes `batch_size` windows, split into micro-batches of
+`micro_batch_size` (and, under torch.distributed, over processes: process r takes the
+micro-batches r, r + world, ...). Each micro-batch's KL sum is divided by the token count of the
+whole batch, so the accumulated and all-reduced gradient is that of the batch's mean token KL.
+Then:
+
+* P-step: Adam on codebooks, scales and, optionally, every non-quantized parameter (norms,
+  embeddings, head, biases).
+* V-step: Adam on each layer's straight-through weight (its gradient is dL/dW), then the codes
+  are re-encoded toward it (`vstep.v_step_layer`), at most `max_code_change_fraction` of each
+  layer's groups per step. The codes are integer buffers: nothing else ever writes them.
+
+The held-out windows (calibration documents the training never sees) are scored before the
+first step, every `eval_every_steps` steps and after the last; the state with the lowest
+held-out `selection_metric` (the training loss, "kl", by default; or "perplexity"; step 0
+included) is kept in CPU memory and restored at the end.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..quant.representation import pack_codes, unpack_codes
+from .loss import chunked_kl_sum, chunked_nll_sum, final_hidden
+from .student import PVLinear, pv_linears
+from .vstep import DEFAULT_MEMORY_BUDGET_BYTES, v_step_layer
+
+SELECTION_METRICS = ("kl", "perplexity")
+
+
+@dataclass(frozen=True)
+class PVSettings:
+    """Every setting of the loop (defaults: the paper's and AQLM's PV-tuning recipe)."""
+
+    epochs: int = 5
+    batch_size: int = 32  # windows per optimiser step, over all processes
+    micro_batch_size: int = 1
+    lr: float = 3e-4  # P-step Adam
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    code_lr: float = 1e-2  # V-step Adam on the straight-through weights
+    code_beta1: float = 0.0
+    code_beta2: float = 0.95
+    max_code_change_fraction: float = 0.01  # of each layer's groups, per step
+    code_beam_size: int = 1
+    update_codes: bool = True  # V-step
+    update_codebooks_and_scales: bool = True  # P-step
+    update_non_quantized: bool = True  # P-step also on norms, embeddings, head, biases
+    eval_every_steps: int = 10
+    max_steps: int | None = None  # stop early (CPU budgets); None: every epoch
+    kl_chunk_tokens: int = 1024
+    gradient_checkpointing: bool = True
+    amp_dtype: str | None = None  # autocast dtype on the accelerator ("bfloat16"), None: float32
+    seed: int = 0
+    selection_metric: str = "kl"  # held-out metric that picks the state written out
+    beam_memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
+
+    def __post_init__(self):
+        problems = []
+        for name in ("epochs", "batch_size", "micro_batch_size", "code_beam_size", "eval_every_steps", "kl_chunk_tokens"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.max_code_change_fraction <= 1.0:
+            problems.append(f"max_code_change_fraction must lie in (0, 1], got {self.max_code_change_fraction}")
+        if self.max_steps is not None and self.max_steps < 1:
+            problems.append(f"max_steps must be >= 1 or None, got {self.max_steps}")
+        if not (self.update_codes or self.update_codebooks_and_scales or self.update_non_quantized):
+            problems.append("nothing to train: enable the V-step, codebooks and scales, or non-quantized parameters")
+        if self.selection_metric not in SELECTION_METRICS:
+            problems.append(f"selection_metric must be one of {SELECTION_METRICS}, got {self.selection_metric!r}")
+        if self.amp_dtype not in (None, "bfloat16", "float16"):
+            problems.append(f"amp_dtype must be None, 'bfloat16' or 'float16', got {self.amp_dtype!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass
+class TrainResult:
+    log: list[dict]  # one row per training step and per held-out evaluation
+    best_step: int
+    best_heldout: dict  # the held-out log row of the selected state
+    initial_heldout: dict  # the held-out log row before training
+    steps: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+# --- distributed ---------------------------------------------------------------------------------
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) outside torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over processes, in place (a no-op in a single process)."""
+    if world()[1] > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+# --- parameters ----------------------------------------------------------------------------------
+
+def trainable_groups(student: nn.Module, settings: PVSettings) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(P-step parameters, V-step straight-through parameters); sets requires_grad accordingly."""
+    layers = pv_linears(student)
+    if not layers:
+        raise ValueError("the student has no quantized linears (PVLinear)")
+    student.requires_grad_(False)
+    quantized_ids = set()
+    p_params, v_params = [], []
+    for layer in layers.values():
+        if settings.update_codes and layer.straight_through is None:
+            layer.enable_straight_through()
+        quantized_ids.update(id(p) for p in (layer.codebooks, layer.scales))
+        if settings.update_codebooks_and_scales:
+            p_params += [layer.codebooks, layer.scales]
+        if settings.update_codes:
+            v_params.append(layer.straight_through)
+        if layer.straight_through is not None:
+            quantized_ids.add(id(layer.straight_through))
+    if settings.update_non_quantized:
+        seen = set(quantized_ids)
+        for parameter in student.parameters():  # deduplicated: tied embeddings appear once
+            if id(parameter) not in seen:
+                seen.add(id(parameter))
+                p_params.append(parameter)
+    for parameter in p_params + v_params:
+        parameter.requires_grad_(True)
+    return p_params, v_params
+
+
+def snapshot(student: nn.Module, parameters: list[nn.Parameter]) -> dict[str, torch.Tensor]:
+    """CPU copy of everything training changes: packed codes and the P-step parameters."""
+    names = {id(p): name for name, p in student.named_parameters()}
+    state = {name + ".codes": pack_codes(layer.codes, layer.nbits).cpu() for name, layer in pv_linears(student).items()}
+    state.update({names[id(p)]: p.detach().to("cpu", copy=True) for p in parameters})
+    return state
+
+
+@torch.no_grad()
+def restore(student: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Put a `snapshot` back (the straight-through weights are reset to the restored weights)."""
+    parameters = dict(student.named_parameters())
+    for name, layer in pv_linears(student).items():
+        layer.codes.copy_(unpack_codes(state[name + ".codes"], layer.nbits))
+    for name, value in state.items():
+        if not name.endswith(".codes"):
+            parameters[name].copy_(value)
+    for layer in pv_linears(student).values():
+        if layer.straight_through is not None:
+            layer.straight_through.copy_(layer.dequantized())
+
+
+def set_checkpointing(model: nn.Module, enabled: bool) -> None:
+    """Recompute each decoder block in the backward pass instead of keeping its activations
+    (transformers >= 5.x names it activation checkpointing, older versions gradient checkpointing)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        if enabled:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+    elif enabled:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+# --- one step ------------------------------------------------------------------------------------
+
+def _autocast(device: torch.device, amp_dtype: str | None):
+    if amp_dtype is None or device.type == "cpu":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, amp_dtype))
+
+
+def micro_batch_kl(student: nn.Module, teacher: nn.Module, input_ids: torch.Tensor, settings: PVSettings,
+                   device: torch.device) -> torch.Tensor:
+    """Summed token KL(teacher || student) of input_ids [B, T] (differentiable in the student)."""
+    with _autocast(device, settings.amp_dtype):
+        with torch.no_grad():
+            teacher_hidden = final_hidden(teacher, input_ids)
+        student_hidden = final_hidden(student, input_ids)
+        width = student_hidden.shape[-1]
+        return chunked_kl_sum(student, teacher, student_hidden.reshape(-1, width),
+                              teacher_hidden.reshape(-1, teacher_hidden.shape[-1]), settings.kl_chunk_tokens)
+
+
+@torch.no_grad()
+def heldout_metrics(student: nn.Module, teacher: nn.Module, windows: torch.Tensor, settings: PVSettings,
+                    device: torch.device) -> dict[str, float]:
+    """Mean token KL and perplexity of the student on held-out windows [n, T] (sharded over processes)."""
+    rank, size = world()
+    totals = torch.zeros(4, dtype=torch.float64, device=device)  # KL nats, NLL nats, predicted tokens, tokens
+    was_training = student.training
+    student.eval()
+    for start in range(rank * settings.micro_batch_size, windows.shape[0], size * settings.micro_batch_size):
+        input_ids = windows[start:start + settings.micro_batch_size].to(device)
+        with _autocast(device, settings.amp_dtype):
+            student_hidden = final_hidden(student, input_ids)
+            teacher_hidden = final_hidden(teacher, input_ids)
+            width = student_hidden.shape[-1]
+            totals[0] += chunked_kl_sum(student, teacher, student_hidden.reshape(-1, width),
+                                        teacher_hidden.reshape(-1, width), settings.kl_chunk_tokens).double()
+            totals[1] += chunked_nll_sum(student, student_hidden[:, :-1].reshape(-1, width),
+                                         input_ids[:, 1:].reshape(-1), settings.kl_chunk_tokens)
+        totals[2] += input_ids[:, 1:].numel()
+        totals[3] += input_ids.numel()  # the KL scores every position, the NLL all but the last
+    student.train(was_training)
+    all_reduce_sum(totals)
+    return {"kl": totals[0].item() / totals[3].item(), "perplexity": math.exp(totals[1].item() / totals[2].item())}
+
+
+def _average_gradients(parameters: list[nn.Parameter]) -> None:
+    """Sum gradients over processes (each micro-batch loss is already divided by the batch's tokens)."""
+    if world()[1] == 1:
+        return
+    for parameter in parameters:
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+
+
+# --- the loop ------------------------------------------------------------------------------------
+
+@contextmanager
+def _timed(timings: dict[str, float], key: str, device: torch.device) -> Iterator[None]:
+    started = time.perf_counter()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    timings[key] = timings.get(key, 0.0) + time.perf_counter() - started
+
+
+def batches_per_epoch(num_windows: int, batch_size: int) -> int:
+    return math.ceil(num_windows / batch_size)
+
+
+def train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, heldout_windows: torch.Tensor,
+          settings: PVSettings, device: str | torch.device, progress: bool = True,
+          on_eval: Callable[[dict], None] | None = None) -> TrainResult:
+    """PV-tune `student` against `teacher` in place; the student ends in its best held-out state.
+
+    train_windows [n, T] int64, heldout_windows [h, T] int64 (on any device).
+    """
+    device = torch.device(device)
+    rank, size = world()
+    if settings.micro_batch_size * size > settings.batch_size:
+        raise ValueError(f"batch_size {settings.batch_size} is smaller than micro_batch_size "
+                         f"{settings.micro_batch_size} x {size} processes")
+    p_params, v_params = trainable_groups(student, settings)
+    layers = list(pv_linears(student).values())
+    p_optimizer = torch.optim.Adam(p_params, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2)) if p_params else None
+    v_optimizer = torch.optim.Adam(v_params, lr=settings.code_lr, betas=(settings.code_beta1, settings.code_beta2)) if v_params else None
+    if settings.gradient_checkpointing:
+        set_checkpointing(student, True)
+    student.train()
+    teacher.eval()
+
+    timings: dict[str, float] = {}
+    log: list[dict] = []
+    started = time.perf_counter()
+    steps_per_epoch = batches_per_epoch(train_windows.shape[0], settings.batch_size)
+    total_steps = settings.epochs * steps_per_epoch
+    if settings.max_steps is not None:
+        total_steps = min(total_steps, settings.max_steps)
+    total_groups = sum(layer.codes.shape[0] * layer.codes.shape[1] for layer in layers)
+
+    def evaluate(step: int, epoch: float) -> dict:
+        with _timed(timings, "heldout_eval_seconds", device):
+            metrics = heldout_metrics(student, teacher, heldout_windows, settings, device)
+        row = {"step": step, "epoch": epoch, "split": "heldout", "kl": metrics["kl"], "perplexity": metrics["perplexity"],
+               "codes_changed_fraction": float("nan"), "seconds": time.perf_counter() - started}
+        log.append(row)
+        if on_eval is not None:
+            on_eval(row)
+        return row
+
+    best = initial = evaluate(0, 0.0)
+    metric = settings.selection_metric
+    best_state = snapshot(student, p_params)
+    generator = torch.Generator().manual_seed(settings.seed)
+    bar = tqdm(total=total_steps, desc="pv-tune", unit="step", disable=not progress or rank != 0)
+    step = 0
+    while step < total_steps:
+        order = torch.randperm(train_windows.shape[0], generator=generator)
+        for first in range(0, len(order), settings.batch_size):
+            if step >= total_steps:
+                break
+            batch = order[first:first + settings.batch_size]
+            batch_tokens = batch.numel() * train_windows.shape[1]
+            mine = [batch[i:i + settings.micro_batch_size]
+                    for i in range(rank * settings.micro_batch_size, batch.numel(), size * settings.micro_batch_size)]
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+            with _timed(timings, "forward_backward_seconds", device):
+                for micro in mine:
+                    kl = micro_batch_kl(student, teacher, train_windows[micro].to(device), settings, device)
+                    (kl / batch_tokens).backward()
+                    loss_sum += kl.detach().double()
+                _average_gradients(p_params + v_params)
+                all_reduce_sum(loss_sum)
+            with _timed(timings, "p_step_seconds", device):
+                if p_optimizer is not None:
+                    p_optimizer.step()
+                    p_optimizer.zero_grad(set_to_none=True)
+            changed = 0
+            with _timed(timings, "v_step_seconds", device):
+                if v_optimizer is not None:
+                    v_optimizer.step()
+                    v_optimizer.zero_grad(set_to_none=True)
+                    for layer in layers:
+                        changed += v_step_layer(layer, settings.max_code_change_fraction, settings.code_beam_size,
+                                                settings.beam_memory_budget_bytes)
+            step += 1
+            epoch = step / steps_per_epoch
+            log.append({"step": step, "epoch": epoch, "split": "train", "kl": loss_sum.item() / batch_tokens,
+                        "perplexity": float("nan"), "codes_changed_fraction": changed / total_groups,
+                        "seconds": time.perf_counter() - started})
+            bar.update(1)
+            bar.set_postfix(kl=f"{log[-1]['kl']:.4f}", codes=f"{changed / total_groups:.2%}")
+            if step % settings.eval_every_steps == 0 or step == total_steps:
+                row = evaluate(step, epoch)
+                if row[metric] < best[metric]:
+                    best = row
+                    best_state = snapshot(student, p_params)
+    bar.close()
+    if settings.gradient_checkpointing:
+        set_checkpointing(student, False)
+    restore(student, best_state)
+    student.eval()
+    timings["train_seconds"] = time.perf_counter() - started
+    return TrainResult(log=log, best_step=best["step"], best_heldout=best, initial_heldout=initial, steps=step,
+                       timings=timings)
+
+
+def settings_record(settings: PVSettings) -> dict:
+    return asdict(settings)

@@ -1,0 +1,96 @@
+"""The V-step: move codes toward the straight-through weight, a bounded number of groups at a time.
+
+After the optimiser has stepped the float copy W_st [out, in] of a layer, the codes are
+re-encoded toward it in weight space: for a chosen group i (row o, input group j) the new codes
+minimise
+
+    || W_st[o, j] - s_o * sum_m C_m[codes_m] ||^2
+
+which is the whole-row objective of `quant.beam_search` with XᵀX = I restricted to one group:
+with the identity the groups of a row do not interact, so every group is searched on its own as
+a one-group "row" (weight [n, g], XᵀX = I_g). The search starts from the current codes and keeps
+them as a candidate, so a group's error to W_st never grows.
+
+At most ceil(max_fraction * N) of the N groups are searched per step: those with the largest
+||W_st - W_q||² first (the groups where the accumulated straight-through updates have moved
+furthest from what the codes represent). Groups whose error is exactly zero are never chosen.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..quant.beam_search import beam_search_rows, rows_per_chunk
+
+DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
+
+
+def group_squared_errors(target: torch.Tensor, current: torch.Tensor, group_size: int) -> torch.Tensor:
+    """||target - current||² per group of `group_size` consecutive inputs.
+
+    target [out, in], current [out, in] -> [out, in / group_size]
+    """
+    num_rows, in_features = target.shape
+    difference = (target - current).view(num_rows, in_features // group_size, group_size)
+    return difference.square().sum(-1)
+
+
+def groups_to_update(errors: torch.Tensor, max_fraction: float) -> torch.Tensor:
+    """Flat indices (row * G + group) of the groups to re-encode, largest error first.
+
+    errors [out, G] -> [n] int64 with n <= ceil(max_fraction * out * G), only groups with error > 0
+    """
+    if not 0.0 < max_fraction <= 1.0:
+        raise ValueError(f"max_fraction must lie in (0, 1], got {max_fraction}")
+    flat = errors.reshape(-1)
+    count = min(flat.numel(), math.ceil(max_fraction * flat.numel()))
+    values, indices = flat.topk(count, largest=True, sorted=True)
+    return indices[values > 0]
+
+
+def reencode_groups(target: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
+                    indices: torch.Tensor, beam_size: int,
+                    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> torch.Tensor:
+    """Beam-search the codes of the groups `indices` toward `target`, in weight space.
+
+    target [out, in] float32, codes [out, G, M] int, codebooks [M, K, g], scales [out],
+    indices [n] flat group indices -> new codes [out, G, M] (groups outside `indices` unchanged)
+    """
+    num_rows, num_groups, num_codebooks = codes.shape
+    num_codewords, group_size = codebooks.shape[1:]
+    new_codes = codes.clone()
+    if indices.numel() == 0:
+        return new_codes
+    flat_codes = new_codes.view(num_rows * num_groups, num_codebooks)
+    group_targets = target.reshape(num_rows * num_groups, group_size)[indices]  # [n, g]
+    group_scales = scales[torch.div(indices, num_groups, rounding_mode="floor")].to(target.dtype)  # [n]
+    start_codes = flat_codes[indices].long()[:, None, :]  # [n, 1, M]
+    identity = torch.eye(group_size, dtype=target.dtype, device=target.device)
+    codebooks = codebooks.to(target.dtype)
+    chunk = rows_per_chunk(indices.numel(), group_size, beam_size, num_codewords, memory_budget_bytes,
+                           target.element_size())
+    for first in range(0, indices.numel(), chunk):
+        part = slice(first, first + chunk)
+        # the torch path: with one group per row a pass is M small stages, nothing to fuse
+        found = beam_search_rows(group_targets[part], identity, codebooks, group_scales[part], start_codes[part],
+                                 beam_size, use_triton=False)  # [chunk, 1, M]
+        flat_codes[indices[part]] = found[:, 0, :].to(flat_codes.dtype)
+    return new_codes
+
+
+@torch.no_grad()
+def v_step_layer(layer, max_fraction: float, beam_size: int,
+                 memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> int:
+    """Re-encode one `PVLinear` toward its straight-through weight; returns how many groups changed."""
+    if layer.straight_through is None:
+        raise ValueError("the V-step needs the layer's straight-through weight (enable_straight_through)")
+    target = layer.straight_through.detach().float()
+    errors = group_squared_errors(target, layer.dequantized().float(), layer.group_size)
+    indices = groups_to_update(errors, max_fraction)
+    new_codes = reencode_groups(target, layer.codes, layer.codebooks.detach().float(), layer.scales.detach().float(),
+                                indices, beam_size, memory_budget_bytes)
+    changed = int((new_codes != layer.codes).any(dim=-1).sum())
+    layer.codes.copy_(new_codes)
+    return changed

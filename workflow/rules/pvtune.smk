@@ -1,0 +1,56 @@
+# PV-tuning of a stitched checkpoint, and the evaluation of its result (only when enabled).
+if PV_ENABLED:
+
+    rule pvtune:
+        input:
+            model=model_dir,
+            checkpoint="results/{model}/{bpp}bpp/{init}/{variant}/model",
+            corpus=corpus_path(PVTUNE.get("corpus", CALIBRATION["corpus"])),
+        output:
+            model=directory("results/{model}/{bpp}bpp/{init}/{variant}/pv/model"),
+            train_log="results/{model}/{bpp}bpp/{init}/{variant}/pv/train_log.parquet",
+            metrics="results/{model}/{bpp}bpp/{init}/{variant}/pv/pvtune.json",
+        log:
+            "logs/pvtune/{model}/{bpp}bpp/{init}/{variant}.log",
+        conda:
+            "../../envs/quantize.yaml"
+        container:
+            CONTAINER
+        threads: rule_resources("pvtune")["cpus"]
+        resources:
+            mem_mb=rule_resources("pvtune")["mem_mb"],
+            runtime=rule_resources("pvtune")["runtime"],
+            gpu=rule_resources("pvtune")["gpu"],
+        params:
+            settings=PVTUNE_SETTINGS,
+        script:
+            "../scripts/pvtune.py"
+
+    rule evaluate_pvtuned:
+        input:
+            model="results/{model}/{bpp}bpp/{init}/{variant}/pv/model",
+            pvtune="results/{model}/{bpp}bpp/{init}/{variant}/pv/pvtune.json",
+            pre_pv=variant_file(PRE_PV_EVAL),
+            layer_metrics=layer_metrics,
+            wikitext2=corpus_path(EVAL_CORPORA["wikitext2"]),
+            c4=corpus_path(EVAL_CORPORA["c4"]),
+        output:
+            "results/{model}/{bpp}bpp/{init}/{variant}/eval.json",
+        log:
+            "logs/evaluate/{model}/{bpp}bpp/{init}/{variant}-pv.log",
+        conda:
+            "../../envs/evaluate.yaml"
+        container:
+            CONTAINER
+        threads: rule_resources("evaluate")["cpus"]
+        resources:
+            mem_mb=rule_resources("evaluate")["mem_mb"],
+            runtime=rule_resources("evaluate")["runtime"],
+            gpu=rule_resources("evaluate")["gpu"],
+        params:
+            evaluation=EVALUATION_SETTINGS,
+            settings=quantizer_settings,
+            calibration=CALIBRATION_SETTINGS,
+            label=lambda w: f"{w.model}/{w.bpp}bpp/{w.init}/{w.variant}+pv",
+        script:
+            "../scripts/evaluate.py"

@@ -1,0 +1,9 @@
+from aqflow.workflow_glue import flags_argv, run_stage_on_gpus
+
+out = snakemake.output
+# the job's GPUs (resources.gpu): more than one runs data-parallel under torchrun
+run_stage_on_gpus(snakemake, "pvtune", [
+    "--model-dir", snakemake.input.model, "--checkpoint-dir", snakemake.input.checkpoint, "--corpus", snakemake.input.corpus,
+    "--output-dir", out.model, "--train-log", out.train_log, "--metrics", out.metrics,
+    *flags_argv(snakemake.params.settings), "--quiet",
+], snakemake.resources.gpu)
