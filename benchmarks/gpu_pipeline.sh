@@ -43,7 +43,7 @@ run)
   cat "$STAGE/aqlm_build.log" || true
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
   status=0
-  timeout -s INT "$seconds" "$PY" -m snakemake --profile profiles/gpu --resources gpu=12 --scheduler greedy "$@" || status=$?
+  timeout -s INT "$seconds" "$PY" -m snakemake --profile profiles/gpu --resources gpu=12 --scheduler greedy --keep-going "$@" || status=$?
   echo "snakemake exit status $status"
   cp .snakemake/log/*.snakemake.log "$STAGE/" 2>/dev/null || true
   "$PY" benchmarks/stage_times.py "$STAGE"/*.snakemake.log --json "$OUT/stage_times.json" | tee "$OUT/stage_times.txt"
