@@ -32,6 +32,7 @@ if PV_ENABLED:
             pvtune="results/{model}/{bpp}bpp/{init}/{variant}/pv/pvtune.json",
             pre_pv=variant_file(PRE_PV_EVAL),
             layer_metrics=layer_metrics,
+            tuned_blocks=finetuned_blocks,
             wikitext2=corpus_path(EVAL_CORPORA["wikitext2"]),
             c4=corpus_path(EVAL_CORPORA["c4"]),
         output:
