@@ -28,8 +28,8 @@ GENERIC_PROFILE = REPO / "profiles" / "cluster-generic"
 # rule -> its key in config.yaml resources
 RESOURCE_KEY = {"fetch_model": "fetch_model", "fetch_data": "fetch_data", "calibrate": "calibrate",
                 "quantize_layer": "quantize_layer", "stitch": "stitch", "evaluate_quantized": "evaluate",
-                "evaluate_fp": "evaluate", "report": "report"}
-GPU_RULES = {"calibrate", "quantize_layer", "evaluate_quantized", "evaluate_fp"}
+                "evaluate_fp": "evaluate", "pvtune": "pvtune", "evaluate_pvtuned": "evaluate", "report": "report"}
+GPU_RULES = {"calibrate", "quantize_layer", "evaluate_quantized", "evaluate_fp", "pvtune", "evaluate_pvtuned"}
 
 
 def configured_gpus(rule: str) -> int:
@@ -138,7 +138,7 @@ def test_every_job_of_the_dag_runs_as_a_slurm_job(slurm, tmp_path):
         by_rule.setdefault(rule_of(job["Comment"]), []).append(job_id)
     assert {rule: len(ids) for rule, ids in by_rule.items()} == {
         "fetch_model": 1, "fetch_data": 2, "calibrate": 1, "quantize_layer": 14, "stitch": 1,
-        "evaluate_quantized": 1, "evaluate_fp": 1, "report": 1}
+        "evaluate_quantized": 1, "evaluate_fp": 1, "pvtune": 1, "evaluate_pvtuned": 1, "report": 1}
 
     completions = slurm.completions()
     for rule, ids in by_rule.items():
@@ -157,6 +157,9 @@ def test_every_job_of_the_dag_runs_as_a_slurm_job(slurm, tmp_path):
     # calibrate got two GPUs from Slurm, so it sharded its windows over two processes
     calibration = next((tmp_path / "results/tiny/calib").glob("*/calibration.json"))
     assert json.loads(calibration.read_text())["devices"] == ["cpu", "cpu"]
+    # pvtune got two GPUs from the profile, so it ran as two torchrun processes
+    pvtune_log = (tmp_path / "logs/pvtune/tiny/2bpp/greedy/b2e2.log").read_text().splitlines()[0]
+    assert "torch.distributed.run" in pvtune_log and "--nproc-per-node=2" in pvtune_log, pvtune_log
 
 
 @pytest.mark.slow
