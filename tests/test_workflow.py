@@ -215,7 +215,8 @@ def test_sequential_quantizer_change_reruns_blocks_after_the_first_not_fetch(seq
     path.write_text(yaml.safe_dump(changed))
     jobs = planned_jobs(workdir, config=path)
     assert jobs == {"quantize_layer": 14, "calibrate_block": 1, "finetune_block": 2, "stitch": 1,
-                    "evaluate_quantized": 1, "report": 1}  # not fetch_*, not the shared calibrate
+                    "evaluate_quantized": 1, "pvtune": 1, "evaluate_pvtuned": 1,
+                    "report": 1}  # not fetch_*, not the shared calibrate
 
 
 @pytest.mark.slow
@@ -229,7 +230,7 @@ def test_sequential_finetune_change_keeps_block0_layers(sequential_run):
     path.write_text(yaml.safe_dump(changed))
     jobs = planned_jobs(workdir, config=path)
     assert jobs == {"finetune_block": 2, "calibrate_block": 1, "quantize_layer": 7, "stitch": 1,
-                    "evaluate_quantized": 1, "report": 1}
+                    "evaluate_quantized": 1, "pvtune": 1, "evaluate_pvtuned": 1, "report": 1}
 
 
 @pytest.mark.slow
@@ -241,7 +242,8 @@ def test_sequential_deleted_layer_recomputes_the_temporary_block_inputs(sequenti
     shutil.copytree(workdir, copy, symlinks=True)
     (copy / SEQUENTIAL_VARIANT / "layers" / "model.layers.1.mlp.down_proj.safetensors").unlink()
     assert planned_jobs(copy, config=config) == {"calibrate_block": 1, "quantize_layer": 7, "finetune_block": 1,
-                                                 "stitch": 1, "evaluate_quantized": 1, "report": 1}
+                                                 "stitch": 1, "evaluate_quantized": 1, "pvtune": 1,
+                                                 "evaluate_pvtuned": 1, "report": 1}
 
 
 def test_block_finetune_needs_sequential_mode(tmp_path):
