@@ -111,6 +111,15 @@ def corpus_paths(args: argparse.Namespace) -> dict[str, Path]:
     return paths
 
 
+def _read_json_file(flag: str, path: Path):
+    """The JSON value in `path`, or an EvaluationInputError naming `flag` and the file."""
+    _require(path.is_file(), f"{flag}: {path} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise EvaluationInputError(f"{flag}: {path} is not valid JSON ({error})") from None
+
+
 def check_inputs(args: argparse.Namespace) -> None:
     """Raise EvaluationInputError naming the first bad input; nothing has been done yet."""
     _require((args.model_dir / "config.json").is_file(), f"--model-dir: {args.model_dir} has no config.json")
@@ -134,18 +143,10 @@ def check_inputs(args: argparse.Namespace) -> None:
         except FileNotFoundError as error:
             raise EvaluationInputError(f"--task-data-dir: {error}") from None
     if args.settings is not None:
-        _require(args.settings.is_file(), f"--settings: {args.settings} does not exist")
-        try:
-            upstream = json.loads(args.settings.read_text())
-        except json.JSONDecodeError as error:
-            raise EvaluationInputError(f"--settings: {args.settings} is not valid JSON ({error})") from None
+        upstream = _read_json_file("--settings", args.settings)
         _require(isinstance(upstream, dict), f"--settings: {args.settings} must hold a JSON object")
     if args.pre_pv is not None:
-        _require(args.pre_pv.is_file(), f"--pre-pv: {args.pre_pv} does not exist")
-        try:
-            pre_pv = json.loads(args.pre_pv.read_text())
-        except json.JSONDecodeError as error:
-            raise EvaluationInputError(f"--pre-pv: {args.pre_pv} is not valid JSON ({error})") from None
+        pre_pv = _read_json_file("--pre-pv", args.pre_pv)
         _require(isinstance(pre_pv, dict) and "metrics" in pre_pv, f"--pre-pv: {args.pre_pv} is not an eval.json")
     try:
         quantization_config(args.model_dir)
