@@ -4,7 +4,8 @@
 # the whole DAG with profiles/gpu. Run from the repository root on the device machine:
 #   bash benchmarks/gpu_pipeline.sh install   # carry .whl and .device-carry/gpu-run/assets.tar.xz
 #   bash benchmarks/gpu_pipeline.sh part F    # carry one GGUF part F (split -b 49M), once per part
-#   bash benchmarks/gpu_pipeline.sh run SECONDS [snakemake args]   # resumable; results to $OUT
+#   bash benchmarks/gpu_pipeline.sh start [snakemake args]   # detached Snakemake run of the DAG
+#   bash benchmarks/gpu_pipeline.sh wait SECONDS   # watch it; what it has made so far to $OUT
 set -euo pipefail
 STAGE=${STAGE:-/root/stage}
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -26,30 +27,45 @@ print('snakemake', snakemake.__version__, 'torch', torch.__version__, 'transform
 part)
   cp "$2" "$STAGE/parts/" && ls -la "$STAGE/parts"
   ;;
-run)
-  seconds=$2; shift 2
+start)
+  # Snakemake runs detached (its own session) in a copy outside the synced checkout, so that it
+  # outlives this call and keeps its outputs between calls: the device tool replaces the
+  # checkout's unignored files (results/smollm2 is committed) at every call, and a job killed at a
+  # call's time limit would restart from scratch. Later `wait` calls watch it.
   gguf="$STAGE/cache/smollm2/$GGUF_NAME"
   if [ ! -f "$gguf" ]; then cat "$STAGE"/parts/gguf.* > "$gguf.tmp" && mv "$gguf.tmp" "$gguf"; fi
   echo "$GGUF_SHA256  $gguf" | sha256sum -c -
-  # Run in a copy outside the synced checkout: the device tool replaces the checkout's
-  # unignored files (results/smollm2 is committed) at every call, which would delete the outputs
-  # of the previous call; the copy keeps them, so the run resumes.
   mkdir -p "$STAGE/work"
   tar --exclude=./results --exclude=./resources --exclude=./.snakemake --exclude=./logs \
       --exclude=./.whl --exclude=./.whl2 --exclude=./.device-carry --exclude=./.git --exclude=./.venv -cf - . | tar -C "$STAGE/work" -xf -
   cd "$STAGE/work"
   export PYTHONPATH="$STAGE/site:$PWD/src"
-  mkdir -p resources && cp -r --update=none "$STAGE/resources/data" resources/
+  mkdir -p resources && { [ -d resources/data ] || cp -r "$STAGE/resources/data" resources/; }
   cat "$STAGE/aqlm_build.log" || true
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-  status=0
-  timeout -s INT "$seconds" "$PY" -m snakemake --profile profiles/gpu --resources gpu=12 --scheduler greedy --keep-going "$@" || status=$?
-  echo "snakemake exit status $status"
+  shift
+  date +%s > "$STAGE/started_at"
+  setsid nohup bash -c '"$0" -m snakemake --profile profiles/gpu --resources gpu=12 --scheduler greedy --keep-going "$@"; echo $? > "'"$STAGE"'/snakemake.rc"' \
+    "$PY" "$@" > "$STAGE/snakemake.out" 2>&1 < /dev/null &
+  echo $! > "$STAGE/snakemake.pid"
+  echo "snakemake started (pid $(cat "$STAGE/snakemake.pid"))"
+  ;;
+wait)
+  # Watch the detached run for at most SECONDS, then copy what it has produced so far to $OUT.
+  deadline=$(( $(date +%s) + $2 ))
+  while [ ! -f "$STAGE/snakemake.rc" ] && [ "$(date +%s)" -lt "$deadline" ]; do
+    sleep 15
+    echo "$(( $(date +%s) - $(cat "$STAGE/started_at") )) s: $(grep -E '^[0-9]+ of [0-9]+ steps' "$STAGE/snakemake.out" | tail -1)"
+  done
+  if [ -f "$STAGE/snakemake.rc" ]; then echo "snakemake exit status $(cat "$STAGE/snakemake.rc")"; else echo "snakemake still running"; fi
+  grep -E "^Error in rule|^WorkflowError|Exiting because" "$STAGE/snakemake.out" || true
+  nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader || true
+  cd "$STAGE/work"
   cp .snakemake/log/*.snakemake.log "$STAGE/" 2>/dev/null || true
-  "$PY" benchmarks/stage_times.py "$STAGE"/*.snakemake.log --json "$OUT/stage_times.json" | tee "$OUT/stage_times.txt"
+  { "$PY" benchmarks/stage_times.py "$STAGE"/*.snakemake.log --json "$OUT/stage_times.json" | tee "$OUT/stage_times.txt"; } || true
   mkdir -p results; find results -name '*.json' -o -name '*.csv' -o -name '*.parquet' -o -name '*.png' | grep -v '/model/' \
     | tar -czf "$OUT/results.tar.gz" -T -
-  tar -czf "$OUT/logs.tar.gz" logs "$STAGE"/*.snakemake.log 2>/dev/null || true
+  tar -czf "$OUT/logs.tar.gz" logs "$STAGE"/*.snakemake.log "$STAGE/snakemake.out" 2>/dev/null || true
   ls -la "$OUT"
   ;;
 esac
