@@ -105,24 +105,43 @@ def pareto_front(frame: pd.DataFrame, cost: str, quality: str) -> pd.DataFrame:
     return rows.loc[keep]
 
 
+def _beam_label(beam) -> str:
+    """'b8' for a beam read back as 8.0 (the table's beam column is float: fp rows hold NaN)."""
+    return f"b{int(beam)}" if pd.notna(beam) else ""
+
+
 def plot_pareto(frame: pd.DataFrame, out: str | Path) -> None:
-    """WikiText-2 perplexity against quantization time, frontier drawn, fp baselines as lines."""
+    """WikiText-2 perplexity against quantization time, frontier drawn, fp baselines as lines.
+
+    A PV-tuned variant is drawn at its post-PV perplexity, with a hollow marker at its pre-PV
+    perplexity and an arrow between them (same quantization time: PV-tuning is not counted)."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     quantized = frame[frame["init"].isin(["greedy", "oaem"])]
     for (init, bpp), group in quantized.groupby(["init", "bpp"], dropna=False):
-        ax.scatter(group["quantization_seconds"], group["wikitext2_ppl"], label=f"{init} {bpp} bpp",
-                   marker="o" if init == "oaem" else "s")
+        marker = "o" if init == "oaem" else "s"
+        points = ax.scatter(group["quantization_seconds"], group["wikitext2_ppl"], label=f"{init} {bpp:g} bpp",
+                            marker=marker)
         for _, row in group.iterrows():
-            ax.annotate(f"b{row['beam']}", (row["quantization_seconds"], row["wikitext2_ppl"]), fontsize=7)
+            ax.annotate(_beam_label(row["beam"]), (row["quantization_seconds"], row["wikitext2_ppl"]), fontsize=7,
+                        xytext=(4, 4), textcoords="offset points")
+        pre = group[group["pv_tuned"].fillna(False).astype(bool)] if "pv_tuned" in group else group.iloc[:0]
+        if len(pre):
+            ax.scatter(pre["quantization_seconds"], pre["pre_pv_wikitext2_ppl"], marker=marker, facecolors="none",
+                       edgecolors=points.get_facecolor()[0], label=f"{init} {bpp:g} bpp before PV-tuning")
+            for _, row in pre.iterrows():
+                ax.annotate("", xy=(row["quantization_seconds"], row["wikitext2_ppl"]),
+                            xytext=(row["quantization_seconds"], row["pre_pv_wikitext2_ppl"]),
+                            arrowprops={"arrowstyle": "->", "color": "grey", "linewidth": 0.8})
     front = pareto_front(quantized, "quantization_seconds", "wikitext2_ppl")
     if len(front) > 1:
         ax.plot(front["quantization_seconds"], front["wikitext2_ppl"], "k--", linewidth=0.8, label="Pareto front")
     for _, row in frame[frame["init"] == "fp"].iterrows():
-        if row["wikitext2_ppl"] is not None:
+        if pd.notna(row["wikitext2_ppl"]):
             ax.axhline(row["wikitext2_ppl"], color="grey", linewidth=0.8, linestyle=":")
             ax.annotate(f"{row['model']} source model", (ax.get_xlim()[0], row["wikitext2_ppl"]), fontsize=7)
+    ax.set_yscale("log")
     ax.set_xlabel("quantization time, s (sum over layer jobs)")
-    ax.set_ylabel("WikiText-2 perplexity")
+    ax.set_ylabel("WikiText-2 perplexity (log scale)")
     ax.set_title("quality vs quantization time")
     if len(quantized):
         ax.legend(fontsize=8)
