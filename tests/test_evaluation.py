@@ -329,11 +329,13 @@ def test_evaluate_stage_writes_a_complete_eval_json(tiny_dir, corpora_dir, task_
     assert len(data["wikitext2"]["windows_sha256"]) == 64
 
 
-def test_evaluate_stage_on_an_aqlm_checkpoint_matches_its_dequantized_weights(tiny_dir, corpora_dir, task_dir, tmp_path):
+@pytest.mark.parametrize("cpu_kernel", ["dense", "aqlm"])
+def test_evaluate_stage_on_an_aqlm_checkpoint_matches_its_dequantized_weights(tiny_dir, corpora_dir, task_dir, tmp_path,
+                                                                              cpu_kernel):
     weights = _write_aqlm_checkpoint(tiny_dir, tmp_path / "aqlm")
     output = tmp_path / "eval.json"
     assert evaluate_stage.main(_stage_args(tmp_path / "aqlm", output, corpora_dir, task_dir,
-                                           "--perplexity", "wikitext2", "--tasks")) == 0
+                                           "--perplexity", "wikitext2", "--tasks", "--cpu-kernel", cpu_kernel)) == 0
     payload = json.loads(output.read_text())
     reference = load_causal_lm(tiny_dir)
     with torch.no_grad():
@@ -347,6 +349,22 @@ def test_evaluate_stage_on_an_aqlm_checkpoint_matches_its_dequantized_weights(ti
     assert payload["metrics"]["wikitext2"]["perplexity"] == pytest.approx(expected, rel=1e-3)
     assert payload["storage"]["format"] == "aqlm" and 7 < payload["bits_per_parameter"] < 16
     assert "tasks" not in payload["metrics"] and "c4" not in payload["metrics"]
+    assert payload["settings"]["cpu_kernel"] == cpu_kernel
+
+
+@pytest.mark.parametrize("nbits", [8, 4])  # 8: aqlm's numba kernel on a CPU; 4: its dequantize-and-matmul path
+def test_dense_cpu_layers_give_the_logits_of_aqlms_own_kernels(tiny_dir, tmp_path, nbits):
+    _write_aqlm_checkpoint(tiny_dir, tmp_path / "aqlm", nbits=nbits)
+    through_aqlm = evaluate_stage.load_model(tmp_path / "aqlm", "float32", "cpu", "aqlm")
+    dense = evaluate_stage.load_model(tmp_path / "aqlm", "float32", "cpu", "dense")
+    quantized = [name for name, m in through_aqlm.named_modules() if type(m).__name__ == "QuantizedLinear"]
+    assert len(quantized) == 7 * through_aqlm.config.num_hidden_layers
+    assert not any(type(m).__name__ == "QuantizedLinear" for m in dense.modules())
+    assert all(type(dense.get_submodule(name)) is torch.nn.Linear for name in quantized)
+    ids = torch.randint(0, through_aqlm.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = through_aqlm(ids).logits, dense(ids).logits
+    assert float((got - expected).abs().max()) < 1e-5 * float(expected.abs().max())
 
 
 @pytest.mark.parametrize("change, flag", [

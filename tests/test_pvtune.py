@@ -221,7 +221,7 @@ def test_stage_lowers_heldout_loss_changes_codes_and_writes_a_loadable_checkpoin
     assert metrics["codes_changed_fraction"] > 0
     # the output is a standard AQLM checkpoint: transformers + aqlm load it, and it scores the
     # held-out KL that was selected
-    reloaded = evaluate.load_model(out, "float32", "cpu")
+    reloaded = evaluate.load_model(out, "float32", "cpu", "aqlm")
     assert any(type(m).__name__ == "QuantizedLinear" for m in reloaded.modules())
     settings = pvtrain.PVSettings(**QUICK)
     again = pvtrain.heldout_metrics(reloaded, _teacher(setup), setup["data"].heldout.input_ids, settings, torch.device("cpu"))

@@ -27,7 +27,7 @@ argv = [
     "--model-dir", snakemake.input.model, "--output", snakemake.output[0], "--label", p.label,
     "--settings", handle.name, "--wikitext2-corpus", snakemake.input.wikitext2, "--c4-corpus", snakemake.input.c4,
     "--context", str(ev["context"]), "--c4-windows", str(ev["c4_windows"]), "--batch-size", str(ev["batch_size"]),
-    "--tasks", *ev["tasks"], "--quiet",
+    "--tasks", *ev["tasks"], "--cpu-kernel", ev["cpu_kernel"], "--quiet",
 ]
 if pvtune:
     argv += ["--pre-pv", snakemake.input.pre_pv]

@@ -34,6 +34,7 @@ import torch
 
 from aqflow import artifacts
 from aqflow.data.zero_shot import ZERO_SHOT_TASKS, prepare_zero_shot_data, read_manifest, task_data_files
+from aqflow.evaluation.dense_aqlm import dequantize_aqlm_linears
 from aqflow.evaluation.model_bits import quantization_config, stored_bits_per_parameter
 from aqflow.evaluation.perplexity import perplexity
 from aqflow.evaluation.protocol import (
@@ -89,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     run.add_argument("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
                      help="compute dtype (auto: float32 on CPU, float16 on GPU)")
+    run.add_argument("--cpu-kernel", choices=("dense", "aqlm"), default="dense",
+                     help="AQLM layers on a CPU: dense (dequantized once after loading, multi-threaded) or aqlm "
+                          "(aqlm's numba kernel, one thread, 3-7x slower); on a GPU aqlm's kernels always run")
     run.add_argument("--cache-dir", type=Path, default=None, help="download cache (default: $AQFLOW_CACHE or resources/cache)")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
@@ -169,10 +173,12 @@ def _timed(timings: dict, key: str) -> Iterator[None]:
     timings[key] = time.perf_counter() - started
 
 
-def load_model(model_dir: Path, dtype: str, device: str):
-    """Load a plain or AQLM model folder, offline, in eval mode."""
+def load_model(model_dir: Path, dtype: str, device: str, cpu_kernel: str = "dense"):
+    """Load a plain or AQLM model folder, offline, in eval mode. On a CPU with `cpu_kernel`
+    "dense", the AQLM layers loaded by transformers + aqlm become equal dense linears."""
     config = quantization_config(model_dir)
-    if config is not None and config.get("quant_method") == "aqlm":
+    is_aqlm = config is not None and config.get("quant_method") == "aqlm"
+    if is_aqlm:
         if device == "cpu":
             # aqlm's numba kernel for 8-bit codebooks races with more than one thread (wrong
             # outputs); numba reads this when it is first imported.
@@ -181,7 +187,10 @@ def load_model(model_dir: Path, dtype: str, device: str):
         # (circular import otherwise).
         import transformers.quantizers  # noqa: F401
 
-    return load_causal_lm(model_dir, dtype=dtype, device=device)
+    model = load_causal_lm(model_dir, dtype=dtype, device=device)
+    if is_aqlm and device == "cpu" and cpu_kernel == "dense":
+        dequantize_aqlm_linears(model)
+    return model
 
 
 def evaluation_texts(args: argparse.Namespace, name: str) -> tuple[list[str], list[str], dict]:
@@ -284,7 +293,7 @@ def evaluate(args: argparse.Namespace) -> dict:
             windows[name], data[name] = perplexity_windows_for(args, name, tokenizer)
         task_dir = zero_shot_data_dir(args) if args.tasks else None
     with _timed(timings, "load_seconds"):
-        model = load_model(args.model_dir, compute_dtype(args), args.device)
+        model = load_model(args.model_dir, compute_dtype(args), args.device, args.cpu_kernel)
     metrics: dict = {}
     for name in args.perplexity:
         with _timed(timings, f"{name}_seconds"):
