@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="compute dtype (auto: float32 on CPU, float16 on GPU)")
     run.add_argument("--cpu-kernel", choices=("dense", "aqlm"), default="dense",
                      help="AQLM layers on a CPU: dense (dequantized once after loading, multi-threaded) or aqlm "
-                          "(aqlm's numba kernel, one thread, 3-7x slower); on a GPU aqlm's kernels always run")
+                          "(aqlm's numba kernel, one thread, 5-14x slower per layer); on a GPU aqlm's kernels always run")
     run.add_argument("--cache-dir", type=Path, default=None, help="download cache (default: $AQFLOW_CACHE or resources/cache)")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
