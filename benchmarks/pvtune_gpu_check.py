@@ -27,8 +27,8 @@ import torch
 
 from aqflow import checkpoint
 from aqflow.data.offline_text import split_documents, write_split_corpus
-from aqflow.models.tiny import build_tiny_llama, build_tiny_tokenizer
-from aqflow.stages import pvtune, quantize_layer
+from aqflow.models.tiny import build_tiny_llama, build_tiny_tokenizer, quantize_every_linear
+from aqflow.stages import pvtune
 
 WORDS = ("the quick brown fox jumps over lazy dog additive quantization codebook group weight model token "
          "calibration evaluation split document beam search").split()
@@ -51,25 +51,11 @@ def synthetic_corpus(path: Path, documents: int, words: int) -> Path:
 # --- part 1: two processes == one ----------------------------------------------------------------
 
 def quantized_tiny_model(root: Path) -> tuple[Path, Path]:
-    """A tiny random Llama and its stitched 2x6-bit checkpoint (quantize-layer stage, XᵀX = I)."""
-    from safetensors.torch import save_file
-
-    from aqflow.models import load_causal_lm
-
+    """A tiny random Llama and its stitched 2x6-bit checkpoint (a quick quantization, XᵀX = I)."""
     model_dir = build_tiny_llama(root / "fp", hidden_size=128, intermediate_size=256, seed=0)
-    model = load_causal_lm(model_dir)
-    layers, inputs = root / "layers", root / "inputs"
-    inputs.mkdir(parents=True, exist_ok=True)
-    for name in checkpoint.quantized_linear_names(model):
-        weight = model.get_submodule(name).weight.detach()
-        save_file({"weight": weight.contiguous()}, str(inputs / f"{name}.safetensors"))
-        np.savez(inputs / f"{name}.npz", xtx=np.eye(weight.shape[1]))
-        assert quantize_layer.main([
-            "--weight", str(inputs / f"{name}.safetensors"), "--xtx", str(inputs / f"{name}.npz"),
-            "--output", str(checkpoint.layer_artifact_path(layers, name)), "--metrics", str(inputs / f"{name}.json"),
-            "--nbits", "6", "--num-codebooks", "2", "--beam-size", "2", "--max-epochs", "1", "--steps-per-epoch", "5",
-            "--oaem-rounds", "1", "--oaem-steps", "5", "--kmeans-max-iter", "10", "--device", "cpu", "--quiet"]) == 0
-    aqlm_dir = checkpoint.write_aqlm_checkpoint(model_dir, layers, root / "aqlm", num_codebooks=2, nbits=6, dtype="float32")
+    quantize_every_linear(model_dir, root / "layers", nbits=6, num_codebooks=2)
+    aqlm_dir = checkpoint.write_aqlm_checkpoint(model_dir, root / "layers", root / "aqlm", num_codebooks=2, nbits=6,
+                                                dtype="float32")
     return model_dir, aqlm_dir
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 import transformers.quantizers  # noqa: F401  (must precede transformers.integrations.aqlm)
@@ -22,12 +21,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from transformers.quantizers.quantizers_utils import should_convert_module
 
 from aqflow import checkpoint
-from aqflow.models import build_tiny_llama, load_causal_lm, load_tokenizer
+from aqflow.models import build_tiny_llama, load_causal_lm, load_tokenizer, quantize_every_linear
 from aqflow.quant.representation import bits_per_parameter, pack_codes
-from aqflow.stages import quantize_layer, stitch
+from aqflow.stages import stitch
 
-QUICK_SETTINGS = ["--num-codebooks", "2", "--beam-size", "2", "--max-epochs", "1", "--steps-per-epoch", "5",
-                  "--oaem-rounds", "1", "--oaem-steps", "5", "--kmeans-max-iter", "10", "--device", "cpu", "--quiet"]
 TEXT = "Additive quantization represents each group of weights as a sum of codewords. The quick brown fox."
 
 
@@ -57,23 +54,6 @@ def models(tmp_path_factory):
     untied = _save_model(root / "llama-untied", LlamaConfig(**small, tie_word_embeddings=False), tied, seed=1)
     qwen = _save_model(root / "qwen2-bias", Qwen2Config(**small, tie_word_embeddings=False), tied, seed=2)
     return {"llama-tied": tied, "llama-untied": untied, "qwen2-bias": qwen}
-
-
-def quantize_every_linear(model_dir, layers_dir, nbits: int) -> None:
-    """Run the quantize-layer stage on every linear of every block (XᵀX = identity), writing
-    `layer_artifact_path(layers_dir, name)` as the pipeline does."""
-    model = load_causal_lm(model_dir)
-    names = checkpoint.quantized_linear_names(model)
-    inputs = layers_dir.parent / f"{layers_dir.name}-inputs"
-    inputs.mkdir(parents=True)
-    for name in names:
-        weight = model.get_submodule(name).weight.detach()
-        save_file({"weight": weight.contiguous()}, str(inputs / f"{name}.safetensors"))
-        np.savez(inputs / f"{name}.npz", xtx=np.eye(weight.shape[1]))
-        code = quantize_layer.main(["--weight", str(inputs / f"{name}.safetensors"), "--xtx", str(inputs / f"{name}.npz"),
-                                    "--output", str(checkpoint.layer_artifact_path(layers_dir, name)),
-                                    "--metrics", str(inputs / f"{name}.json"), "--nbits", str(nbits), *QUICK_SETTINGS])
-        assert code == 0
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,14 @@ from safetensors.torch import save_file
 
 from aqflow import checkpoint
 from aqflow.data.offline_text import CALIBRATION, load_split_corpus, split_documents, write_split_corpus
-from aqflow.models import build_tiny_llama, load_causal_lm, load_tokenizer
+from aqflow.models import build_tiny_llama, load_causal_lm, load_tokenizer, quantize_every_linear
 from aqflow.pvtune import train as pvtrain
 from aqflow.pvtune.data import pv_windows
 from aqflow.pvtune.loss import chunked_kl_sum, output_logits
 from aqflow.pvtune.student import PVLinear, load_student, pv_linears
 from aqflow.pvtune.vstep import group_squared_errors, groups_to_update, reencode_groups, v_step_layer
 from aqflow.quant.representation import dequantize_weight
-from aqflow.stages import evaluate, pvtune, quantize_layer
+from aqflow.stages import evaluate, pvtune
 
 NBITS, NUM_CODEBOOKS = 6, 2
 WORDS = ("the quick brown fox jumps over lazy dog additive quantization codebook group weight model token "
@@ -38,19 +38,8 @@ def setup(tmp_path_factory):
     quantize-layer stage) and a split corpus of 24 synthetic documents."""
     root = tmp_path_factory.mktemp("pv")
     model_dir = build_tiny_llama(root / "fp", hidden_size=64, intermediate_size=128, seed=0)
-    model = load_causal_lm(model_dir)
-    layers, inputs = root / "layers", root / "inputs"
-    inputs.mkdir()
-    for name in checkpoint.quantized_linear_names(model):
-        weight = model.get_submodule(name).weight.detach()
-        save_file({"weight": weight.contiguous()}, str(inputs / f"{name}.safetensors"))
-        np.savez(inputs / f"{name}.npz", xtx=np.eye(weight.shape[1]))
-        assert quantize_layer.main([
-            "--weight", str(inputs / f"{name}.safetensors"), "--xtx", str(inputs / f"{name}.npz"),
-            "--output", str(checkpoint.layer_artifact_path(layers, name)), "--metrics", str(inputs / f"{name}.json"),
-            "--nbits", str(NBITS), "--num-codebooks", str(NUM_CODEBOOKS), "--beam-size", "2", "--max-epochs", "1",
-            "--steps-per-epoch", "5", "--oaem-rounds", "1", "--oaem-steps", "5", "--kmeans-max-iter", "10",
-            "--device", "cpu", "--quiet"]) == 0
+    layers = root / "layers"
+    quantize_every_linear(model_dir, layers, NBITS, NUM_CODEBOOKS)
     aqlm_dir = checkpoint.write_aqlm_checkpoint(model_dir, layers, root / "aqlm", num_codebooks=NUM_CODEBOOKS,
                                                 nbits=NBITS, dtype="float32")
     rng = np.random.default_rng(0)
