@@ -2,10 +2,10 @@
 
 aqlm's CPU kernel for 8-bit codebooks (numba, a lookup table per call) runs on one thread only
 (it gives wrong outputs with more) and is 5-14x slower than a dense matmul of the same shape on one
-thread (benchmarks/aqlm_cpu_kernel.py), so a CPU evaluation of SmolLM2 through it is very slow. The checkpoint is still loaded
-by transformers + aqlm (the format is what is evaluated); each `QuantizedLinear` is then replaced
-once by an `nn.Linear` holding the weight that aqlm's own dequantization gives, which is the same
-function of the inputs up to float rounding.
+thread (benchmarks/aqlm_cpu_kernel.py), so a CPU evaluation of SmolLM2 through it is very slow.
+The checkpoint is still loaded by transformers + aqlm (the format is what is evaluated); each
+`QuantizedLinear` is then replaced once by an `nn.Linear` holding the weight that aqlm's own
+dequantization gives, which is the same function of the inputs up to float rounding.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
     if layer.codes.shape[0] != layer.out_features // layer.out_group_size:
         # aqlm's CPU kernel transposes the codes in place on its first call
         raise ValueError("dense_weight: this QuantizedLinear has already run aqlm's CPU kernel (codes transposed)")
-    nbits = layer.codebooks.shape[1].bit_length() - 1
     # codes are stored in signed ints of nbits (an 8-bit code 200 reads as -56): unpack as aqlm does
-    return _dequantize_weight(unpack_int_data(layer.codes, nbits), layer.codebooks, layer.scales)
+    codes = unpack_int_data(layer.codes, layer.nbits_per_codebook)
+    return _dequantize_weight(codes, layer.codebooks, layer.scales)
 
 
 def dequantize_aqlm_linears(model: nn.Module) -> list[str]:
