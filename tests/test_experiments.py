@@ -28,7 +28,8 @@ def grid(gap_of, seeds=(0, 1, 2), noise=0.02, rng_seed=0):
                                                                   (2, 8, 100, "g4m1k256", 300.0)]
     for bpp, beam, epochs, geometry, rho in cells:
         for seed in seeds:
-            cell = {"model": "m", "bpp": bpp, "beam": beam, "max_epochs": epochs, "geometry": geometry, "rho": rho, "seed": seed}
+            cell = {"model": "m", "bpp": bpp, "beam": beam, "max_epochs": epochs, "geometry": geometry, "rho": rho, "seed": seed,
+                    "nominal_bits": 3.0 if geometry == "g8m3k256" else 2.0}
             greedy = {"init": "greedy"}
             for column, domain_gap in (("wikitext2", 1.0), ("c4", 0.0)):
                 for stage, stage_gap in (("pre_pv_", 1.0), ("", 0.2)):
@@ -117,3 +118,48 @@ def test_seed_statistics_and_markdown_with_paper_numbers():
     text = markdown_table(both, ["pre_pv_wikitext2_ppl"], {"pre_pv_wikitext2_ppl": "WikiText-2 pre-PV"})
     assert "| WikiText-2 pre-PV | paper WikiText-2 pre-PV | seeds |" in text and "54.37 ± 0.00 | 60.61 | 3 |" in text
     assert mean_sd_text(float("nan"), float("nan")) == "missing" and mean_sd_text(3.0, float("nan")) == "3.00"
+
+
+def write_eval(folder, init, beam, seed, pre_wiki, post_wiki, bpp=2, epochs=100, rho=0.6):
+    """A minimal eval.json of a PV-tuned run, shaped as the evaluate stage writes it."""
+    import json
+
+    upstream = {"model": "m", "bpp": bpp, "quantization_seconds": 10.0,
+                "quantizer": {"init": init, "beam_size": beam, "max_epochs": epochs, "seed": seed, "group_size": 8,
+                              "num_codebooks": bpp, "nbits": 8},
+                "layers": [{"rho": rho, "final_relative_mse": 0.01, "init_relative_mse": 0.02}], "pvtune": {"steps": 3}}
+    metrics = lambda wiki: {"wikitext2": {"perplexity": wiki}, "c4": {"perplexity": wiki / 2}, "avg_acc": 0.4}  # noqa: E731
+    record = {"label": f"{init}-b{beam}-s{seed}", "metrics": metrics(post_wiki), "settings": {"upstream": upstream},
+              "bits_per_parameter": 2.15, "pre_pv": {"metrics": metrics(pre_wiki)}}
+    path = folder / f"{init}-b{beam}-s{seed}-{bpp}" / "eval.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(record))
+    return path
+
+
+def test_paper_tables_stage_writes_tables_claims_plots_and_missing_cells(tmp_path):
+    import json
+
+    from aqflow.stages import paper_tables
+
+    paths = []
+    for seed in (42, 43, 44):
+        jitter = 1 + 0.01 * (seed - 43)
+        paths += [write_eval(tmp_path, "greedy", 8, seed, 200 * jitter, 50 * jitter),
+                  write_eval(tmp_path, "oaem", 8, seed, 80 * jitter, 45 * jitter)]
+    expected = [{"model": "m", "bpp": 2, "init": init, "beam": 8, "max_epochs": 100, "seed": seed}
+                for init in ("greedy", "oaem") for seed in (42, 43, 44, 45)]
+    (tmp_path / "grid.json").write_text(json.dumps(expected))
+    out = tmp_path / "paper"
+    assert paper_tables.main([*map(str, paths), "--out-dir", str(out), "--expected-cells", str(tmp_path / "grid.json")]) == 0
+    for name in ("runs.csv", "cells.md", "cells.csv", "domains.md", "claims.md", "claims.csv", "README.md", *paper_tables.PLOTS):
+        assert (out / name).stat().st_size > 0, name
+    claims = pd.read_csv(out / "claims.csv").set_index("claim")
+    assert claims.loc["pre_pv_gap", "verdict"] == "holds" and claims.loc["pre_pv_gap", "seeds"] == 3
+    assert claims.loc["pre_pv_gap", "mean"] == pytest.approx(math.log(200 / 80), rel=1e-6)
+    assert claims.loc["gap_smaller_at_3bpp", "verdict"].startswith("inconclusive")  # no 3 bpp runs
+    cells = (out / "cells.md").read_text()
+    assert "200.00 ± 2.00 | 60.61 | " in cells  # greedy b8 pre-PV, beside the paper's 60.61
+    readme = (out / "README.md").read_text()
+    assert "## Missing cells (2)" in readme and '"seed": 45' in readme
+    assert paper_tables.main([str(tmp_path / "nope.json"), "--out-dir", str(out)]) == 2

@@ -121,9 +121,12 @@ def slope_per_seed(points: pd.DataFrame, x: str) -> pd.Series:
     return pd.Series(slopes, dtype=float)
 
 
-def gap_against_rho(frame: pd.DataFrame, metric: str, **cell) -> pd.Series:
-    """Per seed: slope of the gap against log10 ρ over the bit-rate geometries of `frame` (its
-    `geometry` and `rho` columns: one ρ per model and geometry, e.g. the median over layers)."""
+def gap_against_rho(frame: pd.DataFrame, metric: str, bits_per_weight: float = 2.0, **cell) -> pd.Series:
+    """Per seed: slope of the gap against log10 ρ over the bit-rate geometries of `frame` that
+    store `bits_per_weight` code bits per weight (its `geometry`, `rho` and `nominal_bits` columns:
+    one ρ per model and geometry, e.g. the median over layers), so that ρ varies at a fixed rate."""
+    if "nominal_bits" in frame:
+        frame = frame[np.isclose(frame["nominal_bits"].astype(float), bits_per_weight)]
     gaps = _select(paired_gaps(frame, metric, cell=(*CELL, "geometry")), **cell)
     rho = frame.groupby(["model", "geometry"])["rho"].first().rename("rho").reset_index()
     points = gaps.merge(rho, on=["model", "geometry"])
@@ -177,8 +180,8 @@ def paper_claims(domains_near_to_far: Sequence[str] = ("c4", "wikitext2"), bpp: 
               lambda f: difference_of_gaps(f, pre, {**cell, "bpp": 2}, {**cell, "bpp": 3}),
               log(60.61 / 17.39) - log(9.52 / 8.87)),
         Claim("gap_grows_with_rho", "the gap grows with the representational ratio ρ",
-              "slope of the pre-PV gap against log10 ρ over bit-rate geometries, b8 e100",
-              lambda f: gap_against_rho(f, pre, beam=8, max_epochs=100), None),
+              f"slope of the pre-PV gap against log10 ρ over {bpp}-bit geometries, b8 e100",
+              lambda f: gap_against_rho(f, pre, bpp, beam=8, max_epochs=100), None),
         Claim("gap_grows_with_domain_distance", "the gap grows with the distance of the evaluation text from the calibration text",
               f"slope of the pre-PV gap against domain rank ({' < '.join(domains_near_to_far)}), b8 e100",
               lambda f: gap_against_domain_distance(f, domains_near_to_far, lambda d: f"pre_pv_{d}_ppl", **cell),

@@ -68,3 +68,14 @@ def _plain(value) -> str:
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def frame_markdown(frame: pd.DataFrame, digits: int = 3) -> str:
+    """Any frame as a Markdown table (numbers to `digits` significant figures, NaN as blank)."""
+    header = [str(column) for column in frame.columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for _, row in frame.iterrows():
+        cells = [_plain(value) if not isinstance(value, float) or value.is_integer() or value != value
+                 else f"{value:.{digits}g}" for value in row]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,116 @@
+"""`python -m aqflow paper-tables`: the paper's tables and claims regenerated from eval.json files.
+
+Writes into --out-dir: runs.csv (one row per run), cells.md/.csv (mean ± sd over seeds per grid
+cell, the paper's Llama-3.2-3B numbers beside the matching rows), domains.md/.csv (greedy / OA-EM
+perplexity ratio per evaluation domain), claims.md/.csv (one row per claim: effect per seed, its
+spread, a verdict computed from the data), four plots, and README.md tying them together with
+the list of expected cells that have no run yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from aqflow import artifacts
+from aqflow.experiments.claims import claims_table, paper_claims
+from aqflow.experiments.paper_numbers import PAPER_DOMAIN_RATIOS, paper_cells
+from aqflow.experiments.plots import plot_against_beam, plot_against_domain, plot_against_rho, plot_pre_to_post_pv
+from aqflow.experiments.runs import missing_cells, runs_table
+from aqflow.experiments.tables import frame_markdown, markdown_table, seed_statistics, with_paper
+
+CELL_METRICS = ("pre_pv_wikitext2_ppl", "pre_pv_c4_ppl", "wikitext2_ppl", "c4_ppl", "avg_acc", "quantization_seconds")
+LABELS = {"pre_pv_wikitext2_ppl": "WikiText-2 pre-PV", "pre_pv_c4_ppl": "C4 pre-PV", "wikitext2_ppl": "WikiText-2",
+          "c4_ppl": "C4", "avg_acc": "avg acc", "quantization_seconds": "quant. s"}
+PLOTS = ("beam.png", "rho.png", "domains.png", "pv.png")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aqflow paper-tables", description=__doc__,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("evals", nargs="*", type=Path, help="eval.json files of the grid's runs")
+    parser.add_argument("--out-dir", required=True, type=Path)
+    parser.add_argument("--domains", nargs="+", default=["c4", "wikitext2"],
+                        help="evaluation domains ordered from the calibration text's own to the farthest")
+    parser.add_argument("--expected-cells", type=Path, default=None,
+                        help="JSON list of {model, bpp, init, beam, max_epochs, seed}: the grid, to list what is missing")
+    return parser
+
+
+def domain_table(runs: pd.DataFrame, domains: list[str], bpp: int = 2, beam: int = 8, max_epochs: int = 100) -> pd.DataFrame:
+    """Per domain: mean pre-PV perplexity of greedy and OA-EM over seeds, their ratio, and the
+    paper's ratio where it has that domain."""
+    cell = runs[(runs["bpp"] == bpp) & (runs["beam"] == beam) & (runs["max_epochs"] == max_epochs)]
+    rows = []
+    for rank, domain in enumerate(domains):
+        metric = f"pre_pv_{domain}_ppl"
+        if metric not in cell:
+            continue
+        means = cell.groupby("init")[metric].mean()
+        seeds = int(cell[cell["init"] == "oaem"]["seed"].nunique()) if "seed" in cell else 0
+        greedy, oaem = means.get("greedy"), means.get("oaem")
+        paper = PAPER_DOMAIN_RATIOS.set_index("domain")["ratio"].get(domain)
+        rows.append({"domain": domain, "distance_rank": rank, "greedy_ppl": greedy, "oaem_ppl": oaem,
+                     "ratio": greedy / oaem if greedy and oaem else None, "paper_ratio": paper, "seeds": seeds})
+    return pd.DataFrame(rows)
+
+
+def _write_table(out_dir: Path, name: str, frame: pd.DataFrame, markdown: str) -> None:
+    with artifacts.atomic_path(out_dir / f"{name}.csv") as tmp:
+        frame.to_csv(tmp, index=False)
+    with artifacts.atomic_path(out_dir / f"{name}.md") as tmp:
+        tmp.write_text(markdown)
+
+
+def claims_markdown(claims: pd.DataFrame) -> str:
+    lines = ["| claim | effect measured | mean | sd | seeds | paper | verdict |", "|---|---|---|---|---|---|---|"]
+    for _, row in claims.iterrows():
+        number = lambda value: "" if pd.isna(value) else f"{value:.3f}"  # noqa: E731
+        lines.append(f"| {row['statement']} | {row['effect']} | {number(row['mean'])} | {number(row['sd'])} | "
+                     f"{row['seeds']} | {number(row['paper'])} | **{row['verdict']}** |")
+    return "\n".join(lines) + "\n"
+
+
+def write_tables(runs: pd.DataFrame, out_dir: Path, domains: list[str], expected: list[dict]) -> dict:
+    """Every table, plot and the README into `out_dir`; returns what was written and what is missing."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    quantized = runs[runs["init"].isin(["greedy", "oaem"])] if len(runs) else runs
+    with artifacts.atomic_path(out_dir / "runs.csv") as tmp:
+        runs.to_csv(tmp, index=False)
+    metrics = [metric for metric in CELL_METRICS if metric in quantized]
+    cells = with_paper(seed_statistics(quantized, metrics), paper_cells(), metrics) if len(quantized) else pd.DataFrame()
+    _write_table(out_dir, "cells", cells, markdown_table(cells, metrics, LABELS) if len(cells) else "no runs yet\n")
+    domains_frame = domain_table(quantized, domains) if len(quantized) else pd.DataFrame()
+    _write_table(out_dir, "domains", domains_frame, frame_markdown(domains_frame) if len(domains_frame) else "no runs yet\n")
+    claims = claims_table(quantized, paper_claims(domains)) if len(quantized) else pd.DataFrame()
+    _write_table(out_dir, "claims", claims, claims_markdown(claims) if len(claims) else "no runs yet\n")
+    for name, draw in zip(PLOTS, (lambda p: plot_against_beam(quantized, p), lambda p: plot_against_rho(quantized, p),
+                                  lambda p: plot_against_domain(quantized, domains, p), lambda p: plot_pre_to_post_pv(quantized, p))):
+        with artifacts.atomic_path(out_dir / name) as tmp:
+            draw(tmp)
+    missing = missing_cells(runs, expected)
+    readme = ["# The paper's experiments on our models", "",
+              f"{len(quantized)} quantized runs ({quantized['seed'].nunique() if 'seed' in quantized and len(quantized) else 0} seeds); "
+              "tables: cells.md, domains.md, claims.md; plots: " + ", ".join(PLOTS) + ".", "",
+              "## Claims", "", claims_markdown(claims) if len(claims) else "no runs yet", "",
+              f"## Missing cells ({len(missing)})", ""]
+    readme += [f"- {json.dumps(cell, sort_keys=True)}" for cell in missing] or ["none"]
+    with artifacts.atomic_path(out_dir / "README.md") as tmp:
+        tmp.write_text("\n".join(readme) + "\n")
+    return {"runs": len(runs), "missing": missing}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    absent = [str(path) for path in args.evals if not path.is_file()]
+    if absent:
+        print(f"aqflow paper-tables: error: eval.json files not found: {absent}", file=sys.stderr)
+        return 2
+    expected = json.loads(args.expected_cells.read_text()) if args.expected_cells else []
+    result = write_tables(runs_table(args.evals), args.out_dir, args.domains, expected)
+    print(f"paper tables from {result['runs']} runs -> {args.out_dir} ({len(result['missing'])} expected cells missing)")
+    return 0
