@@ -8,7 +8,8 @@ wildcard_constraints:
     model="[^/]+",
     bpp=r"\d+",
     init="greedy|oaem",
-    variant=r"b\d+(e\d+)?",
+    # [g{group}m{codebooks}k{codewords}-]b{beam}[e{max epochs}][s{seed}]: see parse_variant
+    variant=r"(g\d+m\d+k\d+-)?b\d+(e\d+)?(s\d+)?",
     layer="[^/]+",
     corpus="[^/]+",
     block=r"\d+",
@@ -152,6 +153,10 @@ def stitch_layers_dirs(wildcards):
 
 
 def variant_dir(wildcards):
+    """The folder of a variant; its settings are checked first (input functions call this while
+    the DAG is built, so a bit rate or geometry that cannot be fails `snakemake -n` by name).
+    """
+    quantizer_settings(wildcards)
     return f"results/{wildcards.model}/{wildcards.bpp}bpp/{wildcards.init}/{wildcards.variant}"
 
 
@@ -163,15 +168,78 @@ def bitrate(wildcards):
     return {str(k): v for k, v in config["bitrates"].items()}[str(wildcards.bpp)]
 
 
+VARIANT_PATTERN = re.compile(r"^(?:g(\d+)m(\d+)k(\d+)-)?b(\d+)(?:e(\d+))?(?:s(\d+))?$")
+
+
+def parse_variant(variant):
+    """ "b8" -> {beam_size: 8}; "g6m2k64-b8e5s43" -> {group_size: 6, num_codebooks: 2, nbits: 6,
+    beam_size: 8, max_epochs: 5, seed: 43}. A geometry prefix replaces the bit rate's codebook
+    layout (a ρ sweep at one bit rate); a seed suffix replaces quantization.seed."""
+    match = VARIANT_PATTERN.match(variant)
+    if match is None:
+        raise ValueError(
+            f"variant {variant!r} is not [g<group>m<codebooks>k<codewords>-]b<beam>[e<epochs>][s<seed>]"
+        )
+    group, codebooks, codewords, beam, epochs, seed = match.groups()
+    settings = {"beam_size": int(beam)}
+    if group:
+        codewords = int(codewords)
+        if codewords < 2 or codewords & (codewords - 1):
+            raise ValueError(
+                f"variant {variant!r}: k{codewords} codewords must be a power of two"
+            )
+        settings.update(
+            group_size=int(group),
+            num_codebooks=int(codebooks),
+            nbits=codewords.bit_length() - 1,
+        )
+    if epochs:
+        settings["max_epochs"] = int(epochs)
+    if seed:
+        settings["seed"] = int(seed)
+    return settings
+
+
+def geometry_name(group_size, num_codebooks, nbits):
+    """8, 2, 8 -> "g8m2k256" (as in variant paths)."""
+    return f"g{group_size}m{num_codebooks}k{1 << nbits}"
+
+
+def variant_name(bpp, beam, epochs=None, seed=None, geometry=None):
+    """The inverse of parse_variant: the path segment of a variant. What equals the configuration's
+    default (max epochs, seed, the bit rate's own geometry) stays implicit, so that one setting has
+    one path and a grid reuses the default targets' runs."""
+    quantization = config["quantization"]
+    name = f"b{beam}"
+    if epochs is not None and epochs != quantization.get("max_epochs", 100):
+        name += f"e{epochs}"
+    if seed is not None and seed != quantization.get("seed", 42):
+        name += f"s{seed}"
+    rate = {str(k): v for k, v in config["bitrates"].items()}.get(str(bpp), {})
+    default = geometry_name(
+        quantization.get("group_size", 8),
+        rate.get("num_codebooks"),
+        rate.get("nbits", 0),
+    )
+    return f"{geometry}-{name}" if geometry and geometry != default else name
+
+
 def quantizer_settings(wildcards):
-    """Every QuantizerSettings field a layer job uses: config defaults, overridden by the path."""
-    beam, _, epochs = wildcards.variant[1:].partition("e")
+    """Every QuantizerSettings field a layer job uses: config defaults, overridden by the path
+    (bit rate, then the variant's geometry, beam, epochs and seed)."""
     settings = dict(config["quantization"])
     settings.update(bitrate(wildcards))
     settings["init"] = wildcards.init
-    settings["beam_size"] = int(beam)
-    if epochs:
-        settings["max_epochs"] = int(epochs)
+    from_path = parse_variant(wildcards.variant)
+    settings.update(from_path)
+    code_bits = settings["num_codebooks"] * settings["nbits"] / settings["group_size"]
+    # a geometry must store the bit rate of its folder (the configured bit rates may round: the
+    # tiny test model's "2" stores 1.5)
+    if "group_size" in from_path and code_bits != float(wildcards.bpp):
+        raise ValueError(
+            f"variant {wildcards.variant!r} stores {code_bits:g} code bits per weight "
+            f"(codebooks x log2(codewords) / group size), not the {wildcards.bpp} of its {wildcards.bpp}bpp folder"
+        )
     return canonical(settings)
 
 
@@ -197,8 +265,14 @@ def layer_metrics(wildcards):
 
 
 def target_variant(target):
-    epochs = f"e{target['epochs']}" if "epochs" in target else ""
-    return f"results/{target['model']}/{target['bpp']}bpp/{target['init']}/b{target['beam']}{epochs}"
+    name = variant_name(
+        target["bpp"],
+        target["beam"],
+        target.get("epochs"),
+        target.get("seed"),
+        target.get("geometry"),
+    )
+    return f"results/{target['model']}/{target['bpp']}bpp/{target['init']}/{name}"
 
 
 def target_evals():
@@ -240,3 +314,49 @@ def rule_resources(rule_name):
     merged = dict(config["resources"]["default"])
     merged.update(config["resources"].get(rule_name, {}))
     return merged
+
+
+def experiment_cells(name):
+    """Every run of the experiment grid `experiments.<name>`: one dict per model, init, beam,
+    epochs, seed and geometry of each `cells` entry (lists multiply out), with its eval.json path.
+    """
+    grid = config.get("experiments", {}).get(name)
+    if grid is None:
+        raise ValueError(
+            f"no experiment grid {name!r} in config.yaml experiments ({sorted(config.get('experiments', {}))})"
+        )
+    quantization = config["quantization"]
+    cells = []
+    for entry in grid["cells"]:
+        for model in entry.get("models", grid["models"]):
+            for init in entry["inits"]:
+                for beam in entry["beams"]:
+                    for epochs in entry.get(
+                        "epochs", [quantization.get("max_epochs", 100)]
+                    ):
+                        for seed in entry.get("seeds", [quantization.get("seed", 42)]):
+                            for geometry in entry.get("geometries", [None]):
+                                target = {
+                                    "model": model,
+                                    "bpp": entry["bpp"],
+                                    "init": init,
+                                    "beam": beam,
+                                    "epochs": epochs,
+                                    "seed": seed,
+                                    "geometry": geometry,
+                                }
+                                cells.append(
+                                    {
+                                        **target,
+                                        "max_epochs": epochs,
+                                        "eval_json": f"{target_variant(target)}/eval.json",
+                                    }
+                                )
+    unique = {
+        cell["eval_json"]: cell for cell in cells
+    }  # a cell listed twice runs once
+    return list(unique.values())
+
+
+def experiment_evals(name):
+    return [cell["eval_json"] for cell in experiment_cells(name)]

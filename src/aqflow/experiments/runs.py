@@ -44,13 +44,12 @@ def runs_table(paths: Iterable[str | Path]) -> pd.DataFrame:
     return pd.DataFrame([run_row(path) for path in paths])
 
 
-def missing_cells(runs: pd.DataFrame, expected: list[dict]) -> list[dict]:
-    """The expected cells (dicts of model, bpp, init, beam, max_epochs, seed) with no run in `runs`."""
-    keys = ("model", "bpp", "init", "beam", "max_epochs", "seed")
-    have = {tuple(_comparable(row[k]) for k in keys) for _, row in runs.iterrows()} if len(runs) else set()
-    return [cell for cell in expected if tuple(_comparable(cell.get(k)) for k in keys) not in have]
+def missing_cells(expected: list[dict]) -> list[dict]:
+    """The expected cells (dicts with an `eval_json` path) whose eval.json does not exist yet."""
+    return [cell for cell in expected if not Path(cell["eval_json"]).is_file()]
 
 
-def _comparable(value):
-    """8.0 (a float column: fp rows hold NaN) and 8 compare equal as keys."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
+def grid_evals(evals: Iterable[str | Path], expected: list[dict]) -> list[Path]:
+    """The given eval.json files and every expected cell's that exists, each once, in order."""
+    paths = [Path(path) for path in evals] + [Path(cell["eval_json"]) for cell in expected]
+    return list(dict.fromkeys(path for path in paths if path.is_file()))

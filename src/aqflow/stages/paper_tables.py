@@ -20,7 +20,7 @@ from aqflow import artifacts
 from aqflow.experiments.claims import claims_table, paper_claims
 from aqflow.experiments.paper_numbers import PAPER_DOMAIN_RATIOS, paper_cells
 from aqflow.experiments.plots import plot_against_beam, plot_against_domain, plot_against_rho, plot_pre_to_post_pv
-from aqflow.experiments.runs import missing_cells, runs_table
+from aqflow.experiments.runs import grid_evals, missing_cells, runs_table
 from aqflow.experiments.tables import frame_markdown, markdown_table, seed_statistics, with_paper
 
 CELL_METRICS = ("pre_pv_wikitext2_ppl", "pre_pv_c4_ppl", "wikitext2_ppl", "c4_ppl", "avg_acc", "quantization_seconds")
@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--domains", nargs="+", default=["c4", "wikitext2"],
                         help="evaluation domains ordered from the calibration text's own to the farthest")
     parser.add_argument("--expected-cells", type=Path, default=None,
-                        help="JSON list of {model, bpp, init, beam, max_epochs, seed}: the grid, to list what is missing")
+                        help="JSON list of the grid's cells, each with its eval_json path (results/paper/grid.json): "
+                             "the ones that exist are read, the others listed as missing")
     return parser
 
 
@@ -92,13 +93,13 @@ def write_tables(runs: pd.DataFrame, out_dir: Path, domains: list[str], expected
                                   lambda p: plot_against_domain(quantized, domains, p), lambda p: plot_pre_to_post_pv(quantized, p))):
         with artifacts.atomic_path(out_dir / name) as tmp:
             draw(tmp)
-    missing = missing_cells(runs, expected)
+    missing = missing_cells(expected)
     readme = ["# The paper's experiments on our models", "",
               f"{len(quantized)} quantized runs ({quantized['seed'].nunique() if 'seed' in quantized and len(quantized) else 0} seeds); "
               "tables: cells.md, domains.md, claims.md; plots: " + ", ".join(PLOTS) + ".", "",
               "## Claims", "", claims_markdown(claims) if len(claims) else "no runs yet", "",
               f"## Missing cells ({len(missing)})", ""]
-    readme += [f"- {json.dumps(cell, sort_keys=True)}" for cell in missing] or ["none"]
+    readme += [f"- `{cell['eval_json']}`" for cell in missing] or ["none"]
     with artifacts.atomic_path(out_dir / "README.md") as tmp:
         tmp.write_text("\n".join(readme) + "\n")
     return {"runs": len(runs), "missing": missing}
@@ -111,6 +112,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"aqflow paper-tables: error: eval.json files not found: {absent}", file=sys.stderr)
         return 2
     expected = json.loads(args.expected_cells.read_text()) if args.expected_cells else []
-    result = write_tables(runs_table(args.evals), args.out_dir, args.domains, expected)
+    result = write_tables(runs_table(grid_evals(args.evals, expected)), args.out_dir, args.domains, expected)
     print(f"paper tables from {result['runs']} runs -> {args.out_dir} ({len(result['missing'])} expected cells missing)")
     return 0
