@@ -168,9 +168,17 @@ def load_c4_standin(cache_dir: str | os.PathLike, sentences_per_doc: int = 400) 
     return read_nlp_corpus(fetch_nlp_corpus_tarball(cache_dir), sentences_per_doc)
 
 
+def load_brown_corpus(cache_dir: str | os.PathLike) -> pd.DataFrame:
+    """Fetch (cached) and read the Brown corpus documents (one source per genre)."""
+    from .brown import load_brown
+
+    return load_brown(cache_dir)
+
+
 CORPORA: dict[str, Callable[[str | os.PathLike], pd.DataFrame]] = {
     "wikitext2-standin": load_wikipedia_standin,
     "c4-standin": load_c4_standin,
+    "brown": load_brown_corpus,
 }
 
 
