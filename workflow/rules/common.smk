@@ -1,4 +1,5 @@
 # Path helpers and input functions: everything the rules compute about paths lives here.
+import itertools
 import json
 import re
 from types import SimpleNamespace
@@ -206,12 +207,12 @@ def geometry_name(group_size, num_codebooks, nbits):
 
 
 def variant_name(bpp, beam, epochs=None, seed=None, geometry=None):
-    """The inverse of parse_variant: the path segment of a variant. What equals the configuration's
-    default (max epochs, seed, the bit rate's own geometry) stays implicit, so that one setting has
-    one path and a grid reuses the default targets' runs."""
+    """The inverse of parse_variant: the path segment of a variant. A seed or geometry equal to the
+    configuration's default stays implicit, so that a grid reuses the default targets' runs (epochs
+    are written whenever given, as targets always have been)."""
     quantization = config["quantization"]
     name = f"b{beam}"
-    if epochs is not None and epochs != quantization.get("max_epochs", 100):
+    if epochs is not None:
         name += f"e{epochs}"
     if seed is not None and seed != quantization.get("seed", 42):
         name += f"s{seed}"
@@ -320,42 +321,41 @@ def experiment_cells(name):
     """Every run of the experiment grid `experiments.<name>`: one dict per model, init, beam,
     epochs, seed and geometry of each `cells` entry (lists multiply out), with its eval.json path.
     """
-    grid = config.get("experiments", {}).get(name)
-    if grid is None:
+    grids = config.get("experiments", {})
+    if name not in grids:
         raise ValueError(
-            f"no experiment grid {name!r} in config.yaml experiments ({sorted(config.get('experiments', {}))})"
+            f"no experiment grid {name!r} in config.yaml experiments ({sorted(grids)})"
         )
-    quantization = config["quantization"]
-    cells = []
+    grid, quantization = grids[name], config["quantization"]
+    default_epochs = quantization.get("max_epochs", 100)
+    cells = {}
     for entry in grid["cells"]:
-        for model in entry.get("models", grid["models"]):
-            for init in entry["inits"]:
-                for beam in entry["beams"]:
-                    for epochs in entry.get(
-                        "epochs", [quantization.get("max_epochs", 100)]
-                    ):
-                        for seed in entry.get("seeds", [quantization.get("seed", 42)]):
-                            for geometry in entry.get("geometries", [None]):
-                                target = {
-                                    "model": model,
-                                    "bpp": entry["bpp"],
-                                    "init": init,
-                                    "beam": beam,
-                                    "epochs": epochs,
-                                    "seed": seed,
-                                    "geometry": geometry,
-                                }
-                                cells.append(
-                                    {
-                                        **target,
-                                        "max_epochs": epochs,
-                                        "eval_json": f"{target_variant(target)}/eval.json",
-                                    }
-                                )
-    unique = {
-        cell["eval_json"]: cell for cell in cells
-    }  # a cell listed twice runs once
-    return list(unique.values())
+        for model, init, beam, epochs, seed, geometry in itertools.product(
+            entry.get("models", grid["models"]),
+            entry["inits"],
+            entry["beams"],
+            entry.get("epochs", [default_epochs]),
+            entry.get("seeds", [quantization.get("seed", 42)]),
+            entry.get("geometries", [None]),
+        ):
+            target = {
+                "model": model,
+                "bpp": entry["bpp"],
+                "init": init,
+                "beam": beam,
+                "seed": seed,
+                "geometry": geometry,
+            }
+            # the default epoch budget stays out of the path (b8, as the default targets have it)
+            if epochs != default_epochs:
+                target["epochs"] = epochs
+            path = f"{target_variant(target)}/eval.json"
+            cells[path] = {
+                **target,
+                "max_epochs": epochs,
+                "eval_json": path,
+            }  # a cell listed twice runs once
+    return list(cells.values())
 
 
 def experiment_evals(name):
