@@ -286,3 +286,24 @@ def test_a_bad_text_choice_is_refused_before_any_job(tmp_path, text, needle):
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"text": text}))
     result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and needle in result.stderr + result.stdout
+
+
+def test_config_yaml_spells_out_the_default_text_choice():
+    from aqflow.corpus_catalog import DEFAULT_TEXT, text_choice
+
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    assert config["text"] == DEFAULT_TEXT and text_choice(None) == DEFAULT_TEXT
+    assert text_choice({"hub": {"pvtune": "notes"}})["hub"] == {**DEFAULT_TEXT["hub"], "pvtune": "notes"}
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--domain", "a", "windowed", "{corpus}"], "protocol 'windowed' is not one of"),
+    (["--domain", "a", "joined", "{corpus}", "--domain", "a", "sampled", "{corpus}"], "--domain a is given twice"),
+    (["--domain", "a", "joined", "{corpus}", "--c4-corpus", "{corpus}"], "drop ['--c4-corpus']"),
+    (["--domain", "a", "joined", "/nowhere/x.parquet"], "corpus /nowhere/x.parquet does not exist"),
+])
+def test_bad_evaluation_domains_are_refused_before_any_work(hub, tiny_dir, tmp_path, capsys, extra, needle):
+    output = tmp_path / "eval.json"
+    argv = ["--model-dir", str(tiny_dir), "--output", str(output), "--tasks", "--device", "cpu", "--quiet"]
+    assert evaluate_stage.main(argv + [item.format(corpus=hub["c4"]) for item in extra]) == 2
+    assert needle in capsys.readouterr().err and not output.exists()

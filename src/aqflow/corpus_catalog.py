@@ -34,6 +34,19 @@ PROTOCOLS = ("joined", "sampled")
 BUILTIN_PROTOCOLS = {"wikitext2": "joined", "wikitext2-standin": "joined", "c4": "sampled", "c4-standin": "sampled"}
 
 TEXT_WORLDS = ("hub", "offline")
+# config.yaml's `text` section when a config leaves it (or a role of it) out.
+DEFAULT_TEXT = {
+    "hub": {"calibration": "c4", "pvtune": "c4", "evaluation": ["wikitext2", "c4"]},
+    "offline": {"calibration": "c4-standin", "pvtune": "c4-standin", "evaluation": ["wikitext2-standin", "c4-standin"]},
+}
+
+
+def text_choice(section: Mapping[str, Mapping[str, object]] | None) -> dict[str, dict]:
+    """config.yaml's `text` section over DEFAULT_TEXT, role by role."""
+    section = section or {}
+    return {world: {**DEFAULT_TEXT[world], **(section.get(world) or {})} for world in TEXT_WORLDS}
+
+
 # The model presets loaded from the hub (the same names as aqflow.models.presets.HUB_PRESETS; a test
 # checks they agree). Kept here so that planning the DAG does not import the model code.
 HUB_MODEL_PRESETS = ("llama3b", "llama8b", "qwen3b")

@@ -8,6 +8,7 @@ from aqflow.corpus_catalog import (
     check_role,
     evaluation_protocol,
     model_text_world,
+    text_choice,
 )
 
 
@@ -24,7 +25,7 @@ wildcard_constraints:
 CALIBRATION = config["calibration"]
 # Which corpus each role reads, per text world ("hub": WikiText-2/C4 from the hub; "offline": the
 # registry stand-ins); a model reads its world's (`model_text`). User corpora: local files.
-TEXT = config["text"]
+TEXT = text_choice(config.get("text"))
 USER_CORPORA = config.get("corpora") or {}
 
 
