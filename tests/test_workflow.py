@@ -56,7 +56,7 @@ def edited_config(workdir: Path, section: str, key: str, value) -> Path:
 @pytest.mark.slow
 def test_dag_runs_end_to_end_and_writes_a_sane_eval(finished_run):
     record = json.loads((finished_run / VARIANT / "eval.json").read_text())
-    ppl = record["metrics"]["wikitext2"]["perplexity"]
+    ppl = record["metrics"]["wikitext2-standin"]["perplexity"]
     assert 1 < ppl < 10 * 512  # a random model over a ~500-token vocabulary
     layers = record["settings"]["upstream"]["layers"]
     # what the float32 tiny checkpoint stores: int8 codes (2 per group of 8), 2 x 64 x 8 float32
@@ -80,7 +80,7 @@ def test_dag_runs_end_to_end_and_writes_a_sane_eval(finished_run):
     summary = pd.read_csv(finished_run / "results/report/summary.csv")
     assert set(summary["init"]) == {"greedy", "oaem", "fp"}
     quantized = summary[summary["init"] != "fp"]
-    assert quantized["pv_tuned"].all() and quantized["pre_pv_wikitext2_ppl"].notna().all()
+    assert quantized["pv_tuned"].all() and quantized["pre_pv_wikitext2-standin_ppl"].notna().all()
     assert (finished_run / "results/report/pareto.png").stat().st_size > 0
     assert (finished_run / "results/report/pvtune.png").stat().st_size > 0
     assert (finished_run / VARIANT / "model" / "config.json").exists()
@@ -161,7 +161,7 @@ def sequential_run(tmp_path_factory):
 def test_sequential_dag_runs_end_to_end_and_records_the_mode(sequential_run):
     workdir, config = sequential_run
     record = json.loads((workdir / SEQUENTIAL_VARIANT / "eval.json").read_text())
-    assert 1 < record["metrics"]["wikitext2"]["perplexity"] < 10 * 512
+    assert 1 < record["metrics"]["wikitext2-standin"]["perplexity"] < 10 * 512
     upstream = record["settings"]["upstream"]
     assert upstream["calibration"]["propagation"] == "sequential"
     layers = upstream["layers"]

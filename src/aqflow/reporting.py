@@ -2,6 +2,12 @@
 
 Inputs are `eval.json` files (see `aqflow.stages.evaluate`); each carries its metrics, the
 settings that produced it (with per-layer quantization summaries) and timings.
+
+Perplexity columns are named after the evaluation domain, i.e. the corpus the text came from:
+`wikitext2_ppl` / `c4_ppl` are the hub's WikiText-2 and C4 (comparable with published numbers),
+`wikitext2-standin_ppl` / `c4-standin_ppl` the offline stand-ins, `<name>_ppl` a user corpus; the
+`eval_text` column says where each domain's text came from and `calibration_corpus` what the
+variant was calibrated on.
 """
 
 from __future__ import annotations
@@ -43,8 +49,9 @@ def summary_row(path: str | Path) -> dict:
         "propagation": calibration.get("propagation", "fp") if calibration else None,
         "block_finetune": bool(_get(calibration, "block_finetune", "enabled", default=False)) if calibration else None,
         "bits_per_parameter": record.get("bits_per_parameter"),
-        "wikitext2_ppl": _get(metrics, "wikitext2", "perplexity"),
-        "c4_ppl": _get(metrics, "c4", "perplexity"),
+        "calibration_corpus": calibration.get("corpus") if calibration else None,
+        **{f"{domain}_ppl": value for domain, value in domain_perplexities(record).items()},
+        "eval_text": eval_text(record),
         "avg_acc": metrics.get("avg_acc"),
         "quantization_seconds": settings.get("quantization_seconds"),
         "calibration_seconds": settings.get("calibration_seconds"),
@@ -59,6 +66,54 @@ def summary_row(path: str | Path) -> dict:
     return row
 
 
+# Before evaluation domains were named after their corpus, eval.json called the stand-ins' numbers
+# "wikitext2" and "c4" and marked them {"source": "offline"} in `data`.
+LEGACY_STANDIN_DOMAINS = {"wikitext2": "wikitext2-standin", "c4": "c4-standin"}
+
+
+def perplexity_domains(record: dict) -> list[str]:
+    """The perplexity keys of an eval.json's metrics in the order they were asked for (its
+    settings' `domain` list; eval.json itself is written with sorted keys)."""
+    metrics = record.get("metrics") or {}
+    names = [key for key, value in metrics.items() if isinstance(value, dict) and "perplexity" in value]
+    asked = [entry[0] for entry in (_get(record, "settings", "domain") or []) if entry and entry[0] in names]
+    return asked + [name for name in names if name not in asked]
+
+
+def domain_perplexities(record: dict) -> dict[str, float]:
+    """{evaluation domain: perplexity} of one eval.json, in its order (legacy stand-in keys renamed)."""
+    data = record.get("data") or {}
+    metrics = record.get("metrics") or {}
+    out = {}
+    for key in perplexity_domains(record):
+        value = metrics[key]
+        legacy = _get(data, key, "source") == "offline" and key in LEGACY_STANDIN_DOMAINS
+        out[LEGACY_STANDIN_DOMAINS[key] if legacy else key] = value["perplexity"]
+    return out
+
+
+def eval_text(record: dict) -> str | None:
+    """"wikitext2=hub Salesforce/wikitext@b08601e; c4=standin; notes=user notes.jsonl": where the text
+    of every perplexity came from (the corpus's split record, copied into eval.json's `data`)."""
+    data = record.get("data") or {}
+    parts = []
+    for domain in perplexity_domains(record):
+        origin = _get(data, domain, "text")
+        if not isinstance(origin, dict):
+            if _get(data, domain, "source") == "offline":  # legacy eval.json: the stand-ins
+                parts.append(f"{LEGACY_STANDIN_DOMAINS.get(domain, domain)}=standin")
+            continue
+        kind = origin.get("kind")
+        if kind == "hub":
+            where = ",".join(sorted({f"{f['repo_id']}@{(f.get('revision') or '?')[:7]}" for f in origin.get("files", [])}))
+        elif kind == "user":
+            where = Path(origin.get("path", "?")).name
+        else:
+            where = origin.get("package", "")
+        parts.append(f"{domain}={kind} {where}".strip())
+    return "; ".join(parts) or None
+
+
 def pv_columns(record: dict) -> dict:
     """Before/after PV-tuning columns of one eval.json: the metrics of the embedded pre-PV
     evaluation and what the PV-tuning cost (all None for a model that was not PV-tuned)."""
@@ -67,8 +122,7 @@ def pv_columns(record: dict) -> dict:
     pvtune = pipeline_settings(record).get("pvtune") or {}
     return {
         "pv_tuned": bool(pvtune),
-        "pre_pv_wikitext2_ppl": _get(pre_metrics, "wikitext2", "perplexity"),
-        "pre_pv_c4_ppl": _get(pre_metrics, "c4", "perplexity"),
+        **{f"pre_pv_{domain}_ppl": value for domain, value in domain_perplexities(pre).items()},
         "pre_pv_avg_acc": pre_metrics.get("avg_acc"),
         "pvtune_seconds": _get(pvtune, "timings", "total_seconds"),
         "pvtune_steps": pvtune.get("steps"),
@@ -110,38 +164,55 @@ def _beam_label(beam) -> str:
     return f"b{int(beam)}" if pd.notna(beam) else ""
 
 
+def headline_domain(frame: pd.DataFrame) -> str | None:
+    """The evaluation domain the Pareto plot shows: hub WikiText-2 if the table has it, else the
+    WikiText-2 stand-in, else the first perplexity column with a value (None if there is none)."""
+    columns = [c[:-len("_ppl")] for c in frame.columns
+               if c.endswith("_ppl") and not c.startswith("pre_pv_") and frame[c].notna().any()]
+    for preferred in ("wikitext2", "wikitext2-standin"):
+        if preferred in columns:
+            return preferred
+    return columns[0] if columns else None
+
+
 def plot_pareto(frame: pd.DataFrame, out: str | Path) -> None:
-    """WikiText-2 perplexity against quantization time, frontier drawn, fp baselines as lines.
+    """Perplexity (`headline_domain`) against quantization time, frontier drawn, fp baselines as lines.
 
     A PV-tuned variant is drawn at its post-PV perplexity, with a hollow marker at its pre-PV
     perplexity and an arrow between them (same quantization time: PV-tuning is not counted)."""
+    domain = headline_domain(frame) or "wikitext2"
+    ppl, pre_ppl = f"{domain}_ppl", f"pre_pv_{domain}_ppl"
+    frame = frame.copy()
+    for column in (ppl, pre_ppl, "pv_tuned"):
+        if column not in frame:
+            frame[column] = None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     quantized = frame[frame["init"].isin(["greedy", "oaem"])]
     for (init, bpp), group in quantized.groupby(["init", "bpp"], dropna=False):
         marker = "o" if init == "oaem" else "s"
-        points = ax.scatter(group["quantization_seconds"], group["wikitext2_ppl"], label=f"{init} {bpp:g} bpp",
+        points = ax.scatter(group["quantization_seconds"], group[ppl], label=f"{init} {bpp:g} bpp",
                             marker=marker)
         for _, row in group.iterrows():
-            ax.annotate(_beam_label(row["beam"]), (row["quantization_seconds"], row["wikitext2_ppl"]), fontsize=7,
+            ax.annotate(_beam_label(row["beam"]), (row["quantization_seconds"], row[ppl]), fontsize=7,
                         xytext=(4, 4), textcoords="offset points")
         pre = group[group["pv_tuned"].fillna(False).astype(bool)] if "pv_tuned" in group else group.iloc[:0]
         if len(pre):
-            ax.scatter(pre["quantization_seconds"], pre["pre_pv_wikitext2_ppl"], marker=marker, facecolors="none",
+            ax.scatter(pre["quantization_seconds"], pre[pre_ppl], marker=marker, facecolors="none",
                        edgecolors=points.get_facecolor()[0], label=f"{init} {bpp:g} bpp before PV-tuning")
             for _, row in pre.iterrows():
-                ax.annotate("", xy=(row["quantization_seconds"], row["wikitext2_ppl"]),
-                            xytext=(row["quantization_seconds"], row["pre_pv_wikitext2_ppl"]),
+                ax.annotate("", xy=(row["quantization_seconds"], row[ppl]),
+                            xytext=(row["quantization_seconds"], row[pre_ppl]),
                             arrowprops={"arrowstyle": "->", "color": "grey", "linewidth": 0.8})
-    front = pareto_front(quantized, "quantization_seconds", "wikitext2_ppl")
+    front = pareto_front(quantized, "quantization_seconds", ppl)
     if len(front) > 1:
-        ax.plot(front["quantization_seconds"], front["wikitext2_ppl"], "k--", linewidth=0.8, label="Pareto front")
+        ax.plot(front["quantization_seconds"], front[ppl], "k--", linewidth=0.8, label="Pareto front")
     for _, row in frame[frame["init"] == "fp"].iterrows():
-        if pd.notna(row["wikitext2_ppl"]):
-            ax.axhline(row["wikitext2_ppl"], color="grey", linewidth=0.8, linestyle=":")
-            ax.annotate(f"{row['model']} source model", (ax.get_xlim()[0], row["wikitext2_ppl"]), fontsize=7)
+        if pd.notna(row[ppl]):
+            ax.axhline(row[ppl], color="grey", linewidth=0.8, linestyle=":")
+            ax.annotate(f"{row['model']} source model", (ax.get_xlim()[0], row[ppl]), fontsize=7)
     ax.set_yscale("log")
     ax.set_xlabel("quantization time, s (sum over layer jobs)")
-    ax.set_ylabel("WikiText-2 perplexity (log scale)")
+    ax.set_ylabel(f"{domain} perplexity (log scale)")
     ax.set_title("quality vs quantization time")
     if len(quantized):
         ax.legend(fontsize=8)

@@ -1,7 +1,7 @@
 checkpoint calibrate:
     input:
         model=model_dir,
-        corpus=corpus_path(CALIBRATION["corpus"]),
+        corpus=lambda w: corpus_path(text_corpus(w.model, "calibration")),
     output:
         directory("results/{model}/calib/{calib}"),
     log:

@@ -4,6 +4,14 @@ import json
 import re
 from types import SimpleNamespace
 
+from aqflow.corpus_catalog import (
+    BUILTIN_CORPORA,
+    check_role,
+    evaluation_protocol,
+    model_text_world,
+    text_choice,
+)
+
 
 wildcard_constraints:
     model="[^/]+",
@@ -17,11 +25,72 @@ wildcard_constraints:
 
 
 CALIBRATION = config["calibration"]
-CALIBRATION_ID = (
-    f"{CALIBRATION['corpus']}-n{CALIBRATION['num_windows']}-t{CALIBRATION['window_tokens']}"
-    f"-s{CALIBRATION.get('seed', 0)}-{CALIBRATION.get('propagation', 'fp')}"
-)
-EVAL_CORPORA = {"wikitext2": "wikitext2-standin", "c4": "c4-standin"}
+# Which corpus each role reads, per text world ("hub": WikiText-2/C4 from the hub; "offline": the
+# registry stand-ins); a model reads its world's (`model_text`). User corpora: local files.
+TEXT = text_choice(config.get("text"))
+USER_CORPORA = config.get("corpora") or {}
+
+
+def check_text_config():
+    """Refuse, before any job runs, a corpus that does not exist or cannot serve its role."""
+    clashes = sorted(set(USER_CORPORA) & set(BUILTIN_CORPORA))
+    if clashes:
+        raise ValueError(
+            f"corpora: {clashes} are built-in corpus names; give user corpora other names"
+        )
+    for world, roles in TEXT.items():
+        for role in ("calibration", "pvtune"):
+            try:
+                check_role(roles[role], role, USER_CORPORA)
+            except (KeyError, ValueError) as error:
+                raise ValueError(f"text.{world}.{role}: {error}") from None
+        for name in roles["evaluation"]:
+            try:
+                check_role(name, "evaluation", USER_CORPORA)
+            except (KeyError, ValueError) as error:
+                raise ValueError(f"text.{world}.evaluation: {error}") from None
+
+
+check_text_config()
+
+
+def model_text(model):
+    """ "hub" or "offline": the text world of a model of config.yaml (models.<name>.text picks it
+    explicitly; otherwise hub presets and hub_id entries read hub text, the others the stand-ins).
+    """
+    if model not in config["models"]:
+        raise ValueError(
+            f"model {model!r} is not in config.yaml models ({sorted(config['models'])})"
+        )
+    return model_text_world(config["models"][model])
+
+
+def text_corpus(model, role):
+    """The corpus a model's `role` (calibration or pvtune) reads."""
+    return TEXT[model_text(model)][role]
+
+
+def evaluation_domains(model):
+    """[[domain, protocol], ...]: the perplexity domains a model is evaluated on, each a corpus."""
+    return [
+        [name, evaluation_protocol(name, USER_CORPORA)]
+        for name in TEXT[model_text(model)]["evaluation"]
+    ]
+
+
+def evaluation_corpora(wildcards):
+    return [corpus_path(name) for name, _ in evaluation_domains(wildcards.model)]
+
+
+def calibration_id(model):
+    """The calibration's folder name: every setting that changes its XᵀX, the corpus first."""
+    return (
+        f"{text_corpus(model, 'calibration')}-n{CALIBRATION['num_windows']}"
+        f"-t{CALIBRATION['window_tokens']}-s{CALIBRATION.get('seed', 0)}"
+        f"-{CALIBRATION.get('propagation', 'fp')}"
+    )
+
+
 SEQUENTIAL = CALIBRATION.get("propagation", "fp") == "sequential"
 BLOCK_FINETUNE = dict(CALIBRATION.get("block_finetune") or {})
 FINETUNE = bool(BLOCK_FINETUNE.pop("enabled", False))
@@ -46,6 +115,15 @@ CALIBRATION_SETTINGS = canonical(
         for key, value in CALIBRATION.items()
     }
 )
+
+
+def calibration_settings(wildcards):
+    """The calibration settings a variant's eval.json records, with the corpus the model read."""
+    return canonical(
+        {**CALIBRATION_SETTINGS, "corpus": text_corpus(wildcards.model, "calibration")}
+    )
+
+
 EVALUATION_SETTINGS = canonical(config["evaluation"])
 PVTUNE = config.get("pvtune", {"enabled": False})
 PV_ENABLED = PVTUNE["enabled"]
@@ -67,8 +145,19 @@ def corpus_path(name):
     return f"resources/data/{name}.parquet"
 
 
+def user_corpus(name):
+    """The config.yaml entry of a user corpus (an empty dict for built-in corpora)."""
+    return USER_CORPORA.get(name, {})
+
+
+def user_corpus_file(wildcards):
+    """A user corpus's file (an input of fetch_data, so editing it refetches); none for built-ins."""
+    entry = user_corpus(wildcards.corpus)
+    return [entry["path"]] if entry else []
+
+
 def calibration_dir(wildcards):
-    return f"results/{wildcards.model}/calib/{CALIBRATION_ID}"
+    return f"results/{wildcards.model}/calib/{calibration_id(wildcards.model)}"
 
 
 def block_of(layer):
@@ -91,7 +180,7 @@ def layer_calibration_dir(wildcards):
 
 def num_blocks(wildcards):
     folder = checkpoints.calibrate.get(
-        model=wildcards.model, calib=CALIBRATION_ID
+        model=wildcards.model, calib=calibration_id(wildcards.model)
     ).output[0]
     with open(f"{folder}/calibration.json") as handle:
         return json.load(handle)["blocks"]
@@ -247,7 +336,7 @@ def quantizer_settings(wildcards):
 def quantized_layers(wildcards):
     """Module names of the linears to quantize, as the calibration found them (a checkpoint)."""
     folder = checkpoints.calibrate.get(
-        model=wildcards.model, calib=CALIBRATION_ID
+        model=wildcards.model, calib=calibration_id(wildcards.model)
     ).output[0]
     with open(f"{folder}/calibration.json") as handle:
         return json.load(handle)["layers"]
@@ -356,6 +445,18 @@ def experiment_cells(name):
                 "eval_json": path,
             }  # a cell listed twice runs once
     return list(cells.values())
+
+
+def experiment_domains(name):
+    """The evaluation domains of a grid's tables, the calibration text's own first: `domains` of
+    the grid, else its first model's evaluation domains (config.yaml `text`)."""
+    grid = config["experiments"][name]
+    if grid.get("domains"):
+        return grid["domains"]
+    model = grid["models"][0]
+    names = [domain for domain, _ in evaluation_domains(model)]
+    calibration = text_corpus(model, "calibration")
+    return sorted(names, key=lambda domain: domain != calibration)
 
 
 def experiment_evals(name):

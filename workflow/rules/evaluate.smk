@@ -3,8 +3,7 @@ rule evaluate_quantized:
         model="results/{model}/{bpp}bpp/{init}/{variant}/model",
         layer_metrics=layer_metrics,
         tuned_blocks=finetuned_blocks,
-        wikitext2=corpus_path(EVAL_CORPORA["wikitext2"]),
-        c4=corpus_path(EVAL_CORPORA["c4"]),
+        corpora=evaluation_corpora,
     output:
         variant_file(PRE_PV_EVAL),
     log:
@@ -20,8 +19,9 @@ rule evaluate_quantized:
         gpu=rule_resources("evaluate")["gpu"],
     params:
         evaluation=EVALUATION_SETTINGS,
+        domains=lambda w: evaluation_domains(w.model),
         settings=quantizer_settings,
-        calibration=CALIBRATION_SETTINGS,
+        calibration=calibration_settings,
         label=lambda w: f"{w.model}/{w.bpp}bpp/{w.init}/{w.variant}",
     script:
         "../scripts/evaluate.py"
@@ -32,8 +32,7 @@ rule evaluate_fp:
         model=model_dir,
         layer_metrics=[],
         tuned_blocks=[],
-        wikitext2=corpus_path(EVAL_CORPORA["wikitext2"]),
-        c4=corpus_path(EVAL_CORPORA["c4"]),
+        corpora=evaluation_corpora,
     output:
         "results/{model}/fp/eval.json",
     log:
@@ -49,6 +48,7 @@ rule evaluate_fp:
         gpu=rule_resources("evaluate")["gpu"],
     params:
         evaluation=EVALUATION_SETTINGS,
+        domains=lambda w: evaluation_domains(w.model),
         settings={},
         calibration={},
         label=lambda w: f"{w.model}/fp",

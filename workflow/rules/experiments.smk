@@ -59,6 +59,6 @@ if "paper" in config.get("experiments", {}):
             gpu=rule_resources("report")["gpu"],
         params:
             cells=lambda w: experiment_cells("paper"),
-            domains=config["experiments"]["paper"].get("domains", ["c4", "wikitext2"]),
+            domains=experiment_domains("paper"),
         script:
             "../scripts/paper_tables.py"

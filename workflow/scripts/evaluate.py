@@ -25,10 +25,17 @@ with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
     json.dump(settings, handle)
 argv = [
     "--model-dir", snakemake.input.model, "--output", snakemake.output[0], "--label", p.label,
-    "--settings", handle.name, "--wikitext2-corpus", snakemake.input.wikitext2, "--c4-corpus", snakemake.input.c4,
+    "--settings", handle.name,
     "--context", str(ev["context"]), "--c4-windows", str(ev["c4_windows"]), "--batch-size", str(ev["batch_size"]),
     "--tasks", *ev["tasks"], "--cpu-kernel", ev["cpu_kernel"], "--quiet",
 ]
+# one perplexity per evaluation domain (config.yaml `text`): its name, protocol and corpus file
+corpora = snakemake.input.get("corpora", [])
+corpora = [corpora] if isinstance(corpora, str) else list(corpora)  # one file may come as a str
+for (name, protocol), corpus in zip(p.domains, corpora):
+    argv += ["--domain", name, protocol, corpus]
+if not p.domains:
+    argv += ["--perplexity"]  # no domain: no perplexity
 if pvtune:
     argv += ["--pre-pv", snakemake.input.pre_pv]
 if ev.get("max_windows"):

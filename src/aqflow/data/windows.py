@@ -17,6 +17,7 @@ import pandas as pd
 import torch
 
 PERPLEXITY_JOINER = "\n\n"
+TOKENIZE_CHUNK = 1024  # documents tokenised per call when sampling calibration windows
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -92,29 +93,37 @@ def sample_calibration_windows(doc_ids: Sequence[str], texts: Sequence[str], tok
         raise ValueError(f"num_windows and window_tokens must be >= 1, got {num_windows}, {window_tokens}")
     rng = np.random.default_rng(seed)
     order = sorted(range(len(doc_ids)), key=lambda i: doc_ids[i])
-    token_lists: list[list[int]] = []
-    slots: list[tuple[int, int]] = []  # (position in token_lists, start)
-    for i in order:
-        ids = _encode(tokenizer, texts[i], add_special_tokens=False)
-        token_lists.append(ids)
-        num_slots = len(ids) // window_tokens
-        if num_slots == 0:
-            continue
-        offset = int(rng.integers(0, len(ids) - num_slots * window_tokens + 1))
-        slots.extend((len(token_lists) - 1, offset + k * window_tokens) for k in range(num_slots))
+    # Only documents holding a window are kept, as int32 arrays (not Python int lists): the hub's C4
+    # train shard is hundreds of thousands of documents.
+    token_arrays: list[np.ndarray] = []
+    kept_docs: list[int] = []  # position in `order` of each kept document
+    slots: list[tuple[int, int]] = []  # (position in token_arrays, start)
+    longest = 0
+    for chunk_start in range(0, len(order), TOKENIZE_CHUNK):
+        chunk = order[chunk_start:chunk_start + TOKENIZE_CHUNK]
+        # one call per chunk: fast tokenizers encode a batch on all cores
+        encoded = tokenizer([texts[i] for i in chunk], add_special_tokens=False, verbose=False)["input_ids"]
+        for position, ids in enumerate(encoded, chunk_start):
+            longest = max(longest, len(ids))
+            num_slots = len(ids) // window_tokens
+            if num_slots == 0:
+                continue
+            offset = int(rng.integers(0, len(ids) - num_slots * window_tokens + 1))
+            token_arrays.append(np.asarray(ids, dtype=np.int32))
+            kept_docs.append(position)
+            slots.extend((len(token_arrays) - 1, offset + k * window_tokens) for k in range(num_slots))
     if allow_fewer and 0 < len(slots) < num_windows:
         num_windows = len(slots)
     if len(slots) < num_windows:
-        longest = max((len(t) for t in token_lists), default=0)
         raise ValueError(
             f"asked for {num_windows} calibration windows of {window_tokens} tokens but the "
             f"{len(doc_ids)} calibration documents hold only {len(slots)} such windows "
             f"(longest document: {longest} tokens); use shorter or fewer windows, or more documents"
         )
     chosen = sorted(rng.choice(len(slots), size=num_windows, replace=False).tolist())
-    rows = [token_lists[slots[c][0]][slots[c][1]: slots[c][1] + window_tokens] for c in chosen]
+    rows = np.stack([token_arrays[slots[c][0]][slots[c][1]: slots[c][1] + window_tokens] for c in chosen])
     return CalibrationWindows(
-        input_ids=torch.tensor(rows, dtype=torch.long),
-        doc_ids=tuple(doc_ids[order[slots[c][0]]] for c in chosen),
+        input_ids=torch.from_numpy(rows).long(),
+        doc_ids=tuple(doc_ids[order[kept_docs[slots[c][0]]]] for c in chosen),
         starts=tuple(slots[c][1] for c in chosen),
     )

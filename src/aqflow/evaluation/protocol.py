@@ -12,6 +12,10 @@ window starting at a uniform offset in [0, T - context_tokens - 1] (offset 0 whe
 context). Windows may therefore repeat a document or, rarely, overlap. The same code runs on the
 hub shard and on the evaluation-role documents of the offline C4 stand-in, so the stand-in
 follows the same protocol; each window's document id and start token are recorded.
+
+Both read the evaluation-role documents of a corpus written by `fetch-data` (the hub files are
+read through the Hugging Face cache there, `aqflow.data.hub_text`), sorted by document id; the hub
+corpora's ids keep file order, so the windows are those of AQLM's loaders.
 """
 
 from __future__ import annotations
@@ -25,9 +29,6 @@ import torch
 
 from ..data.windows import perplexity_windows
 
-WIKITEXT2_HUB = {"path": "Salesforce/wikitext", "name": "wikitext-2-raw-v1", "split": "test"}
-C4_HUB = {"path": "allenai/c4", "data_files": {"validation": "en/c4-validation.00000-of-00008.json.gz"},
-          "split": "validation"}
 DEFAULT_C4_WINDOWS = 256
 DEFAULT_C4_SEED = 0
 
@@ -108,20 +109,3 @@ def texts_sha256(texts: Sequence[str]) -> str:
         digest.update(text.encode("utf-8") + b"\0")
     return digest.hexdigest()
 
-
-# --- hub sources (need a network; never used by the tests) ---------------------------------------
-
-def load_hub_wikitext2() -> tuple[list[str], list[str]]:
-    """(row ids, texts) of wikitext-2-raw-v1 test, in the dataset's order."""
-    from datasets import load_dataset
-
-    rows = load_dataset(WIKITEXT2_HUB["path"], WIKITEXT2_HUB["name"], split=WIKITEXT2_HUB["split"])["text"]
-    return [str(i) for i in range(len(rows))], list(rows)
-
-
-def load_hub_c4_validation() -> tuple[list[str], list[str]]:
-    """(row ids, texts) of the first C4 English validation shard, in its order (AQLM's source)."""
-    from datasets import load_dataset
-
-    rows = load_dataset(C4_HUB["path"], data_files=C4_HUB["data_files"], split=C4_HUB["split"])["text"]
-    return [str(i) for i in range(len(rows))], list(rows)

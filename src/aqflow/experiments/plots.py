@@ -35,13 +35,14 @@ def _finish(fig, ax, out: str | Path, title: str, empty: bool) -> None:
     plt.close(fig)
 
 
-def plot_against_beam(runs: pd.DataFrame, out: str | Path, bpp: int = 2, max_epochs: int = 100) -> None:
-    """WikiText-2 perplexity against beam width, greedy vs OA-EM, before (dashed) and after PV."""
+def plot_against_beam(runs: pd.DataFrame, out: str | Path, headline: str = "wikitext2", bpp: int = 2,
+                      max_epochs: int = 100) -> None:
+    """Perplexity of domain `headline` against beam width, greedy vs OA-EM, before (dashed) and after PV."""
     fig, ax = plt.subplots(figsize=(6, 4))
     cell = runs[(runs["bpp"] == bpp) & (runs["max_epochs"] == max_epochs)]
     drawn = False
     for init, (marker, color) in INITS.items():
-        for metric, style, stage in (("pre_pv_wikitext2_ppl", "--", "before PV"), ("wikitext2_ppl", "-", "after PV")):
+        for metric, style, stage in ((f"pre_pv_{headline}_ppl", "--", "before PV"), (f"{headline}_ppl", "-", "after PV")):
             stats = _mean_sd(cell[cell["init"] == init], "beam", metric) if metric in cell else pd.DataFrame()
             if len(stats):
                 ax.errorbar(stats["beam"], stats["mean"], yerr=stats["std"], marker=marker, color=color,
@@ -53,7 +54,7 @@ def plot_against_beam(runs: pd.DataFrame, out: str | Path, bpp: int = 2, max_epo
         ax.set_xticks(beams, [str(int(beam)) for beam in beams])
     ax.set_yscale("log")
     ax.set_xlabel("beam width")
-    ax.set_ylabel("WikiText-2 perplexity (mean ± sd over seeds)")
+    ax.set_ylabel(f"{headline} perplexity (mean ± sd over seeds)")
     _finish(fig, ax, out, f"{bpp} bpp, at most {max_epochs} epochs", not drawn)
 
 
@@ -106,18 +107,19 @@ def plot_against_domain(runs: pd.DataFrame, domains_near_to_far: Sequence[str], 
     _finish(fig, ax, out, f"the gap by domain ({bpp} bpp, b{beam}, e{max_epochs}; nearest first)", not names)
 
 
-def plot_pre_to_post_pv(runs: pd.DataFrame, out: str | Path) -> None:
-    """WikiText-2 perplexity before vs after PV-tuning, one point per run, greedy vs OA-EM."""
+def plot_pre_to_post_pv(runs: pd.DataFrame, out: str | Path, headline: str = "wikitext2") -> None:
+    """Perplexity of domain `headline` before vs after PV-tuning, one point per run, greedy vs OA-EM."""
     fig, ax = plt.subplots(figsize=(5, 5))
     drawn = False
-    if {"pre_pv_wikitext2_ppl", "wikitext2_ppl"} <= set(runs.columns):
+    pre, post = f"pre_pv_{headline}_ppl", f"{headline}_ppl"
+    if {pre, post} <= set(runs.columns):
         for init, (marker, color) in INITS.items():
-            group = runs[runs["init"] == init].dropna(subset=["pre_pv_wikitext2_ppl", "wikitext2_ppl"])
+            group = runs[runs["init"] == init].dropna(subset=[pre, post])
             if len(group):
-                ax.scatter(group["pre_pv_wikitext2_ppl"], group["wikitext2_ppl"], marker=marker, color=color, label=init)
+                ax.scatter(group[pre], group[post], marker=marker, color=color, label=init)
                 drawn = True
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("WikiText-2 perplexity before PV-tuning")
+    ax.set_xlabel(f"{headline} perplexity before PV-tuning")
     ax.set_ylabel("after PV-tuning")
     _finish(fig, ax, out, "PV-tuning: where each run starts and ends", not drawn)

@@ -1,11 +1,14 @@
 """`python -m aqflow evaluate`: perplexity and zero-shot accuracy of one model folder -> eval.json.
 
-Perplexity follows GPTQ/AQLM (see `aqflow.evaluation.protocol`): WikiText-2 = the evaluation text
-joined with blank lines, cut into non-overlapping windows of --context tokens (remainder
-dropped, optionally only the first --max-windows); C4 = --c4-windows seeded windows of --context
-tokens drawn from single evaluation documents. `--source offline` (default) reads the
-evaluation-role documents of the stand-in corpora written by `fetch-data`; `--source hub` reads
-wikitext-2-raw-v1 test and the first C4 validation shard (needs a network).
+Perplexity is measured per evaluation domain: `--domain NAME PROTOCOL CORPUS` (repeatable) names a
+corpus written by `fetch-data` (hub WikiText-2/C4, a stand-in or a user file; its evaluation-role
+documents are read) and one of the GPTQ/AQLM protocols (see `aqflow.evaluation.protocol`):
+`joined` (WikiText-2's: the text joined with blank lines, cut into non-overlapping windows of
+--context tokens, remainder dropped, optionally only the first --max-windows) or `sampled` (C4's:
+--c4-windows seeded windows of --context tokens drawn from single documents). eval.json holds one
+perplexity per domain under its name, with what text it is (the corpus's split record) in `data`.
+Without --domain, `--perplexity wikitext2 c4` with --wikitext2-corpus/--c4-corpus/--data-dir name
+two domains "wikitext2" (joined) and "c4" (sampled).
 
 Zero-shot: lm-eval's standard arc_easy, arc_challenge, hellaswag, piqa, winogrande and
 lambada_openai, on local JSONL copies of their data (`aqflow.data.zero_shot`), at most
@@ -37,15 +40,16 @@ from aqflow.data.zero_shot import ZERO_SHOT_TASKS, prepare_zero_shot_data, read_
 from aqflow.evaluation.dense_aqlm import dequantize_aqlm_linears
 from aqflow.evaluation.model_bits import quantization_config, stored_bits_per_parameter
 from aqflow.evaluation.perplexity import perplexity
+from aqflow.corpus_catalog import PROTOCOLS
 from aqflow.evaluation.protocol import (
-    C4_HUB, DEFAULT_C4_SEED, DEFAULT_C4_WINDOWS, WIKITEXT2_HUB, c4_windows, load_hub_c4_validation, load_hub_wikitext2,
-    texts_sha256, wikitext2_windows, windows_sha256,
+    DEFAULT_C4_SEED, DEFAULT_C4_WINDOWS, c4_windows, texts_sha256, wikitext2_windows, windows_sha256,
 )
 from aqflow.evaluation.zero_shot import DEFAULT_BOOTSTRAP_ITERS, average_accuracy, run_zero_shot
 from aqflow.fetching import default_cache_dir
 from aqflow.models.fetch import load_causal_lm, load_tokenizer
 
 PERPLEXITY_SETS = ("wikitext2", "c4")
+SET_PROTOCOLS = {"wikitext2": "joined", "c4": "sampled"}
 STANDIN_FILES = {"wikitext2": "wikitext2-standin.parquet", "c4": "c4-standin.parquet"}
 EVALUATION_ROLE = "evaluation"
 
@@ -66,13 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pre-pv", type=Path, default=None,
                         help="eval.json of the same model before PV-tuning, embedded whole as 'pre_pv'")
     data = parser.add_argument_group("perplexity")
-    data.add_argument("--source", choices=("offline", "hub"), default="offline")
+    data.add_argument("--domain", nargs=3, action="append", default=None, metavar=("NAME", "PROTOCOL", "CORPUS"),
+                      help=f"an evaluation domain: its name in eval.json, protocol ({' or '.join(PROTOCOLS)}) and "
+                           "corpus .parquet (fetch-data); repeatable")
     data.add_argument("--data-dir", type=Path, default=None,
                       help=f"folder holding {STANDIN_FILES['wikitext2']} and {STANDIN_FILES['c4']} (fetch-data outputs)")
     data.add_argument("--wikitext2-corpus", type=Path, default=None, help="WikiText-2 stand-in .parquet (overrides --data-dir)")
     data.add_argument("--c4-corpus", type=Path, default=None, help="C4 stand-in .parquet (overrides --data-dir)")
-    data.add_argument("--perplexity", nargs="*", default=list(PERPLEXITY_SETS), metavar="SET",
-                      help=f"perplexity sets among {list(PERPLEXITY_SETS)} (none: skip perplexity)")
+    data.add_argument("--perplexity", nargs="*", default=None, metavar="SET",
+                      help=f"without --domain: sets among {list(PERPLEXITY_SETS)} (default both; none: skip perplexity)")
     data.add_argument("--context", type=int, default=4096, help="tokens per perplexity window")
     data.add_argument("--max-windows", type=int, default=None, help="keep only the first WikiText-2 windows")
     data.add_argument("--c4-windows", type=int, default=DEFAULT_C4_WINDOWS)
@@ -103,16 +109,31 @@ def _require(condition: bool, message: str) -> None:
         raise EvaluationInputError(message)
 
 
-def corpus_paths(args: argparse.Namespace) -> dict[str, Path]:
-    """{set: stand-in .parquet} for the requested perplexity sets (offline source only)."""
+def evaluation_domains(args: argparse.Namespace) -> dict[str, tuple[str, Path]]:
+    """{domain name: (protocol, corpus .parquet)}, in the order given; checked."""
+    if args.domain:
+        legacy = [flag for flag, value in (("--perplexity", args.perplexity), ("--data-dir", args.data_dir),
+                                           ("--wikitext2-corpus", args.wikitext2_corpus),
+                                           ("--c4-corpus", args.c4_corpus)) if value is not None]
+        _require(not legacy, f"--domain names every perplexity set; drop {legacy}")
+        domains = {}
+        for name, protocol, corpus in args.domain:
+            _require(name not in domains, f"--domain {name} is given twice")
+            _require(protocol in PROTOCOLS, f"--domain {name}: protocol {protocol!r} is not one of {list(PROTOCOLS)}")
+            _require(Path(corpus).is_file(), f"--domain {name}: corpus {corpus} does not exist")
+            domains[name] = (protocol, Path(corpus))
+        return domains
+    sets = list(PERPLEXITY_SETS) if args.perplexity is None else args.perplexity
+    bad_sets = [name for name in sets if name not in PERPLEXITY_SETS]
+    _require(not bad_sets, f"--perplexity: unknown sets {bad_sets}; known: {list(PERPLEXITY_SETS)}")
     explicit = {"wikitext2": args.wikitext2_corpus, "c4": args.c4_corpus}
-    paths = {}
-    for name in args.perplexity:
+    domains = {}
+    for name in sets:
         path = explicit[name] or (args.data_dir / STANDIN_FILES[name] if args.data_dir else None)
         _require(path is not None, f"--perplexity {name} needs --{name}-corpus or --data-dir")
         _require(path.is_file(), f"--{name}-corpus / --data-dir: {path} does not exist")
-        paths[name] = path
-    return paths
+        domains[name] = (SET_PROTOCOLS[name], path)
+    return domains
 
 
 def _read_json_file(flag: str, path: Path):
@@ -127,8 +148,6 @@ def _read_json_file(flag: str, path: Path):
 def check_inputs(args: argparse.Namespace) -> None:
     """Raise EvaluationInputError naming the first bad input; nothing has been done yet."""
     _require((args.model_dir / "config.json").is_file(), f"--model-dir: {args.model_dir} has no config.json")
-    bad_sets = [name for name in args.perplexity if name not in PERPLEXITY_SETS]
-    _require(not bad_sets, f"--perplexity: unknown sets {bad_sets}; known: {list(PERPLEXITY_SETS)}")
     bad_tasks = [task for task in args.tasks if task not in ZERO_SHOT_TASKS]
     _require(not bad_tasks, f"--tasks: unknown tasks {bad_tasks}; known: {list(ZERO_SHOT_TASKS)}")
     _require(args.context >= 2, f"--context must be >= 2 tokens, got {args.context}")
@@ -139,8 +158,7 @@ def check_inputs(args: argparse.Namespace) -> None:
     _require(args.bootstrap_iters >= 0, f"--bootstrap-iters must be >= 0, got {args.bootstrap_iters}")
     _require(not str(args.device).startswith("cuda") or torch.cuda.is_available(),
              f"--device {args.device}: CUDA is not available")
-    if args.source == "offline":
-        corpus_paths(args)
+    evaluation_domains(args)
     if args.tasks and args.task_data_dir is not None:
         try:
             task_data_files(args.task_data_dir, args.tasks)
@@ -193,25 +211,26 @@ def load_model(model_dir: Path, dtype: str, device: str, cpu_kernel: str = "dens
     return model
 
 
-def evaluation_texts(args: argparse.Namespace, name: str) -> tuple[list[str], list[str], dict]:
-    """(doc_ids, texts, data record) of one perplexity set."""
-    if args.source == "hub":
-        doc_ids, texts = load_hub_wikitext2() if name == "wikitext2" else load_hub_c4_validation()
-        return doc_ids, texts, {"source": "hub", "dataset": WIKITEXT2_HUB if name == "wikitext2" else C4_HUB}
-    from aqflow.data.offline_text import load_split_corpus, role_texts
+def evaluation_texts(path: Path) -> tuple[list[str], list[str], dict]:
+    """(doc_ids, texts, data record) of the evaluation-role documents of a split corpus.
 
-    path = corpus_paths(args)[name]
+    The record names the corpus file and carries its split record's `origin` (hub repo/files/
+    revisions, stand-in package, or user file and sha256) as `text`."""
+    from aqflow.data.offline_text import load_split_corpus, read_split_record, role_texts
+
     doc_ids, texts = role_texts(load_split_corpus(path), EVALUATION_ROLE)
-    return doc_ids, texts, {"source": "offline", "corpus": str(path), "role": EVALUATION_ROLE,
-                            "documents": len(texts), "order": "sorted by doc_id"}
+    split_record = read_split_record(path) or {}
+    return doc_ids, texts, {"corpus": str(path), "corpus_name": path.stem, "text": split_record.get("origin"),
+                            "role": EVALUATION_ROLE, "documents": len(texts), "order": "sorted by doc_id"}
 
 
-def perplexity_windows_for(args: argparse.Namespace, name: str, tokenizer) -> tuple[torch.Tensor, dict]:
-    """(windows [num_windows, context] int64, data record) of one perplexity set, by its protocol."""
-    doc_ids, texts, record = evaluation_texts(args, name)
+def perplexity_windows_for(args: argparse.Namespace, name: str, protocol: str, path: Path,
+                           tokenizer) -> tuple[torch.Tensor, dict]:
+    """(windows [num_windows, context] int64, data record) of one evaluation domain, by its protocol."""
+    doc_ids, texts, record = evaluation_texts(path)
     record["texts_sha256"] = texts_sha256(texts)
-    where = f"{name} ({record.get('corpus', 'hub')}, --context {args.context})"
-    if name == "wikitext2":
+    where = f"{name} ({path}, --context {args.context})"
+    if protocol == "joined":
         try:
             windows = wikitext2_windows(texts, tokenizer, args.context, max_windows=args.max_windows)
         except ValueError as error:
@@ -226,6 +245,7 @@ def perplexity_windows_for(args: argparse.Namespace, name: str, tokenizer) -> tu
         record.update(protocol="AQLM get_c4(eval_mode=True): seeded document + offset per window",
                       seed=args.c4_seed, eligible_documents=sampled.eligible_documents,
                       window_sources=sampled.sources())
+    record["protocol_name"] = protocol
     record["windows_sha256"] = windows_sha256(windows)
     return windows, record
 
@@ -278,9 +298,10 @@ def settings_record(args: argparse.Namespace) -> dict:
 def evaluate(args: argparse.Namespace) -> dict:
     """Run every requested evaluation and return the eval.json payload (nothing written)."""
     check_inputs(args)
-    if args.source == "offline":
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    domains = evaluation_domains(args)
+    # every input is a local file (corpora from fetch-data, prepared task data): never the network
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     timings: dict[str, float] = {}
     started = time.perf_counter()
     bits = stored_bits_per_parameter(args.model_dir)
@@ -289,16 +310,16 @@ def evaluate(args: argparse.Namespace) -> dict:
     windows: dict[str, torch.Tensor] = {}
     # Data first (cheap), so that an unusable corpus or task folder fails before the model loads.
     with _timed(timings, "data_seconds"):
-        for name in args.perplexity:
-            windows[name], data[name] = perplexity_windows_for(args, name, tokenizer)
+        for name, (protocol, path) in domains.items():
+            windows[name], data[name] = perplexity_windows_for(args, name, protocol, path, tokenizer)
         task_dir = zero_shot_data_dir(args) if args.tasks else None
     with _timed(timings, "load_seconds"):
         model = load_model(args.model_dir, compute_dtype(args), args.device, args.cpu_kernel)
     metrics: dict = {}
-    for name in args.perplexity:
+    for name in domains:
         with _timed(timings, f"{name}_seconds"):
             metrics[name] = perplexity_metrics(args, model, windows[name])
-    timings["perplexity_seconds"] = sum(timings[f"{name}_seconds"] for name in args.perplexity)
+    timings["perplexity_seconds"] = sum(timings[f"{name}_seconds"] for name in domains)
     timings["zero_shot_seconds"] = 0.0
     if args.tasks:
         with _timed(timings, "zero_shot_seconds"):
@@ -322,7 +343,8 @@ def evaluate(args: argparse.Namespace) -> dict:
 
 def summary_line(payload: dict) -> str:
     metrics = payload["metrics"]
-    parts = [f"{name} ppl {metrics[name]['perplexity']:.3f}" for name in PERPLEXITY_SETS if name in metrics]
+    parts = [f"{name} ppl {value['perplexity']:.3f}" for name, value in metrics.items()
+             if isinstance(value, dict) and "perplexity" in value and name != "tasks"]
     if metrics.get("avg_acc") is not None:
         parts.append(f"avg acc {metrics['avg_acc']:.4f} over {len(metrics['tasks'])} tasks")
     parts.append(f"{payload['bits_per_parameter']:.3f} bits/parameter")

@@ -23,10 +23,34 @@ from aqflow.experiments.plots import plot_against_beam, plot_against_domain, plo
 from aqflow.experiments.runs import grid_evals, missing_cells, runs_table
 from aqflow.experiments.tables import frame_markdown, markdown_table, seed_statistics, with_paper
 
-CELL_METRICS = ("pre_pv_wikitext2_ppl", "pre_pv_c4_ppl", "wikitext2_ppl", "c4_ppl", "avg_acc", "quantization_seconds")
-LABELS = {"pre_pv_wikitext2_ppl": "WikiText-2 pre-PV", "pre_pv_c4_ppl": "C4 pre-PV", "wikitext2_ppl": "WikiText-2",
-          "c4_ppl": "C4", "avg_acc": "avg acc", "quantization_seconds": "quant. s"}
 PLOTS = ("beam.png", "rho.png", "domains.png", "pv.png")
+
+
+def paper_domain(domain: str) -> str | None:
+    """Which of the paper's texts an evaluation domain stands for ("wikitext2-standin" -> "wikitext2")."""
+    for name in ("wikitext2", "c4", "lambada"):
+        if domain == name or domain.startswith(f"{name}-"):
+            return name
+    return None
+
+
+def cell_metrics(domains: list[str]) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """(metric columns of the cells table, their labels, {paper column: our column}): perplexity
+    of every domain before and after PV-tuning, average accuracy and quantization time."""
+    metrics, labels, to_ours = [], {"avg_acc": "avg acc", "quantization_seconds": "quant. s"}, {}
+    for domain in domains:
+        for prefix, stage in (("pre_pv_", " pre-PV"), ("", "")):
+            column = f"{prefix}{domain}_ppl"
+            metrics.append(column)
+            labels[column] = f"{domain}{stage}"
+            if paper_domain(domain):
+                to_ours[f"{prefix}{paper_domain(domain)}_ppl"] = column
+    return metrics + ["avg_acc", "quantization_seconds"], labels, to_ours
+
+
+def headline_domain(domains: list[str]) -> str:
+    """The domain the paper's headline claims use: its WikiText-2 (or our stand-in), else the farthest."""
+    return next((domain for domain in domains if paper_domain(domain) == "wikitext2"), domains[-1])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("evals", nargs="*", type=Path, help="eval.json files of the grid's runs")
     parser.add_argument("--out-dir", required=True, type=Path)
     parser.add_argument("--domains", nargs="+", default=["c4", "wikitext2"],
-                        help="evaluation domains ordered from the calibration text's own to the farthest")
+                        help="evaluation domains (corpus names as in eval.json) ordered from the calibration "
+                             "text's own to the farthest")
     parser.add_argument("--expected-cells", type=Path, default=None,
                         help="JSON list of the grid's cells, each with its eval_json path (results/paper/grid.json): "
                              "the ones that exist are read, the others listed as missing")
@@ -54,7 +79,7 @@ def domain_table(runs: pd.DataFrame, domains: list[str], bpp: int = 2, beam: int
         means = cell.groupby("init")[metric].mean()
         seeds = int(cell[cell["init"] == "oaem"]["seed"].nunique()) if "seed" in cell else 0
         greedy, oaem = means.get("greedy"), means.get("oaem")
-        paper = PAPER_DOMAIN_RATIOS.set_index("domain")["ratio"].get(domain)
+        paper = PAPER_DOMAIN_RATIOS.set_index("domain")["ratio"].get(paper_domain(domain))
         rows.append({"domain": domain, "distance_rank": rank, "greedy_ppl": greedy, "oaem_ppl": oaem,
                      "ratio": greedy / oaem if greedy and oaem else None, "paper_ratio": paper, "seeds": seeds})
     return pd.DataFrame(rows)
@@ -82,15 +107,19 @@ def write_tables(runs: pd.DataFrame, out_dir: Path, domains: list[str], expected
     quantized = runs[runs["init"].isin(["greedy", "oaem"])] if len(runs) else runs
     with artifacts.atomic_path(out_dir / "runs.csv") as tmp:
         runs.to_csv(tmp, index=False)
-    metrics = [metric for metric in CELL_METRICS if metric in quantized]
-    cells = with_paper(seed_statistics(quantized, metrics), paper_cells(), metrics) if len(quantized) else pd.DataFrame()
-    _write_table(out_dir, "cells", cells, markdown_table(cells, metrics, LABELS) if len(cells) else "no runs yet\n")
+    all_metrics, labels, to_ours = cell_metrics(domains)
+    metrics = [metric for metric in all_metrics if metric in quantized]
+    paper = paper_cells().rename(columns=to_ours)
+    cells = with_paper(seed_statistics(quantized, metrics), paper, metrics) if len(quantized) else pd.DataFrame()
+    _write_table(out_dir, "cells", cells, markdown_table(cells, metrics, labels) if len(cells) else "no runs yet\n")
     domains_frame = domain_table(quantized, domains) if len(quantized) else pd.DataFrame()
     _write_table(out_dir, "domains", domains_frame, frame_markdown(domains_frame) if len(domains_frame) else "no runs yet\n")
-    claims = claims_table(quantized, paper_claims(domains)) if len(quantized) else pd.DataFrame()
+    headline = headline_domain(domains)
+    claims = claims_table(quantized, paper_claims(domains, headline)) if len(quantized) else pd.DataFrame()
     _write_table(out_dir, "claims", claims, claims_markdown(claims) if len(claims) else "no runs yet\n")
-    for name, draw in zip(PLOTS, (lambda p: plot_against_beam(quantized, p), lambda p: plot_against_rho(quantized, p),
-                                  lambda p: plot_against_domain(quantized, domains, p), lambda p: plot_pre_to_post_pv(quantized, p))):
+    draws = (lambda p: plot_against_beam(quantized, p, headline), lambda p: plot_against_rho(quantized, p, f"pre_pv_{headline}_ppl"),
+             lambda p: plot_against_domain(quantized, domains, p), lambda p: plot_pre_to_post_pv(quantized, p, headline))
+    for name, draw in zip(PLOTS, draws):
         with artifacts.atomic_path(out_dir / name) as tmp:
             draw(tmp)
     missing = missing_cells(expected)
