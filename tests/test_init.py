@@ -3,8 +3,7 @@
 import torch
 
 from aqflow.quant.init import INITIALISERS, InitSettings, cosine_lr, oaem_m_step, oaem_objective, oaem_refine
-from aqflow.quant.kmeans import fit_kmeans, lloyd_steps, nearest_euclidean, nearest_mahalanobis
-from aqflow.quant.nearest_kernels import assign_and_accumulate
+from aqflow.quant.kmeans import fit_kmeans, nearest_euclidean, nearest_mahalanobis
 from aqflow.quant.objective import damped_diagonal_blocks, relative_output_mse
 from aqflow.quant.representation import dequantize_weight
 from tests.conftest import anisotropic_xtx
@@ -120,21 +119,3 @@ def test_fused_nearest_kernel_matches_torch(rng):
     fused_codes, fused_dist = nearest_mahalanobis(groups, centroids, metrics, fused=True)
     assert torch.equal(codes, fused_codes)
     torch.testing.assert_close(dist, fused_dist, rtol=1e-4, atol=1e-3)
-
-
-def test_fused_assign_and_accumulate_is_a_lloyd_iteration(rng):
-    """The one-pass Lloyd kernel (interpreted on the CPU here): its codes are the argmin, its sums and
-    counts those of the points it assigned (ragged last block of points included), and a run of
-    fused Lloyd iterations follows the same path as the unfused one."""
-    points = torch.randn(650, 8, generator=rng)
-    centroids = torch.randn(32, 8, generator=rng)
-    codes, sums, counts = assign_and_accumulate(points, centroids)
-    assert torch.equal(codes, nearest_euclidean(points, centroids, fused=False)[0])
-    torch.testing.assert_close(counts, torch.bincount(codes, minlength=32).float())
-    torch.testing.assert_close(sums, torch.zeros(32, 8).index_add_(0, codes, points), rtol=1e-5, atol=1e-5)
-    start = nearest_euclidean(points, centroids, fused=False)[0]
-    plain = lloyd_steps(points, centroids, start, 6, fused=False)
-    fused = lloyd_steps(points, centroids, start, 6, fused=True)
-    assert torch.equal(plain[1], fused[1])
-    torch.testing.assert_close(plain[0], fused[0], rtol=1e-5, atol=1e-6)
-    assert not torch.equal(plain[1], start)  # the iterations did move points

@@ -10,12 +10,7 @@ from __future__ import annotations
 import torch
 
 from aqflow.quant.cuda_graphs import capture_graph
-from aqflow.quant.nearest_kernels import (
-    assign_and_accumulate,
-    assign_and_accumulate_supported,
-    nearest_fused,
-    nearest_fused_supported,
-)
+from aqflow.quant.nearest_kernels import nearest_fused, nearest_fused_supported
 
 # Elements of a distance block computed at once: on the GPU a bound on memory, on the CPU a block
 # that stays in cache (4.5x faster than one [N, K] matrix for SmolLM2's 110k groups x 256 codewords).
@@ -111,29 +106,14 @@ def cluster_means(points: torch.Tensor, codes: torch.Tensor, centroids: torch.Te
     return torch.where(counts > 0, sums / counts.clamp_min(1), centroids)
 
 
-def lloyd_steps(
-    points: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor, steps: int, fused: bool | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def lloyd_steps(points: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`steps` Lloyd iterations (means, then nearest), free of host synchronisation.
-    fused: each nearest-assignment also sums its clusters (`assign_and_accumulate`), so the next
-    means cost no pass of their own; default on CUDA where supported. Same iterations either way.
 
     points [N, g], centroids [K, g], codes [N] -> centroids [K, g], codes [N]
     """
-    if fused is None:
-        fused = points.is_cuda and assign_and_accumulate_supported(centroids.shape[0], points)
-    if not fused:
-        for _ in range(steps):
-            centroids = cluster_means(points, codes, centroids)
-            codes, _ = nearest_euclidean(points, centroids, with_distance=False)
-        return centroids, codes
-    if steps == 0:
-        return centroids, codes
-    centroids = cluster_means(points, codes, centroids)
-    for step in range(steps):
-        codes, sums, counts = assign_and_accumulate(points, centroids)
-        if step + 1 < steps:
-            centroids = torch.where(counts[:, None] > 0, sums / counts.clamp_min(1)[:, None], centroids)
+    for _ in range(steps):
+        centroids = cluster_means(points, codes, centroids)
+        codes, _ = nearest_euclidean(points, centroids, with_distance=False)
     return centroids, codes
 
 

@@ -5,18 +5,9 @@ Both assignments in the quantizer have the form
 (Euclidean: a = x, bias = |c_k|², P = 1; Mahalanobis under H_j: a = H_j w, bias[j] = c_kᵀH_j c_k,
 P = G with points laid out row-major over [rows, G]). The torch version writes and re-reads an
 [N, K] matrix several times per k-means iteration; this kernel keeps a running minimum per point.
-
-`assign_and_accumulate` is a Lloyd iteration's two halves in one pass: the nearest centroid of
-each point, and each cluster's sum and count of the points just assigned to it (the next means).
-On a layer of 3M groups the separate halves took 2.6 ms (assignment, a [64, 16] x [16, 64] ieee
-dot with g = 8 padded to 16) and 1.1 ms (two index_adds whose atomics all land on K·g addresses).
-Here the distances are g plain FMAs per (point, centroid), and each program adds its points into
-one of REPLICAS copies of the sums, so atomics to one address are REPLICAS times rarer.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -51,65 +42,6 @@ if triton is not None:
             arg = tl.where(better, chunk_arg, arg)
         tl.store(codes_ptr + n, arg, mask=valid)
         tl.store(best_ptr + n, best, mask=valid)
-
-
-    @triton.jit
-    def _assign_accumulate_kernel(
-        points_ptr, centroids_ptr, centroid_sq_ptr, codes_ptr, sums_ptr, counts_ptr, num_points,
-        K: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REPLICAS: tl.constexpr,
-    ):
-        program = tl.program_id(0)
-        n = program.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = n < num_points
-        best = tl.full([BLOCK_N], float("inf"), tl.float32)
-        arg = tl.zeros([BLOCK_N], tl.int64)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32) + tl.load(centroid_sq_ptr + kk)[None, :]
-            for i in tl.static_range(G):  # |c|² - 2 x·c, full fp32 FMAs
-                x_i = tl.load(points_ptr + n * G + i, mask=valid, other=0.0)
-                c_i = tl.load(centroids_ptr + kk * G + i)
-                acc += (-2.0 * x_i)[:, None] * c_i[None, :]
-            chunk_best = tl.min(acc, axis=1)
-            chunk_arg = tl.argmin(acc, axis=1).to(tl.int64) + k0
-            better = chunk_best < best
-            best = tl.where(better, chunk_best, best)
-            arg = tl.where(better, chunk_arg, arg)
-        tl.store(codes_ptr + n, arg, mask=valid)
-        target = (program % REPLICAS).to(tl.int64) * K + arg  # row of this point's cluster in this program's replica
-        for i in tl.static_range(G):
-            x_i = tl.load(points_ptr + n * G + i, mask=valid, other=0.0)
-            tl.atomic_add(sums_ptr + target * G + i, x_i, mask=valid, sem="relaxed")
-        tl.atomic_add(counts_ptr + target, tl.full([BLOCK_N], 1.0, tl.float32), mask=valid, sem="relaxed")
-
-
-ACCUMULATE_REPLICAS = 64
-
-
-def assign_and_accumulate(points: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Nearest centroid by squared Euclidean distance, with the sum and count of each cluster's points.
-    Free of host synchronisation (capturable in a CUDA graph); float32.
-
-    points [N, g], centroids [K, g] (K a power of two >= 16) -> codes [N] int64, sums [K, g], counts [K]
-    """
-    num_points, group_size = points.shape
-    num_centroids = centroids.shape[0]
-    codes = torch.empty(num_points, dtype=torch.int64, device=points.device)
-    sums = torch.zeros(ACCUMULATE_REPLICAS * num_centroids, group_size, dtype=torch.float32, device=points.device)
-    counts = torch.zeros(ACCUMULATE_REPLICAS * num_centroids, dtype=torch.float32, device=points.device)
-    block_n, block_k = 64, min(64, num_centroids)
-    _assign_accumulate_kernel[(triton.cdiv(num_points, block_n),)](
-        points.contiguous(), centroids.contiguous(), (centroids * centroids).sum(-1).contiguous(), codes, sums, counts, num_points,
-        K=num_centroids, G=group_size, BLOCK_N=block_n, BLOCK_K=block_k, REPLICAS=ACCUMULATE_REPLICAS,
-    )
-    return codes, sums.view(ACCUMULATE_REPLICAS, num_centroids, group_size).sum(0), counts.view(ACCUMULATE_REPLICAS, num_centroids).sum(0)
-
-
-def assign_and_accumulate_supported(num_centroids: int, points: torch.Tensor) -> bool:
-    """Where `assign_and_accumulate` runs: float32 on CUDA (or under TRITON_INTERPRET=1), K a power of two >= 16."""
-    pow2 = num_centroids > 0 and num_centroids & (num_centroids - 1) == 0
-    runs_here = points.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    return triton is not None and runs_here and points.dtype == torch.float32 and pow2 and num_centroids >= 16
 
 
 def nearest_fused_supported(num_centroids: int, group_size: int, device: torch.device) -> bool:
