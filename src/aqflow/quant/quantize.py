@@ -38,6 +38,7 @@ class QuantizerSettings:
     lr: float = 1e-4
     relative_tolerance: float = 0.01
     kmeans_max_iter: int = 1000
+    kmeans_tolerance: float = 2e-4  # stop k-means when 10 iterations gain less than this (relative)
     oaem_rounds: int = 3
     oaem_steps: int = 100
     oaem_lr: float = 1e-4
