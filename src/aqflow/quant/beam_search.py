@@ -33,8 +33,8 @@ import torch
 
 from aqflow.quant.beam_kernels import beam_stage, triton_stage_supported
 from aqflow.quant.cuda_graphs import capture_graph
+from aqflow.quant.gather_kernels import codeword_sums
 from aqflow.quant.objective import diagonal_blocks
-from aqflow.quant.representation import group_reconstruction
 
 # Groups per block of deferred residual updates: 32 groups of 8 are 256 columns, wide enough
 # for the block-end product to run near the card's FP32 rate, small enough that the in-block
@@ -94,7 +94,7 @@ def _advance_past_block(
     for t in reversed(range(num_block_groups)):  # follow each survivor back to the block start
         lineage[:, :, t] = back_codes[t].gather(1, slot[..., None].expand(num_rows, beam, num_codebooks))
         slot = back_origin[t].gather(1, slot)
-    new_groups = group_reconstruction(lineage.view(num_rows, beam * num_block_groups, num_codebooks), codebooks)
+    new_groups = codeword_sums(lineage.view(num_rows, beam * num_block_groups, num_codebooks), codebooks)
     change = new_groups.view(num_rows, beam, num_block_groups, group_size) * scale_col[..., None] - start_reconstruction[:, None]
     after = rest.gather(1, slot[..., None].expand(num_rows, beam, rest.shape[-1]))  # [R, b, after], contiguous
     after.view(num_rows * beam, -1).addmm_(change.reshape(num_rows * beam, -1), xtx_rows, alpha=-1)
@@ -131,7 +131,7 @@ def beam_search_rows(
     elif use_triton and not triton_stage_supported(beam, num_codewords, group_size, device):
         raise ValueError(f"the Triton stage cannot run on {device} for beam {beam}, K={num_codewords}, g={group_size}")
 
-    sums = group_reconstruction(codes, codebooks)  # [R, G, g] unscaled; unchanged until a group is reached
+    sums = codeword_sums(codes, codebooks)  # [R, G, g] unscaled; unchanged until a group is reached
     reconstruction = sums * scales[:, None, None]  # [R, G, g]
     # residual·XᵀX of the columns from the current block on, one per block-start hypothesis
     later = ((weight - reconstruction.reshape(num_rows, in_features)) @ xtx)[:, None, :]  # [R, 1, in]

@@ -23,8 +23,8 @@ import contextlib
 import torch
 
 from aqflow.quant.cuda_graphs import capture_graph
+from aqflow.quant.gather_kernels import codeword_sums
 from aqflow.quant.objective import output_error
-from aqflow.quant.representation import group_reconstruction
 
 
 def codeword_index(codes: torch.Tensor, num_codewords: int) -> torch.Tensor:
@@ -48,7 +48,7 @@ def objective_gradients(
     """
     num_rows, num_groups, num_codebooks = codes.shape
     _, num_codewords, group_size = codebooks.shape
-    sums = group_reconstruction(codes, codebooks)  # [out, G, g]
+    sums = codeword_sums(codes, codebooks)  # [out, G, g]
     delta = weight - (sums * scales[:, None, None]).reshape(num_rows, -1)
     grad_weight = ((delta @ xtx) * (-2 / reference_error)).view(num_rows, num_groups, group_size)
     grad_scales = (grad_weight * sums).sum(dim=(1, 2))
