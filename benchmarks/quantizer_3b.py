@@ -154,7 +154,7 @@ def measure(args) -> dict:
     settings = QuantizerSettings(beam_size=args.beam_size, max_epochs=args.max_epochs, relative_tolerance=args.tolerance)
     result = {
         "label": args.label,
-        "aqflow_src": str(Path(aqflow.quant.__file__).parent),
+        "aqflow_src": os.path.relpath(Path(aqflow.quant.__file__).parent),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "settings": dataclasses.asdict(settings),
