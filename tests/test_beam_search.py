@@ -57,16 +57,18 @@ def test_single_group_reaches_exhaustive_optimum(num_codebooks, nbits, rng):
     torch.testing.assert_close(row_errors(weight, xtx, codebooks, scales, found), optimum, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("block_groups", [1, 2, 32], ids=lambda n: f"blocks{n}")
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("num_groups,num_codebooks,nbits", [(2, 2, 1), (3, 2, 1), (2, 2, 2), (2, 3, 1)])
-def test_full_beam_over_coupled_groups_reaches_exhaustive_optimum(num_groups, num_codebooks, nbits, use_triton, rng):
+def test_full_beam_over_coupled_groups_reaches_exhaustive_optimum(num_groups, num_codebooks, nbits, use_triton, block_groups, rng):
     """Full XᵀX couples the groups of a row. A beam of K^(M·G-1) holds every partial assignment, so
-    one pass must find the exhaustive optimum over all (K^M)^G assignments of each row."""
+    one pass must find the exhaustive optimum over all (K^M)^G assignments of each row, whether the
+    later groups' residuals are updated after every group (block 1), across blocks, or inside one."""
     k = 1 << nbits
     weight, xtx, codebooks, scales, codes = problem(8, num_groups, num_codebooks, nbits, rng)
     assert xtx[:G, G:].abs().sum() > 0  # really coupled
     beam = k ** (num_codebooks * num_groups - 1)
-    found = beam_search_rows(weight, xtx, codebooks, scales, codes, beam_size=beam, use_triton=use_triton)
+    found = beam_search_rows(weight, xtx, codebooks, scales, codes, beam_size=beam, use_triton=use_triton, block_groups=block_groups)
     optimum = exhaustive_row_optimum(weight, xtx, codebooks, scales, num_groups, k)
     torch.testing.assert_close(row_errors(weight, xtx, codebooks, scales, found), optimum, rtol=1e-10, atol=1e-10)
 
@@ -91,6 +93,18 @@ def test_pass_never_increases_objective(num_codebooks, nbits, beam, rng):
         assert (after <= before * (1 + 1e-12) + 1e-12).all()
         assert after.sum() < before.sum()  # from random codes there is always something to gain
         assert found.min() >= 0 and found.max() < (1 << nbits)
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+def test_deferred_block_updates_search_like_per_group_updates(use_triton, rng):
+    """Blocks of deferred residual updates (any size, a ragged last block included) change only the
+    order of floating-point sums: in float64 the codes equal those of updating after every group."""
+    weight, xtx, codebooks, scales, codes = problem(16, 11, 2, 4, rng)
+    per_group = beam_search_rows(weight, xtx, codebooks, scales, codes, 4, use_triton=use_triton, block_groups=1)
+    assert not torch.equal(per_group, codes)
+    for block_groups in (2, 4, 11, 32):
+        blocked = beam_search_rows(weight, xtx, codebooks, scales, codes, 4, use_triton=use_triton, block_groups=block_groups)
+        assert torch.equal(blocked, per_group), block_groups
 
 
 def test_wider_beam_is_no_worse_on_average(rng):

@@ -119,3 +119,16 @@ def test_fused_nearest_kernel_matches_torch(rng):
     fused_codes, fused_dist = nearest_mahalanobis(groups, centroids, metrics, fused=True)
     assert torch.equal(codes, fused_codes)
     torch.testing.assert_close(dist, fused_dist, rtol=1e-4, atol=1e-3)
+
+
+def test_kmeans_tolerance_stops_when_progress_stalls(rng):
+    """A tolerance no check can meet (1.0) stops at the first check: the result of 10 iterations.
+    A tiny one stops only where the distortion has all but stalled: the same result as none."""
+    points = torch.randn(2000, 8, generator=rng)
+    ten, ten_codes = fit_kmeans(points, 16, 10, torch.Generator().manual_seed(3))
+    early, early_codes = fit_kmeans(points, 16, 500, torch.Generator().manual_seed(3), tolerance=1.0)
+    assert torch.equal(early_codes, ten_codes) and torch.equal(early, ten)
+    full, full_codes = fit_kmeans(points, 16, 500, torch.Generator().manual_seed(3))
+    assert not torch.equal(full_codes, ten_codes)  # there was more to gain after 10 iterations
+    tiny, tiny_codes = fit_kmeans(points, 16, 500, torch.Generator().manual_seed(3), tolerance=1e-12)
+    assert torch.equal(tiny_codes, full_codes)

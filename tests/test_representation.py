@@ -8,6 +8,7 @@ import torch
 from aqflow.quant.representation import (
     bits_per_parameter,
     dequantize_weight,
+    group_reconstruction,
     layer_rho,
     model_rho,
     pack_codes,
@@ -75,3 +76,17 @@ def test_bits_per_parameter_close_to_nominal():
     assert bits_per_parameter(4096, 4096, 3, 8) == pytest.approx(3.0, abs=0.01)
     assert bits_per_parameter(576, 576, 2, 8) > 2.0  # codebooks are not free on small layers
     assert math.isfinite(bits_per_parameter(192, 576, 2, 8))
+
+
+@pytest.mark.parametrize("num_codebooks", [1, 2, 3])
+def test_codeword_sum_kernel_equals_group_reconstruction(num_codebooks):
+    """The Triton codeword-sum kernel (interpreted on the CPU here), a ragged last block included,
+    gives group_reconstruction's sums bit for bit (same order of additions)."""
+    from aqflow.quant.gather_kernels import codeword_sums
+
+    generator = torch.Generator().manual_seed(0)
+    codebooks = torch.randn(num_codebooks, 16, 8, generator=generator)
+    codes = torch.randint(0, 16, (7, 45, num_codebooks), generator=generator)
+    fused = codeword_sums(codes, codebooks, fused=True)
+    assert fused.shape == (7, 45, 8)
+    assert torch.equal(fused, group_reconstruction(codes, codebooks))

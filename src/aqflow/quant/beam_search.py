@@ -15,7 +15,12 @@ the hypothesis' codeword sum without codebook m, its loss is
   = [L_origin + fᵀH_jj f - 2 fᵀp] + 2 s c_kᵀ(H_jj f - p) + s² c_kᵀH_jj c_k,
 
 so one [rows*b, g+2] x [g+2, K] product per (j, m) scores every candidate. Each hypothesis keeps
-its own p; after group j it is updated by a rank-g product, 2·b·out·in² flops per pass in all.
+its own p. Updating all of it after every group (a rank-g product over `in` columns) reads and
+writes [rows, b, in] G times: memory-bound, ~85 % of a pass at in = 8192. Instead the groups are
+taken in blocks of B (`block_groups`): inside a block only the block's B·g columns of p are kept
+current (rank-g updates on [rows, b, B·g]); at the block's end each surviving hypothesis' changes
+in the block, recovered from the back-pointers, update the later columns in one
+[rows·b, B·g] x [B·g, after] product (compute-bound, b·out·in² flops per pass in all, in fp32).
 The original row is always a candidate, so a pass never increases the objective.
 
 On CUDA the whole pass for a chunk of rows is captured once as a CUDA graph and replayed each
@@ -28,8 +33,13 @@ import torch
 
 from aqflow.quant.beam_kernels import beam_stage, triton_stage_supported
 from aqflow.quant.cuda_graphs import capture_graph
+from aqflow.quant.gather_kernels import codeword_sums
 from aqflow.quant.objective import diagonal_blocks
-from aqflow.quant.representation import group_reconstruction
+
+# Groups per block of deferred residual updates: 32 groups of 8 are 256 columns, wide enough
+# for the block-end product to run near the card's FP32 rate, small enough that the in-block
+# updates stay cheap.
+BLOCK_GROUPS = 32
 
 
 def candidate_table(codebooks: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -60,6 +70,37 @@ def duplicate_hypotheses(hypotheses: torch.Tensor, origin: torch.Tensor, alive: 
     return (same & earlier & alive[:, None, :]).any(dim=-1)
 
 
+def _advance_past_block(
+    rest: torch.Tensor,
+    xtx_rows: torch.Tensor,
+    back_codes: torch.Tensor,
+    back_origin: torch.Tensor,
+    codebooks: torch.Tensor,
+    start_reconstruction: torch.Tensor,
+    scale_col: torch.Tensor,
+) -> torch.Tensor:
+    """residual·XᵀX of the columns after a block, for the hypotheses alive at its end: each one's
+    block-start ancestor's row, minus (its changes in the block's groups) · XᵀX[block, after].
+    One [R*b, width] x [width, after] product per block instead of a rank-g update per group.
+
+    rest [R, b, after] (block-start hypotheses), xtx_rows [width, after], back_codes [n, R, b, M],
+    back_origin [n, R, b] (the block's n groups), codebooks [M, K, g], start_reconstruction [R, n, g],
+    scale_col [R, 1, 1] -> [R, b, after]
+    """
+    num_block_groups, num_rows, beam, num_codebooks = back_codes.shape
+    group_size = codebooks.shape[-1]
+    slot = torch.arange(beam, device=rest.device).expand(num_rows, beam)
+    lineage = torch.empty(num_rows, beam, num_block_groups, num_codebooks, dtype=torch.int64, device=rest.device)
+    for t in reversed(range(num_block_groups)):  # follow each survivor back to the block start
+        lineage[:, :, t] = back_codes[t].gather(1, slot[..., None].expand(num_rows, beam, num_codebooks))
+        slot = back_origin[t].gather(1, slot)
+    new_groups = codeword_sums(lineage.view(num_rows, beam * num_block_groups, num_codebooks), codebooks)
+    change = new_groups.view(num_rows, beam, num_block_groups, group_size) * scale_col[..., None] - start_reconstruction[:, None]
+    after = rest.gather(1, slot[..., None].expand(num_rows, beam, rest.shape[-1]))  # [R, b, after], contiguous
+    after.view(num_rows * beam, -1).addmm_(change.reshape(num_rows * beam, -1), xtx_rows, alpha=-1)
+    return after
+
+
 def beam_search_rows(
     weight: torch.Tensor,
     xtx: torch.Tensor,
@@ -68,10 +109,13 @@ def beam_search_rows(
     codes: torch.Tensor,
     beam_size: int,
     use_triton: bool | None = None,
+    block_groups: int = BLOCK_GROUPS,
 ) -> torch.Tensor:
     """One beam-search pass over all groups of a chunk of rows. Free of host synchronisation, so it
     can be captured as a CUDA graph. use_triton: run each stage as one Triton kernel (default: on
     CUDA where `triton_stage_supported`), else as torch operations; both search the same way.
+    block_groups: groups per block of deferred residual updates (see the module docstring); the
+    search is the same for any value, only the order of floating-point sums differs.
 
     weight [R, in], xtx [in, in], codebooks [M, K, g], scales [R], codes [R, G, M] int64
     -> new codes [R, G, M] int64 with objective <= that of `codes`
@@ -87,10 +131,11 @@ def beam_search_rows(
     elif use_triton and not triton_stage_supported(beam, num_codewords, group_size, device):
         raise ValueError(f"the Triton stage cannot run on {device} for beam {beam}, K={num_codewords}, g={group_size}")
 
-    sums = group_reconstruction(codes, codebooks)  # [R, G, g] unscaled; unchanged until a group is reached
+    sums = codeword_sums(codes, codebooks)  # [R, G, g] unscaled; unchanged until a group is reached
     reconstruction = sums * scales[:, None, None]  # [R, G, g]
-    residual_xtx = ((weight - reconstruction.reshape(num_rows, in_features)) @ xtx)[:, None, :]  # [R, 1, in]
-    residual_xtx = residual_xtx.expand(num_rows, beam, in_features)  # [R, b, in], one per hypothesis
+    # residual·XᵀX of the columns from the current block on, one per block-start hypothesis
+    later = ((weight - reconstruction.reshape(num_rows, in_features)) @ xtx)[:, None, :]  # [R, 1, in]
+    later = later.expand(num_rows, beam, in_features)  # [R, b, in]
     blocks = diagonal_blocks(xtx, group_size)  # [G, g, g]
     table = candidate_table(codebooks, blocks)  # [M, G, g+2, K]
     scale_col = scales[:, None, None]  # [R, 1, 1]
@@ -101,47 +146,60 @@ def beam_search_rows(
     back_origin = torch.empty(num_groups, num_rows, beam, dtype=torch.int64, device=device)
     back_codes = torch.empty(num_groups, num_rows, beam, num_codebooks, dtype=torch.int64, device=device)
 
-    for j in range(num_groups):
-        cols = slice(j * group_size, (j + 1) * group_size)
-        block = blocks[j]  # [g, g]
-        current = reconstruction[:, j, None, :]  # [R, 1, g]
-        p_start = residual_xtx[:, :, cols]  # [R, b, g] per group-start hypothesis
-        origin = slots
-        hypotheses = codes[:, j, None, :].expand(num_rows, beam, num_codebooks)  # [R, b, M]
-        hyp_sums = sums[:, j, None, :].expand(num_rows, beam, group_size)  # [R, b, g]
-        scores = loss
-        for m in range(num_codebooks):
-            codebook = codebooks[m]  # [K, g]
-            if use_triton:
-                hypotheses, origin, hyp_sums, scores = beam_stage(
-                    hyp_sums, hypotheses, origin, scores, p_start, loss, reconstruction[:, j], scales, block,
-                    codebook, table[m, j, group_size + 1], m,
-                )
-                continue
-            p = p_start.gather(1, origin[..., None].expand(num_rows, beam, group_size))  # [R, b, g]
-            rest = hyp_sums - codebook[hypotheses[..., m]]  # [R, b, g]: the sum without codebook m
-            f = scale_col * rest - current
-            hf = f @ block
-            constant = loss.gather(1, origin)[..., None] + (f * (hf - 2 * p)).sum(-1, keepdim=True)  # [R, b, 1]
-            linear = (hf - p) * (2 * scale_col)  # [R, b, g]
-            lhs = torch.cat([linear, constant, scale_sq], dim=-1)  # [R, b, g+2]
-            candidates = (lhs.reshape(num_rows * beam, group_size + 2) @ table[m, j]).view(num_rows, beam, num_codewords)
-            finite = torch.isfinite(scores)  # [R, b]
-            alive = finite & ~duplicate_hypotheses(hypotheses, origin, finite, m)
-            candidates = candidates.masked_fill(~alive[..., None], float("inf"))
-            scores, flat_index = candidates.view(num_rows, beam * num_codewords).topk(beam, dim=-1, largest=False)
-            parent = torch.div(flat_index, num_codewords, rounding_mode="floor")  # [R, b]
-            chosen = flat_index - parent * num_codewords  # [R, b]
-            origin = origin.gather(1, parent)
-            hypotheses = hypotheses.gather(1, parent[..., None].expand(num_rows, beam, num_codebooks)).clone()
-            hypotheses[..., m] = chosen
-            hyp_sums = rest.gather(1, parent[..., None].expand(num_rows, beam, group_size)) + codebook[chosen]
-        back_origin[j] = origin
-        back_codes[j] = hypotheses
-        change = (hyp_sums * scale_col - current).reshape(num_rows * beam, group_size)  # [R*b, g]
-        residual_xtx = residual_xtx.gather(1, origin[..., None].expand(num_rows, beam, in_features))
-        residual_xtx.view(num_rows * beam, in_features).addmm_(change, xtx[cols], alpha=-1)
-        loss = scores
+    for block_start in range(0, num_groups, block_groups):
+        block_end = min(num_groups, block_start + block_groups)
+        width = (block_end - block_start) * group_size
+        block_cols = slice(block_start * group_size, block_end * group_size)
+        xtx_block = xtx[block_cols, block_cols]  # [width, width]
+        # the block's columns of residual·XᵀX, one per group-start hypothesis; kept current group by group
+        p_block = later[:, :, :width].contiguous()  # [R, b, width]
+        for j in range(block_start, block_end):
+            local = slice((j - block_start) * group_size, (j - block_start + 1) * group_size)
+            block = blocks[j]  # [g, g]
+            current = reconstruction[:, j, None, :]  # [R, 1, g]
+            p_start = p_block[:, :, local]  # [R, b, g] per group-start hypothesis
+            origin = slots
+            hypotheses = codes[:, j, None, :].expand(num_rows, beam, num_codebooks)  # [R, b, M]
+            hyp_sums = sums[:, j, None, :].expand(num_rows, beam, group_size)  # [R, b, g]
+            scores = loss
+            for m in range(num_codebooks):
+                codebook = codebooks[m]  # [K, g]
+                if use_triton:
+                    hypotheses, origin, hyp_sums, scores = beam_stage(
+                        hyp_sums, hypotheses, origin, scores, p_start, loss, reconstruction[:, j], scales, block,
+                        codebook, table[m, j, group_size + 1], m,
+                    )
+                    continue
+                p = p_start.gather(1, origin[..., None].expand(num_rows, beam, group_size))  # [R, b, g]
+                rest = hyp_sums - codebook[hypotheses[..., m]]  # [R, b, g]: the sum without codebook m
+                f = scale_col * rest - current
+                hf = f @ block
+                constant = loss.gather(1, origin)[..., None] + (f * (hf - 2 * p)).sum(-1, keepdim=True)  # [R, b, 1]
+                linear = (hf - p) * (2 * scale_col)  # [R, b, g]
+                lhs = torch.cat([linear, constant, scale_sq], dim=-1)  # [R, b, g+2]
+                candidates = (lhs.reshape(num_rows * beam, group_size + 2) @ table[m, j]).view(num_rows, beam, num_codewords)
+                finite = torch.isfinite(scores)  # [R, b]
+                alive = finite & ~duplicate_hypotheses(hypotheses, origin, finite, m)
+                candidates = candidates.masked_fill(~alive[..., None], float("inf"))
+                scores, flat_index = candidates.view(num_rows, beam * num_codewords).topk(beam, dim=-1, largest=False)
+                parent = torch.div(flat_index, num_codewords, rounding_mode="floor")  # [R, b]
+                chosen = flat_index - parent * num_codewords  # [R, b]
+                origin = origin.gather(1, parent)
+                hypotheses = hypotheses.gather(1, parent[..., None].expand(num_rows, beam, num_codebooks)).clone()
+                hypotheses[..., m] = chosen
+                hyp_sums = rest.gather(1, parent[..., None].expand(num_rows, beam, group_size)) + codebook[chosen]
+            back_origin[j] = origin
+            back_codes[j] = hypotheses
+            loss = scores
+            if j + 1 < block_end:  # rank-g update of the block's columns only
+                change = (hyp_sums * scale_col - current).reshape(num_rows * beam, group_size)  # [R*b, g]
+                p_block = p_block.gather(1, origin[..., None].expand(num_rows, beam, width))
+                p_block.view(num_rows * beam, width).addmm_(change, xtx_block[local], alpha=-1)
+        if block_end < num_groups:
+            later = _advance_past_block(
+                later[:, :, width:], xtx[block_cols, block_end * group_size :], back_codes[block_start:block_end],
+                back_origin[block_start:block_end], codebooks, reconstruction[:, block_start:block_end], scale_col,
+            )
 
     new_codes = torch.empty_like(codes)
     slot = loss.argmin(dim=-1)  # [R]

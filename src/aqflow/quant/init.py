@@ -29,6 +29,7 @@ class InitSettings:
     nbits: int
     group_size: int = 8
     kmeans_max_iter: int = 1000
+    kmeans_tolerance: float = 2e-4
     oaem_rounds: int = 3
     oaem_steps: int = 100
     oaem_lr: float = 1e-4
@@ -147,7 +148,9 @@ def residual_init(
     flat_shape = (-1, groups.shape[-1])
     all_codes, all_codebooks = [], []
     for _ in range(settings.num_codebooks):
-        centroids, codes = fit_kmeans(residual.reshape(flat_shape), 1 << settings.nbits, settings.kmeans_max_iter, generator)
+        centroids, codes = fit_kmeans(
+            residual.reshape(flat_shape), 1 << settings.nbits, settings.kmeans_max_iter, generator, tolerance=settings.kmeans_tolerance
+        )
         codes = codes.reshape(groups.shape[:-1])
         if refine is not None:
             centroids, codes = refine(residual, centroids, codes)

@@ -145,9 +145,13 @@ def _run_lloyd(points, centroids, codes, steps):
 
 
 def fit_kmeans(
-    points: torch.Tensor, num_clusters: int, max_iter: int, generator: torch.Generator, check_every: int = 10
+    points: torch.Tensor, num_clusters: int, max_iter: int, generator: torch.Generator, check_every: int = 10, tolerance: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lloyd's k-means from K distinct random points until assignments settle or max_iter.
+    """Lloyd's k-means from K distinct random points until assignments settle, max_iter, or the
+    distortion (sum of squared distances) fell by less than `tolerance` (relative) over the last
+    `check_every` iterations. Lloyd's tail on millions of points moves a few points per iteration
+    for hundreds of iterations; a codebook init does not need it (on Llama-3B-shaped layers, 200
+    iterations instead of 1000 moved the quantizer's final error by 0.1-0.25 %).
 
     Every `check_every` iterations (checks synchronise with the device, so they are not done every
     step; on CUDA the iterations between checks replay as one graph) empty clusters are reseeded
@@ -159,6 +163,7 @@ def fit_kmeans(
     start = torch.randperm(points.shape[0], generator=generator, device="cpu")[:num_clusters]
     centroids = points[start.to(points.device)].clone()
     codes, dist = nearest_euclidean(points, centroids)
+    distortion = float(dist.sum())
     checked = codes
     done = 0
     while done < max_iter:
@@ -168,6 +173,9 @@ def fit_kmeans(
         dist = ((points - centroids[codes]) ** 2).sum(-1)
         centroids, codes, reseeded = reseed_empty_clusters(points, centroids, codes, dist)
         if reseeded == 0 and torch.equal(codes, checked):
+            break
+        previous, distortion = distortion, float(dist.sum())
+        if reseeded == 0 and previous - distortion < tolerance * distortion:
             break
         checked = codes
     return centroids, codes

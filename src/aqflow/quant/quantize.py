@@ -38,6 +38,7 @@ class QuantizerSettings:
     lr: float = 1e-4
     relative_tolerance: float = 0.01
     kmeans_max_iter: int = 1000
+    kmeans_tolerance: float = 2e-4  # stop k-means when 10 iterations gain less than this (relative)
     oaem_rounds: int = 3
     oaem_steps: int = 100
     oaem_lr: float = 1e-4
@@ -46,6 +47,9 @@ class QuantizerSettings:
     shuffle_order: bool = True
     memory_budget_bytes: int = 2 << 30
     use_cuda_graphs: bool = True
+    # torch float32 matmul precision of the Adam phase's gradient product on CUDA ("high": TF32,
+    # "highest": fp32); the objective that decides each epoch is always computed in fp32
+    adam_matmul_precision: str = "high"
 
     def init_settings(self) -> InitSettings:
         names = {f.name for f in dataclasses.fields(InitSettings)}
@@ -122,7 +126,9 @@ def quantize_layer(
     report = QuantizationReport(init_relative_mse=rel_mse(codes, codebooks, scales), init_seconds=time.perf_counter() - started)
 
     search = BeamSearcher(h, settings.beam_size, settings.memory_budget_bytes, settings.use_cuda_graphs)
-    adam = CodebookAdam.for_layer(w, h, codebooks, scales, settings.lr, use_graphs=settings.use_cuda_graphs)
+    adam = CodebookAdam.for_layer(
+        w, h, codebooks, scales, settings.lr, use_graphs=settings.use_cuda_graphs, matmul_precision=settings.adam_matmul_precision
+    )
     previous = report.init_relative_mse
     bar = tqdm(range(1, settings.max_epochs + 1), desc=f"{name} epochs", disable=not progress, leave=False)
     report.stopped_because = "max_epochs"
