@@ -16,7 +16,7 @@ from aqflow.corpus_catalog import (
 wildcard_constraints:
     model="[^/]+",
     bpp=r"\d+",
-    init="greedy|oaem",
+    init="greedy|oaem-patient|oaem",
     # [g{group}m{codebooks}k{codewords}-]b{beam}[e{max epochs}][s{seed}]: see parse_variant
     variant=r"(g\d+m\d+k\d+-)?b\d+(e\d+)?(s\d+)?",
     layer="[^/]+",

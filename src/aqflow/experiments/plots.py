@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-INITS = {"greedy": ("s", "tab:red"), "oaem": ("o", "tab:blue")}
+INITS = {"greedy": ("s", "tab:red"), "oaem": ("o", "tab:blue"), "oaem-patient": ("^", "tab:green")}
 
 
 def _mean_sd(frame: pd.DataFrame, by: str, metric: str) -> pd.DataFrame:

@@ -104,7 +104,7 @@ def claims_markdown(claims: pd.DataFrame) -> str:
 def write_tables(runs: pd.DataFrame, out_dir: Path, domains: list[str], expected: list[dict]) -> dict:
     """Every table, plot and the README into `out_dir`; returns what was written and what is missing."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    quantized = runs[runs["init"].isin(["greedy", "oaem"])] if len(runs) else runs
+    quantized = runs[runs["init"].isin(["greedy", "oaem", "oaem-patient"])] if len(runs) else runs
     with artifacts.atomic_path(out_dir / "runs.csv") as tmp:
         runs.to_csv(tmp, index=False)
     all_metrics, labels, to_ours = cell_metrics(domains)
