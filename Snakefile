@@ -22,6 +22,7 @@ include: "workflow/rules/quantize.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/pvtune.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/experiments.smk"
 
 
 rule all:

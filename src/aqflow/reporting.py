@@ -187,9 +187,9 @@ def plot_pareto(frame: pd.DataFrame, out: str | Path) -> None:
         if column not in frame:
             frame[column] = None
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    quantized = frame[frame["init"].isin(["greedy", "oaem"])]
+    quantized = frame[frame["init"].notna() & (frame["init"] != "fp")]
     for (init, bpp), group in quantized.groupby(["init", "bpp"], dropna=False):
-        marker = "o" if init == "oaem" else "s"
+        marker = {"greedy": "s", "oaem": "o"}.get(init, "^")
         points = ax.scatter(group["quantization_seconds"], group[ppl], label=f"{init} {bpp:g} bpp",
                             marker=marker)
         for _, row in group.iterrows():

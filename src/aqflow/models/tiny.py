@@ -79,7 +79,7 @@ def build_tiny_llama(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLik
 
 
 def quantize_every_linear(model_dir: str | os.PathLike, layers_dir: str | os.PathLike, nbits: int,
-                          num_codebooks: int = 2) -> list[str]:
+                          num_codebooks: int = 2, group_size: int = 8) -> list[str]:
     """A quick, rough quantization of every decoder linear of a (tiny) model folder, for tests and
     dry runs: the quantize-layer stage with XᵀX = I, beam 2 and one 5-step epoch.
 
@@ -105,7 +105,8 @@ def quantize_every_linear(model_dir: str | os.PathLike, layers_dir: str | os.Pat
         code = quantize_layer.main([
             "--weight", str(inputs / f"{name}.safetensors"), "--xtx", str(inputs / f"{name}.npz"),
             "--output", str(layer_artifact_path(layers_dir, name)), "--metrics", str(inputs / f"{name}.json"),
-            "--nbits", str(nbits), "--num-codebooks", str(num_codebooks), "--beam-size", "2", "--max-epochs", "1",
+            "--nbits", str(nbits), "--num-codebooks", str(num_codebooks), "--group-size", str(group_size),
+            "--beam-size", "2", "--max-epochs", "1",
             "--steps-per-epoch", "5", "--oaem-rounds", "1", "--oaem-steps", "5", "--kmeans-max-iter", "10",
             "--device", "cpu", "--quiet"])
         if code != 0:

@@ -174,4 +174,6 @@ def oaem_init(groups: torch.Tensor, metrics: torch.Tensor, settings: InitSetting
     return residual_init(groups, settings, generator, refine)
 
 
-INITIALISERS = {"greedy": greedy_init, "oaem": oaem_init}
+# "oaem-patient" starts as OA-EM does; what differs is the stop rule of the loop after it
+# (aqflow.quant.quantize.INIT_STOP_PATIENCE).
+INITIALISERS = {"greedy": greedy_init, "oaem": oaem_init, "oaem-patient": oaem_init}

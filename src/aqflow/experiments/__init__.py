@@ -1,0 +1,1 @@
+"""Experiment grids and the paper's tables and claims, computed from evaluated variants."""

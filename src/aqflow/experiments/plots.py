@@ -1,0 +1,125 @@
+"""Plots of the experiment grid: perplexity against beam width, ρ and domain, and pre -> post PV.
+
+Each takes the per-run frame (one row per variant and seed, columns as in `claims`) and draws
+the mean over seeds with error bars of one sample sd; greedy and OA-EM share an axis.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+INITS = {"greedy": ("s", "tab:red"), "oaem": ("o", "tab:blue"), "oaem-patient": ("^", "tab:green")}
+
+
+def _mean_sd(frame: pd.DataFrame, by: str, metric: str) -> pd.DataFrame:
+    stats = frame.dropna(subset=[metric]).groupby(by)[metric].agg(["mean", "std", "count"]).reset_index()
+    return stats.fillna({"std": 0.0})
+
+
+def _finish(fig, ax, out: str | Path, title: str, empty: bool) -> None:
+    if empty:
+        ax.text(0.5, 0.5, "no runs of this kind yet", ha="center", va="center", transform=ax.transAxes)
+    else:
+        ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110, format="png")
+    plt.close(fig)
+
+
+def plot_against_beam(runs: pd.DataFrame, out: str | Path, headline: str = "wikitext2", bpp: int = 2,
+                      max_epochs: int = 100) -> None:
+    """Perplexity of domain `headline` against beam width, greedy vs OA-EM, before (dashed) and after PV."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    cell = runs[(runs["bpp"] == bpp) & (runs["max_epochs"] == max_epochs)]
+    drawn = False
+    for init, (marker, color) in INITS.items():
+        for metric, style, stage in ((f"pre_pv_{headline}_ppl", "--", "before PV"), (f"{headline}_ppl", "-", "after PV")):
+            stats = _mean_sd(cell[cell["init"] == init], "beam", metric) if metric in cell else pd.DataFrame()
+            if len(stats):
+                ax.errorbar(stats["beam"], stats["mean"], yerr=stats["std"], marker=marker, color=color,
+                            linestyle=style, capsize=3, label=f"{init} {stage}")
+                drawn = True
+    ax.set_xscale("log", base=2)
+    beams = sorted(cell["beam"].dropna().unique())
+    if beams:
+        ax.set_xticks(beams, [str(int(beam)) for beam in beams])
+    ax.set_yscale("log")
+    ax.set_xlabel("beam width")
+    ax.set_ylabel(f"{headline} perplexity (mean ± sd over seeds)")
+    _finish(fig, ax, out, f"{bpp} bpp, at most {max_epochs} epochs", not drawn)
+
+
+def plot_against_rho(runs: pd.DataFrame, out: str | Path, metric: str = "pre_pv_wikitext2_ppl") -> None:
+    """Perplexity ratio greedy / OA-EM against ρ (one point per bit-rate geometry), log-log."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drawn = False
+    if {"geometry", "rho", metric} <= set(runs.columns):
+        wide = runs.pivot_table(index=["geometry", "seed"], columns="init", values=metric, aggfunc="mean")
+        if {"greedy", "oaem"} <= set(wide.columns):
+            ratio = (wide["greedy"] / wide["oaem"]).dropna().rename("ratio").reset_index()
+            rho = runs.groupby("geometry")["rho"].first()
+            stats = ratio.groupby("geometry")["ratio"].agg(["mean", "std"]).fillna(0.0).join(rho).reset_index()
+            if len(stats):
+                ax.errorbar(stats["rho"], stats["mean"], yerr=stats["std"], marker="o", linestyle="none", capsize=3,
+                            label="greedy / OA-EM")
+                for _, row in stats.iterrows():
+                    ax.annotate(row["geometry"], (row["rho"], row["mean"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+                drawn = True
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("ρ = N / K^M (median over layers)")
+    ax.set_ylabel("perplexity ratio greedy / OA-EM")
+    _finish(fig, ax, out, "the gap against the representational ratio", not drawn)
+
+
+def plot_against_domain(runs: pd.DataFrame, domains_near_to_far: Sequence[str], out: str | Path, bpp: int = 2,
+                        beam: int = 8, max_epochs: int = 100) -> None:
+    """Pre-PV perplexity ratio greedy / OA-EM per evaluation domain, nearest to the calibration text first."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    cell = runs[(runs["bpp"] == bpp) & (runs["beam"] == beam) & (runs["max_epochs"] == max_epochs)]
+    means, sds, names = [], [], []
+    for domain in domains_near_to_far:
+        metric = f"pre_pv_{domain}_ppl"
+        if metric not in cell:
+            continue
+        wide = cell.pivot_table(index="seed", columns="init", values=metric, aggfunc="mean")
+        if {"greedy", "oaem"} <= set(wide.columns):
+            ratio = (wide["greedy"] / wide["oaem"]).dropna()
+            if len(ratio):
+                names.append(domain)
+                means.append(ratio.mean())
+                sds.append(ratio.std() if len(ratio) > 1 else 0.0)
+    if names:
+        ax.bar(np.arange(len(names)), means, yerr=sds, capsize=3, color="tab:purple", label="greedy / OA-EM")
+        ax.set_xticks(np.arange(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_ylabel("pre-PV perplexity ratio greedy / OA-EM")
+    _finish(fig, ax, out, f"the gap by domain ({bpp} bpp, b{beam}, e{max_epochs}; nearest first)", not names)
+
+
+def plot_pre_to_post_pv(runs: pd.DataFrame, out: str | Path, headline: str = "wikitext2") -> None:
+    """Perplexity of domain `headline` before vs after PV-tuning, one point per run, greedy vs OA-EM."""
+    fig, ax = plt.subplots(figsize=(5, 5))
+    drawn = False
+    pre, post = f"pre_pv_{headline}_ppl", f"{headline}_ppl"
+    if {pre, post} <= set(runs.columns):
+        for init, (marker, color) in INITS.items():
+            group = runs[runs["init"] == init].dropna(subset=[pre, post])
+            if len(group):
+                ax.scatter(group[pre], group[post], marker=marker, color=color, label=init)
+                drawn = True
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"{headline} perplexity before PV-tuning")
+    ax.set_ylabel("after PV-tuning")
+    _finish(fig, ax, out, "PV-tuning: where each run starts and ends", not drawn)

@@ -1,0 +1,55 @@
+"""One row per evaluated run of the grid, with what the claims group and pair on.
+
+Built on the report's summary row (`aqflow.reporting.summary_row`), plus the columns a grid needs:
+the quantizer seed, the bit-rate geometry (group size, codebooks, codewords) and the model-level ρ
+(median over the quantized layers).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+
+from ..reporting import pipeline_settings, summary_row
+
+
+def geometry_name(group_size: int, num_codebooks: int, nbits: int) -> str:
+    """8, 2, 8 -> "g8m2k256" (group size, codebooks, codewords per codebook)."""
+    return f"g{group_size}m{num_codebooks}k{1 << nbits}"
+
+
+def run_row(path: str | Path) -> dict:
+    """One eval.json -> the summary row plus seed, geometry and rho (None where not quantized)."""
+    row = summary_row(path)
+    settings = pipeline_settings(json.loads(Path(path).read_text()))
+    quantizer = settings.get("quantizer") or {}
+    layers = settings.get("layers") or []
+    rhos = [layer["rho"] for layer in layers if layer.get("rho") is not None]
+    row["seed"] = quantizer.get("seed")
+    row["geometry"] = (geometry_name(quantizer.get("group_size", 8), quantizer["num_codebooks"], quantizer["nbits"])
+                       if "num_codebooks" in quantizer and "nbits" in quantizer else None)
+    row["rho"] = statistics.median(rhos) if rhos else None
+    # code bits per weight of the geometry (scales and codebooks aside): M * log2 K / g
+    row["nominal_bits"] = (quantizer["num_codebooks"] * quantizer["nbits"] / quantizer.get("group_size", 8)
+                           if row["geometry"] else None)
+    return row
+
+
+def runs_table(paths: Iterable[str | Path]) -> pd.DataFrame:
+    """Every run's row; quantized runs only have an init of greedy/oaem (fp baselines say "fp")."""
+    return pd.DataFrame([run_row(path) for path in paths])
+
+
+def missing_cells(expected: list[dict]) -> list[dict]:
+    """The expected cells (dicts with an `eval_json` path) whose eval.json does not exist yet."""
+    return [cell for cell in expected if not Path(cell["eval_json"]).is_file()]
+
+
+def grid_evals(evals: Iterable[str | Path], expected: list[dict]) -> list[Path]:
+    """The given eval.json files and every expected cell's that exists, each once, in order."""
+    paths = [Path(path) for path in evals] + [Path(cell["eval_json"]) for cell in expected]
+    return list(dict.fromkeys(path for path in paths if path.is_file()))

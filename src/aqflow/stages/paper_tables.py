@@ -1,0 +1,146 @@
+"""`python -m aqflow paper-tables`: the paper's tables and claims regenerated from eval.json files.
+
+Writes into --out-dir: runs.csv (one row per run), cells.md/.csv (mean ± sd over seeds per grid
+cell, the paper's Llama-3.2-3B numbers beside the matching rows), domains.md/.csv (greedy / OA-EM
+perplexity ratio per evaluation domain), claims.md/.csv (one row per claim: effect per seed, its
+spread, a verdict computed from the data), four plots, and README.md tying them together with
+the list of expected cells that have no run yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from aqflow import artifacts
+from aqflow.experiments.claims import claims_table, paper_claims
+from aqflow.experiments.paper_numbers import PAPER_DOMAIN_RATIOS, paper_cells
+from aqflow.experiments.plots import plot_against_beam, plot_against_domain, plot_against_rho, plot_pre_to_post_pv
+from aqflow.experiments.runs import grid_evals, missing_cells, runs_table
+from aqflow.experiments.tables import frame_markdown, markdown_table, seed_statistics, with_paper
+
+PLOTS = ("beam.png", "rho.png", "domains.png", "pv.png")
+
+
+def paper_domain(domain: str) -> str | None:
+    """Which of the paper's texts an evaluation domain stands for ("wikitext2-standin" -> "wikitext2")."""
+    for name in ("wikitext2", "c4", "lambada"):
+        if domain == name or domain.startswith(f"{name}-"):
+            return name
+    return None
+
+
+def cell_metrics(domains: list[str]) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """(metric columns of the cells table, their labels, {paper column: our column}): perplexity
+    of every domain before and after PV-tuning, average accuracy and quantization time."""
+    metrics, labels, to_ours = [], {"avg_acc": "avg acc", "quantization_seconds": "quant. s"}, {}
+    for domain in domains:
+        for prefix, stage in (("pre_pv_", " pre-PV"), ("", "")):
+            column = f"{prefix}{domain}_ppl"
+            metrics.append(column)
+            labels[column] = f"{domain}{stage}"
+            if paper_domain(domain):
+                to_ours[f"{prefix}{paper_domain(domain)}_ppl"] = column
+    return metrics + ["avg_acc", "quantization_seconds"], labels, to_ours
+
+
+def headline_domain(domains: list[str]) -> str:
+    """The domain the paper's headline claims use: its WikiText-2 (or our stand-in), else the farthest."""
+    return next((domain for domain in domains if paper_domain(domain) == "wikitext2"), domains[-1])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aqflow paper-tables", description=__doc__,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("evals", nargs="*", type=Path, help="eval.json files of the grid's runs")
+    parser.add_argument("--out-dir", required=True, type=Path)
+    parser.add_argument("--domains", nargs="+", default=["c4", "wikitext2"],
+                        help="evaluation domains (corpus names as in eval.json) ordered from the calibration "
+                             "text's own to the farthest")
+    parser.add_argument("--expected-cells", type=Path, default=None,
+                        help="JSON list of the grid's cells, each with its eval_json path (results/paper/grid.json): "
+                             "the ones that exist are read, the others listed as missing")
+    return parser
+
+
+def domain_table(runs: pd.DataFrame, domains: list[str], bpp: int = 2, beam: int = 8, max_epochs: int = 100) -> pd.DataFrame:
+    """Per domain: mean pre-PV perplexity of greedy and OA-EM over seeds, their ratio, and the
+    paper's ratio where it has that domain."""
+    cell = runs[(runs["bpp"] == bpp) & (runs["beam"] == beam) & (runs["max_epochs"] == max_epochs)]
+    rows = []
+    for rank, domain in enumerate(domains):
+        metric = f"pre_pv_{domain}_ppl"
+        if metric not in cell:
+            continue
+        means = cell.groupby("init")[metric].mean()
+        seeds = int(cell[cell["init"] == "oaem"]["seed"].nunique()) if "seed" in cell else 0
+        greedy, oaem = means.get("greedy"), means.get("oaem")
+        paper = PAPER_DOMAIN_RATIOS.set_index("domain")["ratio"].get(paper_domain(domain))
+        rows.append({"domain": domain, "distance_rank": rank, "greedy_ppl": greedy, "oaem_ppl": oaem,
+                     "ratio": greedy / oaem if greedy and oaem else None, "paper_ratio": paper, "seeds": seeds})
+    return pd.DataFrame(rows)
+
+
+def _write_table(out_dir: Path, name: str, frame: pd.DataFrame, markdown: str) -> None:
+    with artifacts.atomic_path(out_dir / f"{name}.csv") as tmp:
+        frame.to_csv(tmp, index=False)
+    with artifacts.atomic_path(out_dir / f"{name}.md") as tmp:
+        tmp.write_text(markdown)
+
+
+def claims_markdown(claims: pd.DataFrame) -> str:
+    lines = ["| claim | effect measured | mean | sd | seeds | paper | verdict |", "|---|---|---|---|---|---|---|"]
+    for _, row in claims.iterrows():
+        number = lambda value: "" if pd.isna(value) else f"{value:.3f}"  # noqa: E731
+        lines.append(f"| {row['statement']} | {row['effect']} | {number(row['mean'])} | {number(row['sd'])} | "
+                     f"{row['seeds']} | {number(row['paper'])} | **{row['verdict']}** |")
+    return "\n".join(lines) + "\n"
+
+
+def write_tables(runs: pd.DataFrame, out_dir: Path, domains: list[str], expected: list[dict]) -> dict:
+    """Every table, plot and the README into `out_dir`; returns what was written and what is missing."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    quantized = runs[runs["init"].isin(["greedy", "oaem", "oaem-patient"])] if len(runs) else runs
+    with artifacts.atomic_path(out_dir / "runs.csv") as tmp:
+        runs.to_csv(tmp, index=False)
+    all_metrics, labels, to_ours = cell_metrics(domains)
+    metrics = [metric for metric in all_metrics if metric in quantized]
+    paper = paper_cells().rename(columns=to_ours)
+    cells = with_paper(seed_statistics(quantized, metrics), paper, metrics) if len(quantized) else pd.DataFrame()
+    _write_table(out_dir, "cells", cells, markdown_table(cells, metrics, labels) if len(cells) else "no runs yet\n")
+    domains_frame = domain_table(quantized, domains) if len(quantized) else pd.DataFrame()
+    _write_table(out_dir, "domains", domains_frame, frame_markdown(domains_frame) if len(domains_frame) else "no runs yet\n")
+    headline = headline_domain(domains)
+    claims = claims_table(quantized, paper_claims(domains, headline)) if len(quantized) else pd.DataFrame()
+    _write_table(out_dir, "claims", claims, claims_markdown(claims) if len(claims) else "no runs yet\n")
+    draws = (lambda p: plot_against_beam(quantized, p, headline), lambda p: plot_against_rho(quantized, p, f"pre_pv_{headline}_ppl"),
+             lambda p: plot_against_domain(quantized, domains, p), lambda p: plot_pre_to_post_pv(quantized, p, headline))
+    for name, draw in zip(PLOTS, draws):
+        with artifacts.atomic_path(out_dir / name) as tmp:
+            draw(tmp)
+    missing = missing_cells(expected)
+    readme = ["# The paper's experiments on our models", "",
+              f"{len(quantized)} quantized runs ({quantized['seed'].nunique() if 'seed' in quantized and len(quantized) else 0} seeds); "
+              "tables: cells.md, domains.md, claims.md; plots: " + ", ".join(PLOTS) + ".", "",
+              "## Claims", "", claims_markdown(claims) if len(claims) else "no runs yet", "",
+              f"## Missing cells ({len(missing)})", ""]
+    readme += [f"- `{cell['eval_json']}`" for cell in missing] or ["none"]
+    with artifacts.atomic_path(out_dir / "README.md") as tmp:
+        tmp.write_text("\n".join(readme) + "\n")
+    return {"runs": len(runs), "missing": missing}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    absent = [str(path) for path in args.evals if not path.is_file()]
+    if absent:
+        print(f"aqflow paper-tables: error: eval.json files not found: {absent}", file=sys.stderr)
+        return 2
+    expected = json.loads(args.expected_cells.read_text()) if args.expected_cells else []
+    result = write_tables(runs_table(grid_evals(args.evals, expected)), args.out_dir, args.domains, expected)
+    print(f"paper tables from {result['runs']} runs -> {args.out_dir} ({len(result['missing'])} expected cells missing)")
+    return 0

@@ -1,0 +1,179 @@
+"""Claims and tables of the experiment grid, on synthetic results whose truth is known."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from aqflow.experiments.claims import (
+    claims_table,
+    gap_against_domain_distance,
+    gap_against_rho,
+    paired_gaps,
+    paper_claims,
+    summarise_effect,
+    t_critical,
+)
+from aqflow.experiments.paper_numbers import paper_cells
+from aqflow.experiments.tables import markdown_table, mean_sd_text, seed_statistics, with_paper
+
+
+def grid(gap_of, seeds=(0, 1, 2), noise=0.02, rng_seed=0):
+    """Synthetic eval rows for 2/3 bpp, beams 4/8/16, two geometries and two domains: greedy's
+    perplexity = OA-EM's x exp(gap_of(cell) + noise), OA-EM's = 20."""
+    rng = np.random.default_rng(rng_seed)
+    rows = []
+    cells = [(2, b, 100, "g8m2k256", 0.6) for b in (4, 8, 16)] + [(2, 8, 5, "g8m2k256", 0.6), (3, 8, 100, "g8m3k256", 0.002),
+                                                                  (2, 8, 100, "g4m1k256", 300.0)]
+    for bpp, beam, epochs, geometry, rho in cells:
+        for seed in seeds:
+            cell = {"model": "m", "bpp": bpp, "beam": beam, "max_epochs": epochs, "geometry": geometry, "rho": rho, "seed": seed,
+                    "nominal_bits": 3.0 if geometry == "g8m3k256" else 2.0}
+            greedy = {"init": "greedy"}
+            for column, domain_gap in (("wikitext2", 1.0), ("c4", 0.0)):
+                for stage, stage_gap in (("pre_pv_", 1.0), ("", 0.2)):
+                    gap = gap_of(cell) * domain_gap * stage_gap + noise * rng.standard_normal()
+                    greedy[f"{stage}{column}_ppl"] = 20.0 * math.exp(gap)
+            rows.append({**cell, **greedy})
+            rows.append({**cell, "init": "oaem", **{f"{s}{c}_ppl": 20.0 for s in ("pre_pv_", "") for c in ("wikitext2", "c4")}})
+    frame = pd.DataFrame(rows)
+    # the geometry sweep is a separate bpp label in the grid: keep it out of the default cells
+    frame.loc[frame["geometry"] == "g4m1k256", "bpp"] = 21
+    return frame
+
+
+def test_t_critical_matches_known_quantiles():
+    assert t_critical(2) == pytest.approx(4.303)
+    assert t_critical(100) == pytest.approx(1.96)
+    with pytest.raises(ValueError):
+        t_critical(0)
+
+
+@pytest.mark.parametrize("values,verdict", [
+    ([0.5, 0.52, 0.48], "holds"),
+    ([-0.5, -0.52, -0.48], "does not hold"),
+    ([0.5, -0.4, 0.1], "inconclusive"),
+    ([0.5, 0.5], "inconclusive (fewer than 3 seeds)"),
+    ([], "inconclusive (no runs)"),
+])
+def test_verdicts_follow_the_t_test(values, verdict):
+    assert summarise_effect(values).verdict == verdict
+
+
+def test_effect_statistics():
+    effect = summarise_effect([1.0, 2.0, 3.0, float("nan")])
+    assert effect.seeds == 3 and effect.mean == pytest.approx(2.0) and effect.sd == pytest.approx(1.0)
+    assert effect.t == pytest.approx(2.0 / (1.0 / math.sqrt(3)))
+
+
+def test_paired_gaps_are_log_ratios_per_cell_and_seed():
+    frame = grid(lambda cell: 0.7, noise=0.0)
+    gaps = paired_gaps(frame, "pre_pv_wikitext2_ppl")
+    assert len(gaps) == 6 * 3
+    assert np.allclose(gaps["gap"], 0.7)
+
+
+def test_claims_hold_when_the_data_say_so():
+    # OA-EM better everywhere; more so at narrow beams, at 2 bpp, at high rho; wikitext2 far, c4 near
+    def gap_of(cell):
+        return {4: 2.0, 8: 1.0, 16: 0.5}[cell["beam"]] * (0.2 if cell["bpp"] == 3 else 1.0) * (3.0 if cell["rho"] > 100 else 1.0)
+    table = claims_table(grid(gap_of), paper_claims()).set_index("claim")
+    paper_rows = table.drop(index=[name for name in table.index if name.startswith("patient_")])
+    assert set(paper_rows["verdict"]) == {"holds"}, table[["mean", "sd", "verdict"]]
+    assert table.loc["patient_stop_beats_oaem_before_pv", "verdict"] == "inconclusive (no runs)"
+    assert table.loc["pre_pv_gap", "mean"] == pytest.approx(1.0, abs=0.05)
+    assert table.loc["post_pv_gap", "mean"] == pytest.approx(0.2, abs=0.05)
+    assert table.loc["beam_helps_greedy_more", "mean"] == pytest.approx(1.5, abs=0.05)
+    assert (paper_rows["seeds"] == 3).all()
+
+
+def test_claims_fail_or_stay_open_when_the_data_say_so():
+    reversed_table = claims_table(grid(lambda cell: -1.0), paper_claims()).set_index("claim")
+    assert reversed_table.loc["pre_pv_gap", "verdict"] == "does not hold"
+    assert reversed_table.loc["post_pv_gap", "verdict"] == "does not hold"
+    noisy = claims_table(grid(lambda cell: 0.0, noise=0.5, rng_seed=3), paper_claims()).set_index("claim")
+    assert noisy.loc["pre_pv_gap", "verdict"] == "inconclusive"
+    two_seeds = claims_table(grid(lambda cell: 1.0, seeds=(0, 1)), paper_claims()).set_index("claim")
+    assert set(two_seeds["verdict"]) <= {"inconclusive (fewer than 3 seeds)", "inconclusive (no runs)"}
+
+
+def test_the_patient_variant_is_compared_with_oaem():
+    frame = grid(lambda cell: 1.0)
+    patient = frame[frame["init"] == "oaem"].copy()
+    patient["init"] = "oaem-patient"
+    for column in ("pre_pv_wikitext2_ppl", "wikitext2_ppl"):
+        patient[column] = patient[column] / math.exp(0.1)  # 10 % lower log perplexity than OA-EM
+    table = claims_table(pd.concat([frame, patient]), paper_claims()).set_index("claim")
+    assert table.loc["patient_stop_beats_oaem_before_pv", "verdict"] == "holds"
+    assert table.loc["patient_stop_beats_oaem_before_pv", "mean"] == pytest.approx(0.1)
+
+
+def test_rho_and_domain_slopes():
+    frame = grid(lambda cell: 1.0 + 0.5 * math.log10(cell["rho"]), noise=0.0)
+    frame.loc[frame["bpp"] == 21, "bpp"] = 2
+    slopes = gap_against_rho(frame[frame["bpp"] == 2], "pre_pv_wikitext2_ppl", beam=8, max_epochs=100)
+    assert np.allclose(slopes, 0.5)
+    domain = gap_against_domain_distance(grid(lambda cell: 1.0, noise=0.0), ["c4", "wikitext2"],
+                                         lambda d: f"pre_pv_{d}_ppl", bpp=2, beam=8, max_epochs=100)
+    assert np.allclose(domain, 1.0)  # c4 gap 0, wikitext2 gap 1: slope 1 per rank
+
+
+def test_seed_statistics_and_markdown_with_paper_numbers():
+    frame = grid(lambda cell: 1.0, noise=0.0)
+    stats = seed_statistics(frame, ["pre_pv_wikitext2_ppl", "wikitext2_ppl"])
+    row = stats[(stats["init"] == "greedy") & (stats["bpp"] == 2) & (stats["beam"] == 8) & (stats["max_epochs"] == 100)].iloc[0]
+    assert row["seeds"] == 3 and row["pre_pv_wikitext2_ppl_mean"] == pytest.approx(20 * math.e)
+    assert row["pre_pv_wikitext2_ppl_sd"] == pytest.approx(0.0)
+    both = with_paper(stats, paper_cells(), ["pre_pv_wikitext2_ppl"])
+    matched = both[(both["init"] == "greedy") & (both["bpp"] == 2) & (both["beam"] == 8) & (both["max_epochs"] == 100)]
+    assert matched["paper_pre_pv_wikitext2_ppl"].iloc[0] == pytest.approx(60.61)
+    text = markdown_table(both, ["pre_pv_wikitext2_ppl"], {"pre_pv_wikitext2_ppl": "WikiText-2 pre-PV"})
+    assert "| WikiText-2 pre-PV | paper WikiText-2 pre-PV | seeds |" in text and "54.37 ± 0.00 | 60.61 | 3 |" in text
+    assert mean_sd_text(float("nan"), float("nan")) == "missing" and mean_sd_text(3.0, float("nan")) == "3.00"
+
+
+def write_eval(folder, init, beam, seed, pre_wiki, post_wiki, bpp=2, epochs=100, rho=0.6):
+    """A minimal eval.json of a PV-tuned run, shaped as the evaluate stage writes it."""
+    import json
+
+    upstream = {"model": "m", "bpp": bpp, "quantization_seconds": 10.0,
+                "quantizer": {"init": init, "beam_size": beam, "max_epochs": epochs, "seed": seed, "group_size": 8,
+                              "num_codebooks": bpp, "nbits": 8},
+                "layers": [{"rho": rho, "final_relative_mse": 0.01, "init_relative_mse": 0.02}], "pvtune": {"steps": 3}}
+    metrics = lambda wiki: {"wikitext2": {"perplexity": wiki}, "c4": {"perplexity": wiki / 2}, "avg_acc": 0.4}  # noqa: E731
+    record = {"label": f"{init}-b{beam}-s{seed}", "metrics": metrics(post_wiki), "settings": {"upstream": upstream},
+              "bits_per_parameter": 2.15, "pre_pv": {"metrics": metrics(pre_wiki)}}
+    path = folder / f"{init}-b{beam}-s{seed}-{bpp}" / "eval.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(record))
+    return path
+
+
+def test_paper_tables_stage_writes_tables_claims_plots_and_missing_cells(tmp_path):
+    import json
+
+    from aqflow.stages import paper_tables
+
+    paths = []
+    for seed in (42, 43, 44):
+        jitter = 1 + 0.01 * (seed - 43)
+        paths += [write_eval(tmp_path, "greedy", 8, seed, 200 * jitter, 50 * jitter),
+                  write_eval(tmp_path, "oaem", 8, seed, 80 * jitter, 45 * jitter)]
+    expected = [{"eval_json": str(path)} for path in paths[2:]] + [{"eval_json": str(tmp_path / f"{init}-s45" / "eval.json")}
+                                                                   for init in ("greedy", "oaem")]
+    (tmp_path / "grid.json").write_text(json.dumps(expected))
+    out = tmp_path / "paper"
+    # two runs named on the command line, the rest found through the grid
+    assert paper_tables.main([*map(str, paths[:2]), "--out-dir", str(out), "--expected-cells", str(tmp_path / "grid.json")]) == 0
+    for name in ("runs.csv", "cells.md", "cells.csv", "domains.md", "claims.md", "claims.csv", "README.md", *paper_tables.PLOTS):
+        assert (out / name).stat().st_size > 0, name
+    claims = pd.read_csv(out / "claims.csv").set_index("claim")
+    assert claims.loc["pre_pv_gap", "verdict"] == "holds" and claims.loc["pre_pv_gap", "seeds"] == 3
+    assert claims.loc["pre_pv_gap", "mean"] == pytest.approx(math.log(200 / 80), rel=1e-6)
+    assert claims.loc["gap_smaller_at_3bpp", "verdict"].startswith("inconclusive")  # no 3 bpp runs
+    cells = (out / "cells.md").read_text()
+    assert "200.00 ± 2.00 | 60.61 | " in cells  # greedy b8 pre-PV, beside the paper's 60.61
+    readme = (out / "README.md").read_text()
+    assert "## Missing cells (2)" in readme and "greedy-s45/eval.json" in readme
+    assert paper_tables.main([str(tmp_path / "nope.json"), "--out-dir", str(out)]) == 2

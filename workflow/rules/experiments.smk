@@ -1,0 +1,64 @@
+# Experiment grids of config.yaml `experiments`: `snakemake paper` builds every cell of the `paper`
+# grid (each an ordinary variant path, so only what is missing runs) and regenerates the paper's
+# tables, claims and plots from them in results/paper/.
+if "paper" in config.get("experiments", {}):
+
+    rule paper:
+        input:
+            evals=experiment_evals("paper"),
+        output:
+            readme="results/paper/README.md",
+            runs="results/paper/runs.csv",
+            cells=report(
+                "results/paper/cells.csv",
+                caption="../report/paper_cells.rst",
+                category="Paper",
+            ),
+            domains=report(
+                "results/paper/domains.csv",
+                caption="../report/paper_domains.rst",
+                category="Paper",
+            ),
+            claims=report(
+                "results/paper/claims.csv",
+                caption="../report/paper_claims.rst",
+                category="Paper",
+            ),
+            tables=multiext("results/paper/", "cells.md", "domains.md", "claims.md"),
+            beam_plot=report(
+                "results/paper/beam.png",
+                caption="../report/paper_plots.rst",
+                category="Paper",
+            ),
+            rho_plot=report(
+                "results/paper/rho.png",
+                caption="../report/paper_plots.rst",
+                category="Paper",
+            ),
+            domains_plot=report(
+                "results/paper/domains.png",
+                caption="../report/paper_plots.rst",
+                category="Paper",
+            ),
+            pv_plot=report(
+                "results/paper/pv.png",
+                caption="../report/paper_plots.rst",
+                category="Paper",
+            ),
+            grid="results/paper/grid.json",
+        log:
+            "logs/paper.log",
+        conda:
+            "../../envs/report.yaml"
+        container:
+            CONTAINER
+        threads: rule_resources("report")["cpus"]
+        resources:
+            mem_mb=rule_resources("report")["mem_mb"],
+            runtime=rule_resources("report")["runtime"],
+            gpu=rule_resources("report")["gpu"],
+        params:
+            cells=lambda w: experiment_cells("paper"),
+            domains=experiment_domains("paper"),
+        script:
+            "../scripts/paper_tables.py"
