@@ -48,6 +48,5 @@ rule stitch:
         num_codebooks=lambda w: bitrate(w)["num_codebooks"],
         nbits=lambda w: bitrate(w)["nbits"],
         group_size=config["quantization"].get("group_size", 8),
-        dtype=lambda w: config["models"][w.model].get("dtype", "float16"),
     script:
         "../scripts/stitch.py"
