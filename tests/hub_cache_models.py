@@ -25,16 +25,16 @@ import torch
 from aqflow.models.tiny import build_tiny_tokenizer
 
 
-def _config(architecture: str, vocab_size: int, hidden_size: int, dtype: str):
+def _config(architecture: str, vocab_size: int, hidden_size: int, dtype: str, num_heads: int):
     from transformers import GPT2Config, LlamaConfig, Qwen2Config, T5Config
 
     common = dict(vocab_size=vocab_size, tie_word_embeddings=False, dtype=dtype)
     if architecture == "llama":
         return LlamaConfig(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, **common)
+                           num_attention_heads=num_heads, num_key_value_heads=2, max_position_embeddings=4096, **common)
     if architecture == "qwen2":
         return Qwen2Config(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, **common)
+                           num_attention_heads=num_heads, num_key_value_heads=2, max_position_embeddings=4096, **common)
     if architecture == "gpt2":
         return GPT2Config(n_embd=hidden_size, n_layer=2, n_head=4, n_positions=512, **common)
     if architecture == "t5":
@@ -43,13 +43,13 @@ def _config(architecture: str, vocab_size: int, hidden_size: int, dtype: str):
 
 
 def build_tiny_model(out_dir: str | os.PathLike, architecture: str = "llama", hidden_size: int = 64,
-                     dtype: str = "bfloat16", seed: int = 0) -> Path:
+                     dtype: str = "bfloat16", seed: int = 0, num_heads: int = 4) -> Path:
     """Save a seeded random model of `architecture` with a tiny BPE tokenizer to `out_dir`."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     out_dir = Path(out_dir)
     tokenizer = build_tiny_tokenizer(out_dir)
-    config = _config(architecture, len(tokenizer), hidden_size, dtype)
+    config = _config(architecture, len(tokenizer), hidden_size, dtype, num_heads)
     torch.manual_seed(seed)
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     model = auto.from_config(config, dtype=getattr(torch, dtype))
@@ -68,7 +68,7 @@ def _place(repo_dir: Path, revision: str, relative: str, data: bytes) -> None:
 
 
 def write_hub_model(hf_home: str | os.PathLike, hub_id: str = "aqflow-tests/tiny-llama", architecture: str = "llama",
-                    hidden_size: int = 64, dtype: str = "bfloat16", seed: int = 0) -> tuple[str, str]:
+                    hidden_size: int = 64, dtype: str = "bfloat16", seed: int = 0, num_heads: int = 4) -> tuple[str, str]:
     """Put a tiny random `architecture` model under `hub_id` into the hub cache of `hf_home`.
 
     Returns (hub_id, revision); the revision (a commit-like 40-hex id derived from the files) is
@@ -77,7 +77,7 @@ def write_hub_model(hf_home: str | os.PathLike, hub_id: str = "aqflow-tests/tiny
     org, name = hub_id.split("/")
     repo_dir = Path(hf_home) / "hub" / f"models--{org}--{name}"
     with tempfile.TemporaryDirectory() as scratch:
-        folder = build_tiny_model(Path(scratch) / "model", architecture, hidden_size, dtype, seed)
+        folder = build_tiny_model(Path(scratch) / "model", architecture, hidden_size, dtype, seed, num_heads)
         files = {path.relative_to(folder).as_posix(): path.read_bytes()
                  for path in sorted(folder.rglob("*")) if path.is_file()}
     revision = hashlib.sha1(b"".join(name.encode() + hashlib.sha256(data).digest()
