@@ -93,7 +93,7 @@ def test_missing_model_offline_is_one_clear_line_and_writes_nothing(hub_home, tm
     assert fetch_model.main(["--hub-id", "aqflow-tests/not-there", "--output-dir", str(out)]) == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1
-    assert "aqflow-tests/not-there" in error and "huggingface-cli login" in error and "HF_TOKEN" in error
+    assert "aqflow-tests/not-there" in error and "hf auth login" in error and "huggingface-cli login" in error and "HF_TOKEN" in error
     assert "HF_HUB_OFFLINE" in error
     assert nothing_left(out.parent, "mine")
 
@@ -116,7 +116,7 @@ def test_gated_or_missing_on_the_hub_names_the_id_and_what_to_do(tmp_path, monke
     assert fetch_model.main(["--preset", "llama3b", "--output-dir", str(out)]) == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "meta-llama/Llama-3.2-3B" in error
-    assert "huggingface-cli login" in error and "HF_TOKEN" in error and "accept the license" in error
+    assert "hf auth login" in error and "huggingface-cli login" in error and "HF_TOKEN" in error and "accept the license" in error
     assert ("is gated and" in error) == (failure == "gated") and ("was not found" in error) == (failure == "missing")
     assert nothing_left(tmp_path, "mine")
 

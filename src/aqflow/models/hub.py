@@ -24,7 +24,8 @@ class HubModelError(RuntimeError):
 
 
 def _access_advice(hub_id: str) -> str:
-    return (f"log in with `huggingface-cli login` (or set HF_TOKEN) and accept the license on "
+    return (f"log in with `hf auth login` (`huggingface-cli login` in older huggingface_hub) or set HF_TOKEN, "
+            f"accept the license on "
             f"https://huggingface.co/{hub_id} if it is gated; check the id and revision")
 
 

@@ -179,8 +179,10 @@ def pvtune(args: argparse.Namespace) -> dict:
         "software": {"torch": torch.__version__, "python": platform.python_version()},
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
     }
-    # every rank holds the same all-reduced losses, so every rank stops here alike
-    require_finite({"log": result.log, **{key: value for key, value in record.items() if "heldout" in key}},
+    # every rank holds the same all-reduced losses, so every rank stops here alike; the log's other
+    # columns are NaN by design where a row has no such value (no perplexity on training rows)
+    losses = {f"step {row['step']} {row['split']} kl": row["kl"] for row in result.log}
+    require_finite({**losses, **{key: value for key, value in record.items() if "heldout" in key}},
                    "pvtune", str(args.checkpoint_dir))
     if rank == 0:
         import pandas as pd
