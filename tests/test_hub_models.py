@@ -236,3 +236,18 @@ def test_snakemake_refuses_an_unsupported_local_model_by_name_before_any_job(tmp
     output = result.stdout + result.stderr
     assert "model 'mine' cannot be quantized" in output and "Conv1D" in output
     assert not (tmp_path / "work" / "resources").exists()
+
+
+def test_snakemake_fetches_a_hub_id_model_from_the_cache_offline(hub_home, tmp_path):
+    """The fetch_model rule wires a `hub_id` entry (with its dtype and revision) to the stage."""
+    hub_id, revision = write_hub_model(hub_home, "aqflow-tests/tiny-qwen2", "qwen2", dtype="bfloat16")
+    config = tmp_path / "models.yaml"
+    config.write_text(f"models: {{mine: {{hub_id: {hub_id}, revision: {revision}, dtype: float32}}}}\n")
+    work = tmp_path / "work"
+    result = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--cores", "1",
+                             "--configfile", str(REPO / "tests/workflow/config.tiny.yaml"), str(config),
+                             "--directory", str(work), "resources/models/mine"], capture_output=True, text=True,
+                            timeout=600, env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    marker = json.loads((work / "resources/models/mine" / MARKER_FILE).read_text())
+    assert marker["hub_id"] == hub_id and marker["commit"] == revision and marker["dtype"] == "float32"
