@@ -66,19 +66,27 @@ PRE_PV_EVAL = "eval_pre_pv.json" if PV_ENABLED else "eval.json"
 
 GROUP_SIZE = config["quantization"].get("group_size", 8)
 # every `models:` entry parsed (a bad entry is an error naming it before anything runs)
-MODEL_ENTRIES = {name: parse_model_entry(name, entry) for name, entry in config["models"].items()}
+MODEL_ENTRIES = {
+    name: parse_model_entry(name, entry) for name, entry in config["models"].items()
+}
 
 
 @lru_cache(maxsize=None)
 def checked_model(name):
     """The entry of model `name`, refused by name if config.json already shows the pipeline cannot
-    quantize it (a local folder, or a hub model the hub cache holds): before any job runs."""
+    quantize it (a local folder, or a hub model the hub cache holds): before any job runs.
+    """
     if name not in MODEL_ENTRIES:
-        raise ValueError(f"model {name!r} is not in config.yaml models ({sorted(MODEL_ENTRIES)})")
+        raise ValueError(
+            f"model {name!r} is not in config.yaml models ({sorted(MODEL_ENTRIES)})"
+        )
     entry = MODEL_ENTRIES[name]
     problems = entry_problems(entry, GROUP_SIZE)
     if problems:
-        raise ValueError(f"model {name!r} cannot be quantized by this pipeline: " + "; ".join(problems))
+        raise ValueError(
+            f"model {name!r} cannot be quantized by this pipeline: "
+            + "; ".join(problems)
+        )
     return entry
 
 

@@ -21,7 +21,16 @@ def override_files(value):
 OVERRIDE_FILES = override_files(config.pop("overrides", None))
 for override in OVERRIDE_FILES:
     if not Path(override).is_file():
-        raise ValueError(f"--config overrides: {override} does not exist (paths are relative to {Path.cwd()})")
+        raise ValueError(
+            f"--config overrides: {override} does not exist (paths are relative to {Path.cwd()})"
+        )
     update_config(config, load_configfile(override))
 # --config KEY=VALUE stays topmost (the configfile directive applied it before the overrides)
-update_config(config, {key: value for key, value in workflow.config_settings.config.items() if key != "overrides"})
+update_config(
+    config,
+    {
+        key: value
+        for key, value in workflow.config_settings.config.items()
+        if key != "overrides"
+    },
+)
