@@ -269,8 +269,12 @@ def prepare_hub_model(hub_id: str, out_dir: str | os.PathLike, dtype: str | None
     """The plain folder of hub model `hub_id` at `revision`, from the hub cache (downloading what
     is missing). Gated/missing models raise HubModelError; the marker records the resolved commit."""
     from .hub import snapshot_model
+    from .support import model_problems, read_config, refuse_unsupported
 
-    snapshot, commit = snapshot_model(hub_id, revision)
+    # config.json first: an unsupported model is refused before its weights are downloaded
+    config_only, commit = snapshot_model(hub_id, revision, patterns=["config.json"])
+    refuse_unsupported(name or hub_id, model_problems(read_config(config_only), group_size))
+    snapshot, commit = snapshot_model(hub_id, commit)
     return write_plain_folder(snapshot, out_dir, dtype, name or hub_id, group_size, {
         **(provenance or {}), "source": "hub", "hub_id": hub_id, "revision": revision or "main", "commit": commit})
 

@@ -29,8 +29,10 @@ def _access_advice(hub_id: str) -> str:
             f"https://huggingface.co/{hub_id} if it is gated; check the id and revision")
 
 
-def snapshot_model(hub_id: str, revision: str | None = None) -> tuple[Path, str]:
-    """(snapshot folder, commit hash) of `hub_id` at `revision` (default: the main branch).
+def snapshot_model(hub_id: str, revision: str | None = None,
+                   patterns: list[str] | None = None) -> tuple[Path, str]:
+    """(snapshot folder, commit hash) of `hub_id` at `revision` (default: the main branch), holding
+    the files matching `patterns` (default: a model folder's config, weights and tokenizer).
 
     Downloads what is missing into the hub cache (`HF_HOME`), or, offline, finds it there.
     Raises HubModelError for a gated, private, missing or uncached model.
@@ -47,7 +49,7 @@ def snapshot_model(hub_id: str, revision: str | None = None) -> tuple[Path, str]
 
     where = f"{hub_id}" + (f" (revision {revision})" if revision else "")
     try:
-        folder = Path(snapshot_download(hub_id, revision=revision, allow_patterns=SNAPSHOT_PATTERNS,
+        folder = Path(snapshot_download(hub_id, revision=revision, allow_patterns=patterns or SNAPSHOT_PATTERNS,
                                         ignore_patterns=IGNORED_PATTERNS))
     except GatedRepoError:
         raise HubModelError(f"hub model {where} is gated and this account may not read it: "
