@@ -68,7 +68,7 @@ def read_quantized(path: Path) -> tuple[QuantizedLinearParams, int]:
 def run(args: argparse.Namespace) -> dict:
     settings = BlockFinetuneSettings(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
     windows = load_windows(args.calibration_dir / WINDOWS_FILE)
-    # the model in its compute dtype (bfloat16 on a GPU); only the tuned block goes to float32
+    # the model in its compute dtype (its own on a GPU, float32 on a CPU); only the tuned block goes to float32
     model = load_causal_lm(args.model_dir, dtype=model_compute_dtype(args.model_dir, args.device), device=args.device)
     _, blocks = find_decoder_blocks(model)
     if not 0 <= args.block < len(blocks):
