@@ -42,6 +42,7 @@ def snapshot_model(hub_id: str, revision: str | None = None,
         GatedRepoError,
         HFValidationError,
         HfHubHTTPError,
+        IncompleteSnapshotError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -61,6 +62,9 @@ def snapshot_model(hub_id: str, revision: str | None = None,
                             f"{_access_advice(hub_id)}") from None
     except HFValidationError as error:
         raise HubModelError(f"{hub_id!r} is not a valid hub id (ORG/NAME): {error}") from None
+    except IncompleteSnapshotError:
+        raise HubModelError(f"the hub cache holds an incomplete download of {where} and the hub cannot be reached "
+                            "(HF_HUB_OFFLINE=1 or no network): rerun once with a network to complete it") from None
     except LocalEntryNotFoundError:
         raise HubModelError(f"hub model {where} is not in the hub cache and the hub cannot be reached "
                             "(HF_HUB_OFFLINE=1 or no network): run once with a network, or unset HF_HUB_OFFLINE; "
