@@ -9,6 +9,9 @@ min_version("9.0")
 configfile: "config.yaml"
 
 
+include: "workflow/rules/overrides.smk"
+
+
 validate(config, "workflow/schemas/config.schema.yaml")
 
 

@@ -172,8 +172,13 @@ def test_cli_writes_a_checkpoint_or_an_error_and_nothing_else(models, quantized,
     model_dir, layers_dir = models["llama-tied"], quantized["llama-tied", 8]
     args = ["--model-dir", str(model_dir), "--layers-dir", str(layers_dir), "--num-codebooks", "2", "--nbits", "8"]
     assert stitch.main([*args, "--output-dir", str(tmp_path / "ok")]) == 0
-    assert json.loads((tmp_path / "ok" / "config.json").read_text())["dtype"] == "float16"
+    # the dtype defaults to the model folder's (this tiny model is float32); --dtype chooses another
+    assert json.loads((tmp_path / "ok" / "config.json").read_text())["dtype"] == "float32"
     assert "stored bits per quantized weight" in capsys.readouterr().out
+    assert stitch.main([*args, "--output-dir", str(tmp_path / "half"), "--dtype", "float16"]) == 0
+    assert json.loads((tmp_path / "half" / "config.json").read_text())["dtype"] == "float16"
+    capsys.readouterr()
+    shutil.rmtree(tmp_path / "half")
 
     assert stitch.main([*args, "--output-dir", str(tmp_path / "ok")]) == 2
     err = capsys.readouterr().err

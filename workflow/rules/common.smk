@@ -2,8 +2,14 @@
 import itertools
 import json
 import re
+import sys
+from functools import lru_cache
+from pathlib import Path
 from types import SimpleNamespace
 
+# the library's pure-Python model-entry helpers (no torch), whether or not aqflow is installed here
+sys.path.insert(0, str(Path(workflow.basedir) / "src"))
+from aqflow.models.entries import entry_problems, fetch_model_argv, parse_model_entry
 from aqflow.corpus_catalog import (
     BUILTIN_CORPORA,
     check_role,
@@ -137,8 +143,39 @@ PVTUNE_SETTINGS = canonical(
 PRE_PV_EVAL = "eval_pre_pv.json" if PV_ENABLED else "eval.json"
 
 
+GROUP_SIZE = config["quantization"].get("group_size", 8)
+# every `models:` entry parsed (a bad entry is an error naming it before anything runs)
+MODEL_ENTRIES = {
+    name: parse_model_entry(name, entry) for name, entry in config["models"].items()
+}
+
+
+@lru_cache(maxsize=None)
+def checked_model(name):
+    """The entry of model `name`, refused by name if config.json already shows the pipeline cannot
+    quantize it (a local folder, or a hub model the hub cache holds): before any job runs.
+    """
+    if name not in MODEL_ENTRIES:
+        raise ValueError(
+            f"model {name!r} is not in config.yaml models ({sorted(MODEL_ENTRIES)})"
+        )
+    entry = MODEL_ENTRIES[name]
+    problems = entry_problems(entry, GROUP_SIZE)
+    if problems:
+        raise ValueError(
+            f"model {name!r} cannot be quantized by this pipeline: "
+            + "; ".join(problems)
+        )
+    return entry
+
+
 def model_dir(wildcards):
+    checked_model(wildcards.model)
     return f"resources/models/{wildcards.model}"
+
+
+def fetch_model_flags(wildcards):
+    return fetch_model_argv(checked_model(wildcards.model), GROUP_SIZE)
 
 
 def corpus_path(name):

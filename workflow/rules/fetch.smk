@@ -13,10 +13,7 @@ rule fetch_model:
         runtime=rule_resources("fetch_model")["runtime"],
         gpu=rule_resources("fetch_model")["gpu"],
     params:
-        preset=lambda w: config["models"][w.model]["preset"],
-        dtype=lambda w: config["models"][w.model].get("dtype", "float16"),
-        tiny_layers=lambda w: config["models"][w.model].get("tiny_layers", 2),
-        tiny_hidden=lambda w: config["models"][w.model].get("tiny_hidden", 64),
+        flags=fetch_model_flags,
     script:
         "../scripts/fetch_model.py"
 

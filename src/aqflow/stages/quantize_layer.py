@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from aqflow import artifacts
+from aqflow.finite import require_finite
 from aqflow.quant.quantize import QuantizerSettings, layer_summary, quantize_layer
 from aqflow.quant.representation import pack_codes
 from aqflow.quant.validation import QuantizationInputError
@@ -117,6 +118,8 @@ def run(args: argparse.Namespace) -> dict:
         "python": platform.python_version(),
         "inputs": {k: str(getattr(args, k)) for k in ("weight", "xtx", "model_dir", "calibration_dir") if getattr(args, k)},
     }
+    require_finite({key: metrics[key] for key in ("init_relative_mse", "final_relative_mse", "epochs")},
+                   f"quantize-layer {name}", str(args.model_dir or args.weight))
     tensors = {
         "codes": pack_codes(layer.codes, settings.nbits),
         "codebooks": layer.codebooks,

@@ -15,6 +15,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from aqflow.checkpoint import CheckpointError, stored_bits_per_parameter, write_aqlm_checkpoint
+from aqflow.models.fetch import config_dtype
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,20 +30,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-codebooks", required=True, type=int)
     parser.add_argument("--nbits", required=True, type=int, help="bits per code (codebooks of 2^nbits codewords)")
     parser.add_argument("--group-size", type=int, default=8, help="input weights per group")
-    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"),
-                        help="dtype of codebooks, scales and the full-precision tensors")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"),
+                        help="dtype of codebooks, scales and the full-precision tensors (auto: the model folder's)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        dtype = (config_dtype(args.model_dir) or "float16") if args.dtype == "auto" else args.dtype
         replaced = {}
         for path in args.replace_tensors:
             replaced.update(load_file(str(path)))
         output_dir = write_aqlm_checkpoint(args.model_dir, args.layers_dir, args.output_dir,
                                            num_codebooks=args.num_codebooks, nbits=args.nbits,
-                                           group_size=args.group_size, dtype=args.dtype, replaced_tensors=replaced)
+                                           group_size=args.group_size, dtype=dtype, replaced_tensors=replaced)
     except (CheckpointError, ValueError, KeyError, OSError) as error:
         print(f"aqflow stitch: error: {error}", file=sys.stderr)
         return 2
