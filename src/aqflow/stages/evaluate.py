@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -44,6 +43,8 @@ from aqflow.evaluation.protocol import (
 from aqflow.evaluation.zero_shot import DEFAULT_BOOTSTRAP_ITERS, average_accuracy, run_zero_shot
 from aqflow.fetching import default_cache_dir
 from aqflow.models.fetch import load_causal_lm, load_tokenizer
+from aqflow.artifacts import verify_inputs
+from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
 
 PERPLEXITY_SETS = ("wikitext2", "c4")
 STANDIN_FILES = {"wikitext2": "wikitext2-standin.parquet", "c4": "c4-standin.parquet"}
@@ -332,10 +333,11 @@ def summary_line(payload: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        verify_inputs(args.model_dir, args.settings, args.pre_pv, args.data_dir, args.wikitext2_corpus, args.c4_corpus,
+                      args.task_data_dir)
         payload = evaluate(args)
-    except (FileNotFoundError, KeyError, ValueError) as error:
-        print(f"aqflow evaluate: error: {error}", file=sys.stderr)
-        return 2
+    except (*EXPECTED_ERRORS, KeyError, ValueError) as error:
+        return report_error("evaluate", error)
     artifacts.write_json(args.output, payload)
     print(summary_line(payload))
     return 0

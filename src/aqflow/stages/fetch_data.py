@@ -13,6 +13,7 @@ from pathlib import Path
 
 from aqflow.data.offline_text import CORPORA, prepare_corpus
 from aqflow.fetching import default_cache_dir
+from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.corpus not in CORPORA:
         print(f"aqflow fetch-data: error: unknown corpus {args.corpus!r}; known: {sorted(CORPORA)}", file=sys.stderr)
         return 2
-    split = prepare_corpus(args.corpus, args.cache_dir or default_cache_dir(), args.output, args.calibration_fraction, args.seed)
+    try:
+        split = prepare_corpus(args.corpus, args.cache_dir or default_cache_dir(), args.output,
+                               args.calibration_fraction, args.seed)
+    except (*EXPECTED_ERRORS, ValueError) as error:
+        return report_error("fetch-data", error)
     counts = split["role"].value_counts().to_dict()
     print(f"{args.corpus}: {len(split)} documents {counts} -> {args.output}")
     return 0

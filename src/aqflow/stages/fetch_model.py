@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 from pathlib import Path
 
 from aqflow import artifacts
 from aqflow.models.fetch import MARKER_FILE, prepare_model
 from aqflow.models.tiny import build_tiny_llama
+from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         folder = fetch(args)
-    except (KeyError, ValueError, FileExistsError) as error:
-        print(f"aqflow fetch-model: error: {error}", file=sys.stderr)
-        return 2
+    except (*EXPECTED_ERRORS, KeyError, ValueError) as error:
+        return report_error("fetch-model", error)
     print(f"{args.preset}: {folder}")
     return 0

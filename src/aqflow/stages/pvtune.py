@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -33,6 +32,9 @@ from aqflow.pvtune.data import pv_windows
 from aqflow.pvtune.student import StudentError, load_student, load_teacher, pv_linears, save_student
 from aqflow.pvtune.train import SELECTION_METRICS, PVSettings, settings_record, train, world
 from aqflow.quant.representation import pack_codes
+from aqflow.artifacts import verify_inputs
+from aqflow.processes import die_with_parent
+from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +103,7 @@ def pv_settings(args: argparse.Namespace, device: torch.device) -> PVSettings:
 def setup_device(args: argparse.Namespace) -> torch.device:
     """The process's device; under torchrun also joins the process group (nccl on GPU, gloo on CPU)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+        die_with_parent()  # a torchrun worker dies with torchrun, never outliving a killed job
         cuda = str(args.device).startswith("cuda")
         torch.distributed.init_process_group("nccl" if cuda else "gloo")
         if cuda:
@@ -192,11 +195,11 @@ def pvtune(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        verify_inputs(args.model_dir, args.checkpoint_dir, args.corpus)
         record = pvtune(args)
         rank = world()[0]  # before the process group is gone
-    except (StudentError, FileNotFoundError, KeyError, ValueError) as error:
-        print(f"aqflow pvtune: error: {error}", file=sys.stderr)
-        return 2
+    except (*EXPECTED_ERRORS, StudentError, KeyError, ValueError) as error:
+        return report_error("pvtune", error)
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
