@@ -7,7 +7,7 @@ from types import SimpleNamespace
 wildcard_constraints:
     model="[^/]+",
     bpp=r"\d+",
-    init="greedy|oaem",
+    init="[^/]+",
     variant=r"b\d+(e\d+)?",
     layer="[^/]+",
     corpus="[^/]+",
@@ -57,7 +57,36 @@ PVTUNE_SETTINGS = canonical(
 PRE_PV_EVAL = "eval_pre_pv.json" if PV_ENABLED else "eval.json"
 
 
+INITS = ("greedy", "oaem")
+
+
+def check_wildcards(wildcards):
+    """Refuse an impossible target while the DAG is built (`snakemake -n` included), naming the
+    wildcard and its allowed values, instead of failing in a job hours later."""
+    given = dict(wildcards.items())
+    allowed = {
+        "model": sorted(config["models"]),
+        "bpp": sorted(str(key) for key in config["bitrates"]),
+        "init": list(INITS),
+    }
+    for name, values in allowed.items():
+        if name in given and str(given[name]) not in values:
+            where = "config bitrates" if name == "bpp" else ("config models" if name == "model" else "the known inits")
+            raise ValueError(
+                f"wildcard {name}={given[name]!r} is not one of {where}: allowed {values}"
+            )
+    if "variant" in given:
+        beam, _, epochs = given["variant"][1:].partition("e")
+        if int(beam) < 1 or (epochs and int(epochs) < 1):
+            raise ValueError(
+                f"wildcard variant={given['variant']!r}: beam and epochs must be >= 1 "
+                "(b<beam> or b<beam>e<epochs>, e.g. b8 or b8e20)"
+            )
+    return wildcards
+
+
 def model_dir(wildcards):
+    check_wildcards(wildcards)
     return f"resources/models/{wildcards.model}"
 
 
@@ -152,6 +181,7 @@ def stitch_layers_dirs(wildcards):
 
 
 def variant_dir(wildcards):
+    check_wildcards(wildcards)
     return f"results/{wildcards.model}/{wildcards.bpp}bpp/{wildcards.init}/{wildcards.variant}"
 
 
