@@ -137,8 +137,8 @@ def verified_tree(folder: str | os.PathLike, required: bool = False) -> Path:
     sums = folder / SUMS_FILE
     if sums.is_file():
         listed = _parse_sums(sums)
-        unlisted = sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*")
-                          if path.is_file() and path != sums and path.relative_to(folder).as_posix() not in listed)
+        unlisted = [path.relative_to(folder).as_posix() for path in _content_files(folder)
+                    if path.relative_to(folder).as_posix() not in listed]
         if unlisted:
             raise ArtifactError(f"{folder}: {unlisted[:3]} not in its {SUMS_FILE} (added or renamed after the "
                                 f"folder was written, or the record is damaged); " + redo_hint(folder))
@@ -310,11 +310,19 @@ def _inside_staging(target: Path) -> bool:
     return any(part.startswith(".") and part.endswith(".partial") for part in target.parent.parts)
 
 
+def _content_files(folder: Path) -> list[Path]:
+    """The files a folder's SHA256SUMS covers: all but itself and hidden ones (Snakemake's
+    `.snakemake_timestamp`, temporaries)."""
+    return sorted(path for path in folder.rglob("*")
+                  if path.is_file() and path.name != SUMS_FILE
+                  and not any(part.startswith(".") for part in path.relative_to(folder).parts))
+
+
 def write_checksums(folder: str | os.PathLike) -> Path:
     """Write `folder/SHA256SUMS` listing every file under it (relative paths, sorted)."""
     folder = Path(folder)
     lines = []
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != SUMS_FILE):
+    for path in _content_files(folder):
         lines.append(_sums_line(file_sha256(path), path.relative_to(folder).as_posix()))
     sums = folder / SUMS_FILE
     with open(sums, "w") as handle:

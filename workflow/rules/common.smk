@@ -50,7 +50,11 @@ PV_ENABLED = PVTUNE["enabled"]
 # every PV-tuning setting but the switch and the corpus (an input); keys left out of the config
 # take the stage's defaults (the paper's settings)
 PVTUNE_SETTINGS = canonical(
-    {key: value for key, value in PVTUNE.items() if key not in ("enabled", "corpus")}
+    {
+        key: value
+        for key, value in PVTUNE.items()
+        if key not in ("enabled", "corpus", "save_state_every")
+    }
 )
 # With PV-tuning on, eval.json is the PV-tuned model's evaluation (with the pre-PV one embedded)
 # and the stitched model's own evaluation is written beside it.

@@ -29,6 +29,7 @@ import torch
 from aqflow import artifacts
 from aqflow.models.fetch import load_tokenizer
 from aqflow.pvtune.data import pv_windows
+from aqflow.pvtune.resume import Resumer, run_fingerprint
 from aqflow.pvtune.student import StudentError, load_student, load_teacher, pv_linears, save_student
 from aqflow.pvtune.train import SELECTION_METRICS, PVSettings, settings_record, train, world
 from aqflow.quant.representation import pack_codes
@@ -47,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--output-dir", required=True, type=Path, help="PV-tuned AQLM checkpoint folder to write")
     io.add_argument("--train-log", required=True, type=Path, help="training log .parquet to write")
     io.add_argument("--metrics", required=True, type=Path, help="metrics .json to write")
+    io.add_argument("--state-dir", type=Path, default=None,
+                    help="folder for the loop's full state, saved every --save-state-every steps; a run finding "
+                         "a state of the same settings and inputs there resumes from it (removed when done)")
+    io.add_argument("--save-state-every", type=int, default=25, help="steps between saved states (0: never)")
     data = parser.add_argument_group("data")
     data.add_argument("--num-samples", type=int, default=10000, help="training windows (all there are, if fewer)")
     data.add_argument("--heldout-samples", type=int, default=128, help="held-out windows (all there are, if fewer)")
@@ -91,6 +96,7 @@ def check_inputs(args: argparse.Namespace) -> None:
     _require(args.corpus.is_file(), f"--corpus: {args.corpus} does not exist")
     _require(args.num_samples >= 1 and args.heldout_samples >= 1, "--num-samples and --heldout-samples must be >= 1")
     _require(args.window_tokens >= 2, f"--window-tokens must be >= 2, got {args.window_tokens}")
+    _require(args.save_state_every >= 0, f"--save-state-every must be >= 0, got {args.save_state_every}")
     _require(not str(args.device).startswith("cuda") or torch.cuda.is_available(), f"--device {args.device}: CUDA is not available")
 
 
@@ -156,8 +162,13 @@ def pvtune(args: argparse.Namespace) -> dict:
         say(f"step {row['step']}: held-out KL {row['kl']:.5f}, perplexity {row['perplexity']:.4f} "
             f"({row['seconds']:.1f} s)", flush=True)
 
+    resumer = None
+    if args.state_dir is not None:
+        resumer = Resumer(args.state_dir, args.save_state_every, run_fingerprint(
+            settings_record(settings) | {"world_size": size}, data.record,
+            [args.model_dir, args.checkpoint_dir, args.corpus]))
     result = train(student, teacher, data.train.input_ids, data.heldout.input_ids, settings, device,
-                   progress=not args.quiet, on_eval=report)
+                   progress=not args.quiet, on_eval=report, resumer=resumer)
     timings.update(result.timings)
     record = {
         "settings": settings_record(settings) | {"device": str(device), "world_size": size, "teacher_dtype": teacher_dtype},
@@ -186,6 +197,8 @@ def pvtune(args: argparse.Namespace) -> dict:
         timings["total_seconds"] = time.perf_counter() - started
         record["timings"] = timings
         artifacts.write_json(args.metrics, record)
+        if resumer is not None:
+            resumer.finish()
     if size > 1:
         torch.distributed.barrier()
     record.setdefault("timings", timings)
