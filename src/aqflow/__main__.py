@@ -16,6 +16,7 @@ STAGES = {
     "pvtune": "aqflow.stages.pvtune",
     "evaluate": "aqflow.stages.evaluate",
     "report": "aqflow.stages.report",
+    "clean": "aqflow.stages.clean",
 }
 
 

@@ -139,8 +139,13 @@ def write_layer_pair(output: Path, metrics_path: Path, tensors: dict, meta: dict
     payload = save({key: value.detach().contiguous() for key, value in tensors.items()}, metadata=meta)
     artifacts.write_json(metrics_path, metrics | {"tensors_file": output.name,
                                                   "tensors_sha256": hashlib.sha256(payload).hexdigest()})
-    with artifacts.atomic_path(output) as tmp:
-        tmp.write_bytes(payload)
+    try:
+        with artifacts.atomic_path(output) as tmp:
+            tmp.write_bytes(payload)
+    except BaseException:  # e.g. the disk filled up: take back the metrics, leave no lone half of the pair
+        for path in (metrics_path, artifacts.sidecar_path(metrics_path)):
+            path.unlink(missing_ok=True)
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
