@@ -365,3 +365,33 @@ def test_aqflow_clean_removes_only_temporaries(tmp_path, capsys):
     assert main(["clean", str(tmp_path / "results")]) == 0
     assert sorted(p.name for p in (tmp_path / "results").rglob("*")) == ["a.json", "a.json.sha256", "x"]
     assert "removed 2 temporaries" in capsys.readouterr().out
+
+
+def test_a_child_started_by_a_job_dies_with_it(tmp_path):
+    """What run_stage_on_gpus and calibrate do for torchrun (and torchrun's workers for
+    themselves): a SIGKILLed job takes its child along, so nothing writes outputs afterwards."""
+    pid_file = tmp_path / "child.pid"
+    job = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "from aqflow.processes import die_with_parent\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], preexec_fn=die_with_parent)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(120)\n")], env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    deadline = time.monotonic() + 60
+    while not pid_file.is_file() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    os.kill(job.pid, signal.SIGKILL)
+    job.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        if "zombie" in Path(f"/proc/{child}/status").read_text().lower():
+            return
+        time.sleep(0.05)
+    os.kill(child, signal.SIGKILL)
+    pytest.fail("the child outlived its killed parent")
