@@ -68,14 +68,13 @@ def check_wildcards(wildcards):
     """Refuse an impossible target while the DAG is built (`snakemake -n` included), naming the
     wildcard and its allowed values, instead of failing in a job hours later."""
     given = dict(wildcards.items())
-    allowed = {
-        "model": sorted(config["models"]),
-        "bpp": sorted(str(key) for key in config["bitrates"]),
-        "init": list(INITS),
+    allowed = {  # wildcard -> (where its values come from, the values)
+        "model": ("config models", sorted(config["models"])),
+        "bpp": ("config bitrates", sorted(str(key) for key in config["bitrates"])),
+        "init": ("the known inits", list(INITS)),
     }
-    for name, values in allowed.items():
+    for name, (where, values) in allowed.items():
         if name in given and str(given[name]) not in values:
-            where = "config bitrates" if name == "bpp" else ("config models" if name == "model" else "the known inits")
             raise ValueError(
                 f"wildcard {name}={given[name]!r} is not one of {where}: allowed {values}"
             )
