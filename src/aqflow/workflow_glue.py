@@ -46,7 +46,7 @@ def run_stage(snakemake, stage: str, argv: list[str]) -> None:
     earlier, killed runs are removed first."""
     module = importlib.import_module(STAGES[stage])
     log_path = snakemake.log[0]
-    removed = remove_stale_outputs(snakemake.output)
+    removed = remove_stale_outputs(getattr(snakemake, "output", []))
     with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         print("aqflow", stage, " ".join(argv), flush=True)
         for path in removed:
