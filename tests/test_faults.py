@@ -362,9 +362,11 @@ def test_aqflow_clean_removes_only_temporaries(tmp_path, capsys):
     artifacts.write_json(tmp_path / "results" / "a.json", {"x": 1})
     (tmp_path / "results" / ".a.json.abc.tmp").write_text("half")
     (tmp_path / "results" / "x" / ".model.k.partial").mkdir(parents=True)
+    artifacts.write_json(tmp_path / "results" / "x" / "gone.json", {})
+    (tmp_path / "results" / "x" / "gone.json").unlink()  # as Snakemake removes a failed job's outputs
     assert main(["clean", str(tmp_path / "results")]) == 0
     assert sorted(p.name for p in (tmp_path / "results").rglob("*")) == ["a.json", "a.json.sha256", "x"]
-    assert "removed 2 temporaries" in capsys.readouterr().out
+    assert "removed 3 temporaries" in capsys.readouterr().out
 
 
 def test_a_child_started_by_a_job_dies_with_it(tmp_path):

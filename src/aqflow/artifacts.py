@@ -246,7 +246,9 @@ def glob_escape(name: str) -> str:
 
 
 def stale_temporaries(root: str | os.PathLike) -> list[Path]:
-    """Every `.*.tmp` file and `.*.partial` folder under `root` (not inside a .partial folder)."""
+    """Every `.*.tmp` file and `.*.partial` folder under `root` (not inside a .partial folder),
+    and every checksum sidecar whose file is gone (Snakemake removed a failed job's outputs, or a
+    `temp()` output after use)."""
     found = []
     for folder, subfolders, files in os.walk(root):
         for name in list(subfolders):
@@ -256,6 +258,8 @@ def stale_temporaries(root: str | os.PathLike) -> list[Path]:
             elif name.startswith(".snakemake"):
                 subfolders.remove(name)
         found += [Path(folder) / name for name in files if name.startswith(".") and name.endswith(".tmp")]
+        found += [Path(folder) / name for name in files
+                  if name.endswith(SIDECAR_SUFFIX) and name[: -len(SIDECAR_SUFFIX)] not in files]
     return sorted(found)
 
 

@@ -2,7 +2,7 @@
 
 Every aqflow writer stages its output as `.<name>.<random>.tmp` (a file) or
 `.<name>.<random>.partial` (a folder) beside it and renames it into place when whole, so these
-are never finished artifacts. The next run of a rule removes its own outputs' leftovers; this
+are never finished artifacts; nor is a checksum sidecar whose file is gone. The next run of a rule removes its own outputs' leftovers; this
 command removes all of them under the given folders (default: results and resources). Run it when
 no Snakemake run uses the folder: a running job's temporaries look the same. A Snakemake lock in
 the working directory makes it refuse (unless --force).
