@@ -123,15 +123,26 @@ def _read_log(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
+def _tensors(path: Path) -> dict:
+    """Every tensor's dtype, shape and bytes, and the metadata, of a safetensors file (not the file's
+    bytes: safetensors writes the metadata keys in no fixed order)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        tensors = {name: (str(tensor.dtype), tuple(tensor.shape), tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                   for name in handle.keys() for tensor in [handle.get_tensor(name)]}
+        return {"tensors": tensors, "metadata": handle.metadata()}
+
+
 def _outputs(workdir: Path) -> dict:
-    """What must not depend on faults: the bytes of every layer and of both checkpoints' weights,
-    the PV-tuning curve and the evaluation metrics."""
+    """What must not depend on faults: every layer's and both checkpoints' tensors, the
+    PV-tuning curve and the evaluation metrics."""
     variant = workdir / VARIANT
-    digests = {path.name: artifacts.file_sha256(path) for path in sorted((variant / "layers").glob("*.safetensors"))}
+    digests = {path.name: _tensors(path) for path in sorted((variant / "layers").glob("*.safetensors"))}
     for folder in ("model", "pv/model"):
-        digests[folder] = artifacts.file_sha256(variant / folder / "model.safetensors")
+        digests[folder] = _tensors(variant / folder / "model.safetensors")
     log = pd.read_parquet(variant / "pv" / "train_log.parquet")
-    curve = log[["step", "split", "kl", "perplexity"]].to_dict("records")
+    curve = log[["step", "split", "kl", "perplexity"]].fillna(-1.0).to_dict("records")  # NaN != NaN
     metrics = json.loads((variant / "eval.json").read_text())["metrics"]
     return {"files": digests, "curve": curve, "metrics": metrics}
 
