@@ -112,7 +112,8 @@ def run_stage_on_gpus(snakemake, stage: str, argv: list[str], num_gpus: int) -> 
         print(" ".join(command), file=log, flush=True)
         code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent).returncode
     if code:
-        raise SystemExit(f"aqflow {stage} on {num_gpus} GPUs failed with exit code {code}; see {log_path}")
+        raise SystemExit(f"aqflow {stage} on {num_gpus} GPUs failed with exit code {code}: "
+                         f"{last_error_line(log_path)} (log: {log_path})")
 
 
 def layer_summaries(metric_files) -> list[dict]:

@@ -336,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         verify_inputs(args.model_dir, args.settings, args.pre_pv, args.data_dir, args.wikitext2_corpus, args.c4_corpus,
                       args.task_data_dir)
         payload = evaluate(args)
+        artifacts.write_json(args.output, payload)
     except (*EXPECTED_ERRORS, KeyError, ValueError) as error:
         return report_error("evaluate", error)
-    artifacts.write_json(args.output, payload)
     print(summary_line(payload))
     return 0
