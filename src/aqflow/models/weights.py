@@ -28,7 +28,7 @@ def weight_file(model_dir: str | Path, key: str) -> Path:
 
 def load_model_tensor(model_dir: str | Path, key: str) -> torch.Tensor:
     """Tensor `key` (e.g. `model.layers.0.self_attn.q_proj.weight`) of a model folder."""
-    path = verified(weight_file(model_dir, key))
+    path = verified(weight_file(model_dir, key), required=False)  # a hand-made model folder has no record
     with decoding(path, "safetensors file"), safe_open(str(path), framework="pt") as handle:
         if key not in handle.keys():
             raise KeyError(f"{path}: no tensor {key!r}")
