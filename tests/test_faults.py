@@ -329,6 +329,9 @@ def test_a_read_only_results_folder_is_one_line_and_keeps_the_finished_artifact(
     out = small_tmpfs / "layers"
     argv = [*inputs, "--output", str(out / "l.safetensors"), "--metrics", str(out / "l.json")]
     assert quantize_layer.main(argv) == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {path.stat().st_mode & 0o777 for path in out.iterdir()} == {0o666 & ~umask}  # not private 0600
     finished = {path.name: path.read_bytes() for path in out.iterdir()}
     subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
     code = quantize_layer.main([*argv, "--seed", "7"])
