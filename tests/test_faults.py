@@ -208,19 +208,23 @@ def test_kills_at_random_points_lose_nothing_and_the_rerun_equals_an_uninterrupt
 
 
 @pytest.mark.slow
-def test_a_flipped_byte_in_a_finished_layer_stops_stitch_naming_the_layer(reference, tmp_path):
+def test_a_flipped_byte_in_a_finished_layer_fails_the_dag_and_keeps_the_checkpoint(reference, tmp_path):
     workdir = tmp_path / "run"
     subprocess.run(["cp", "-a", str(reference), str(workdir)], check=True)
     layer = next((workdir / VARIANT / "layers").glob("*q_proj.safetensors"))
     data = bytearray(layer.read_bytes())
     data[-3] ^= 0x01  # inside the codes: same size, a valid file, one code changed
     layer.write_bytes(bytes(data))
-    result = run_snakemake(workdir, "--cores", "2", "--forcerun", "stitch", TARGET)
+    checkpoint_before = artifacts.file_sha256(workdir / VARIANT / "model" / "model.safetensors")
+    # a plain rerun would restitch (the layer is newer than model/): refused before anything is deleted
+    result = run_snakemake(workdir, "--cores", "2", TARGET)
     output = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert f"aqflow stitch failed with exit code 2: aqflow stitch: error: {VARIANT}/layers/{layer.name}: corrupt" in output
-    stitch_log = _read_log(workdir / "logs/stitch/tiny/2bpp/greedy/b2e2.log")
-    assert f"{layer.name}: corrupt" in stitch_log and "Traceback" not in stitch_log
+    assert result.returncode != 0 and f"{VARIANT}/layers/{layer.name}: corrupt" in output, output[-3000:]
+    assert artifacts.file_sha256(workdir / VARIANT / "model" / "model.safetensors") == checkpoint_before
+    # stitch itself refuses it too (here run by hand, as a job would)
+    code = stitch.main(["--model-dir", str(workdir / "resources/models/tiny"), "--layers-dir", str(workdir / VARIANT / "layers"),
+                        "--output-dir", str(tmp_path / "out"), "--num-codebooks", "2", "--nbits", "6"])
+    assert code == 2 and not (tmp_path / "out").exists()
 
 
 # --- corrupt and truncated artifacts, one of each kind, caught by the stage that reads them -----

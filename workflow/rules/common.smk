@@ -1,5 +1,7 @@
 # Path helpers and input functions: everything the rules compute about paths lives here.
+import hashlib
 import json
+import os
 import re
 from types import SimpleNamespace
 
@@ -222,6 +224,33 @@ def layer_artifacts(wildcards):
     return [
         f"{base}/layers/{layer}.safetensors" for layer in quantized_layers(wildcards)
     ]
+
+
+def unchanged_since_written(path):
+    """Refuse, while the DAG is built, a finished file whose bytes no longer match the sha256
+    recorded beside it (`<file>.sha256`, written by aqflow): caught here, before Snakemake
+    deletes the outputs of the job it would rerun (stitch's model/). Missing files pass.
+    """
+    record = f"{path}.sha256"
+    if not (os.path.isfile(path) and os.path.isfile(record)):
+        return path
+    with open(record) as handle:
+        expected = handle.read().split(" ")[0]
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != expected:
+        raise ValueError(
+            f"{path}: corrupt: its sha256 is not the one recorded in {record} when it was "
+            f"written; delete {path} (and {record}) and rerun to redo it"
+        )
+    return path
+
+
+def checked_layer_artifacts(wildcards):
+    """The layers stitch reads, each checked against its recorded checksum (see above)."""
+    return [unchanged_since_written(path) for path in layer_artifacts(wildcards)]
 
 
 def layer_metrics(wildcards):
