@@ -227,6 +227,20 @@ def test_a_flipped_byte_in_a_finished_layer_fails_the_dag_and_keeps_the_checkpoi
     assert code == 2 and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
+def test_a_stage_error_reaches_snakemake_and_the_log_as_one_line(reference, tmp_path):
+    workdir = tmp_path / "run"
+    subprocess.run(["cp", "-a", str(reference), str(workdir)], check=True)
+    xtx = workdir / "results/tiny/calib/c4-standin-n8-t64-s0-fp/block0.npz"
+    _corrupt(xtx, "flip")
+    layer = f"{VARIANT}/layers/model.layers.0.mlp.up_proj.safetensors"
+    result = run_snakemake(workdir, "--cores", "1", "--force", layer)
+    message = f"aqflow quantize-layer: error: {xtx.relative_to(workdir)}: corrupt: sha256"
+    assert result.returncode != 0 and f"failed with exit code 2: {message}" in result.stdout + result.stderr
+    log = _read_log(workdir / "logs/quantize_layer/tiny/2bpp/greedy/b2e2/model.layers.0.mlp.up_proj.log")
+    assert message in log and "Traceback" not in log
+
+
 # --- corrupt and truncated artifacts, one of each kind, caught by the stage that reads them -----
 
 def _corrupt(path: Path, fault: str) -> None:
