@@ -20,7 +20,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from transformers.quantizers.quantizers_utils import should_convert_module
 
-from aqflow import checkpoint
+from aqflow import artifacts, checkpoint
 from aqflow.models import build_tiny_llama, load_causal_lm, load_tokenizer, quantize_every_linear
 from aqflow.quant.representation import bits_per_parameter, pack_codes
 from aqflow.stages import stitch
@@ -152,8 +152,8 @@ def test_missing_or_mismatched_artifact_names_module_and_file(models, quantized,
     shutil.copytree(quantized["llama-untied", 4], layers_dir)
     missing = checkpoint.layer_artifact_path(layers_dir, "model.layers.1.mlp.down_proj")
     missing.unlink()
-    shutil.copy(checkpoint.layer_artifact_path(layers_dir, "model.layers.0.mlp.up_proj"),
-                checkpoint.layer_artifact_path(layers_dir, "model.layers.0.self_attn.q_proj"))
+    artifacts.save_safetensors(checkpoint.layer_artifact_path(layers_dir, "model.layers.0.self_attn.q_proj"),
+                               artifacts.load_safetensors(checkpoint.layer_artifact_path(layers_dir, "model.layers.0.mlp.up_proj")))
     out = tmp_path / "aqlm"
     with pytest.raises(checkpoint.CheckpointError) as caught:
         checkpoint.write_aqlm_checkpoint(models["llama-untied"], layers_dir, out, num_codebooks=2, nbits=4)
@@ -199,9 +199,10 @@ def test_stored_bits_per_parameter_is_about_two_for_two_8bit_codebooks(tmp_path)
     layers_dir.mkdir()
     names = checkpoint.quantized_linear_names(load_causal_lm(model_dir))
     for name in names:
-        save_file({"codes": pack_codes(torch.randint(0, 256, (1024, 128, 2), generator=generator), 8),
-                   "codebooks": torch.randn(2, 256, 1, 8, generator=generator),
-                   "scales": torch.ones(1024, 1, 1, 1)}, str(checkpoint.layer_artifact_path(layers_dir, name)))
+        artifacts.save_safetensors(checkpoint.layer_artifact_path(layers_dir, name), {
+            "codes": pack_codes(torch.randint(0, 256, (1024, 128, 2), generator=generator), 8),
+            "codebooks": torch.randn(2, 256, 1, 8, generator=generator),
+            "scales": torch.ones(1024, 1, 1, 1)})
     out = checkpoint.write_aqlm_checkpoint(model_dir, layers_dir, tmp_path / "aqlm", num_codebooks=2, nbits=8)
     bits = checkpoint.stored_bits_per_parameter(out)
     assert bits == pytest.approx(bits_per_parameter(1024, 1024, num_codebooks=2, nbits=8))

@@ -25,6 +25,7 @@ from aqflow.data import (
     strip_wiki_markup,
     write_split_corpus,
 )
+from aqflow import artifacts
 from aqflow.data.offline_text import split_record_path
 from aqflow.fetching import default_cache_dir
 from aqflow.models import build_tiny_tokenizer
@@ -155,7 +156,7 @@ def test_split_is_recorded_in_parquet_and_json(tmp_path):
     loaded = load_split_corpus(path)
     assert sorted(loaded.loc[loaded["role"] == CALIBRATION, "doc_id"]) == record["doc_ids"][CALIBRATION]
     record["doc_ids"][CALIBRATION].pop()
-    split_record_path(path).write_text(json.dumps(record))
+    artifacts.write_json(split_record_path(path), record)  # a whole record that disagrees (a hand edit is corrupt)
     with pytest.raises(ValueError, match="disagrees"):
         load_split_corpus(path)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from aqflow import artifacts
 from aqflow.quant.objective import relative_output_mse
 from aqflow.quant.representation import dequantize_weight, unpack_codes
 from aqflow.stages import quantize_layer as stage
@@ -44,7 +45,9 @@ def test_writes_codes_codebooks_scales_and_metrics(inputs):
     rebuilt = dequantize_weight(unpack_codes(tensors["codes"], 4), tensors["codebooks"], tensors["scales"])
     assert float(relative_output_mse(weight.double(), rebuilt.double(), xtx)) == pytest.approx(metrics["final_relative_mse"], rel=1e-4)
     assert metrics["final_relative_mse"] < metrics["init_relative_mse"]
-    assert sorted(p.name for p in out.parent.iterdir()) == ["layer.json", "layer.safetensors"]  # no temp files left
+    assert sorted(p.name for p in out.parent.iterdir()) == [  # no temp files left; each file's checksum beside it
+        "layer.json", "layer.json.sha256", "layer.safetensors", "layer.safetensors.sha256"]
+    assert metrics["tensors_sha256"] == artifacts.file_sha256(out)  # the pair is bound
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -17,6 +17,7 @@ STAGES = {
     "evaluate": "aqflow.stages.evaluate",
     "report": "aqflow.stages.report",
     "paper-tables": "aqflow.stages.paper_tables",
+    "clean": "aqflow.stages.clean",
 }
 
 

@@ -27,7 +27,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from .artifacts import write_json
+from .artifacts import ArtifactError, decoding, read_json, recorded_sha256, verified, verified_tree, write_json
 from .calibration.hessians import find_decoder_blocks, find_linears
 from .artifacts import atomic_dir
 from .models.fetch import MARKER_FILE, load_causal_lm, torch_dtype as to_torch_dtype
@@ -103,7 +103,9 @@ def read_layer_artifact(layers_dir: str | os.PathLike, module_name: str, linear:
     path = layer_artifact_path(layers_dir, module_name)
     if not path.is_file():
         raise CheckpointError(f"{module_name}: no layer artifact {path}")
-    tensors = load_file(str(path))
+    check_layer_pair(path)
+    with decoding(path, "safetensors file"):
+        tensors = load_file(str(path))
     missing = [key for key in ARTIFACT_TENSORS if key not in tensors]
     if missing:
         raise CheckpointError(f"{module_name}: {path} lacks tensors {missing} (has {sorted(tensors)})")
@@ -151,6 +153,22 @@ def _as_dirs(layers_dir: str | os.PathLike | Sequence[str | os.PathLike]) -> lis
     return dirs
 
 
+def check_layer_pair(path: Path) -> None:
+    """The layer file matches its recorded checksum and, where its metrics JSON (same stem) records
+    `tensors_sha256`, that one too: quantize-layer writes the JSON first, so a crash between the
+    two leaves a pair that disagrees here instead of a silently mixed one."""
+    verified(path)
+    metrics_path = path.with_suffix(".json")
+    if not metrics_path.is_file():
+        return
+    bound = read_json(metrics_path).get("tensors_sha256")
+    if bound is not None and bound != recorded_sha256(path):
+        raise ArtifactError(f"{path}: its metrics {metrics_path.name} were written for other tensors "
+                            f"(sha256 {bound[:16]}..., the file has {recorded_sha256(path)[:16]}...): the "
+                            f"layer job was interrupted between its two files; delete both and rerun "
+                            f"(or `snakemake --forcerun quantize_layer`)")
+
+
 def _read_all_artifacts(model: nn.Module, names: list[str], layers_dir: list[Path],
                         **expected: int) -> dict[str, dict[str, torch.Tensor]]:
     """Every artifact, checked; one error listing every module whose artifact is missing or wrong.
@@ -175,7 +193,7 @@ def _weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a model folder (one file, or the shards its index names)."""
     index = model_dir / WEIGHTS_INDEX_FILE
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = sorted(set(read_json(index)["weight_map"].values()))
         return [model_dir / shard for shard in shards]
     single = model_dir / WEIGHTS_FILE
     if not single.is_file():
@@ -221,6 +239,7 @@ def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.Pat
         raise FileExistsError(f"{output_dir} already exists; remove it to stitch again")
     if not (model_dir / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{model_dir} has no {CONFIG_FILE}: not a model folder")
+    verified_tree(model_dir)
     for folder in layers_dirs:
         if not folder.is_dir():
             raise FileNotFoundError(f"{folder}: no such layers folder")
@@ -233,7 +252,7 @@ def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.Pat
     tensors: dict[str, torch.Tensor] = {}
     quantized_weights = {f"{name}.weight" for name in quantized}
     for path in _weight_files(model_dir):
-        with safe_open(str(path), framework="pt") as handle:
+        with decoding(path, "safetensors file"), safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():
                 if key in quantized_weights:
                     quantized_weights.discard(key)

@@ -12,7 +12,6 @@ variant was calibrated on.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterable
 
@@ -21,6 +20,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+
+from aqflow.artifacts import read_json, read_parquet  # noqa: E402
 
 
 def _get(mapping, *keys, default=None):
@@ -33,7 +34,7 @@ def _get(mapping, *keys, default=None):
 
 def summary_row(path: str | Path) -> dict:
     """One eval.json -> one flat row (missing metrics are None)."""
-    record = json.loads(Path(path).read_text())
+    record = read_json(path, required=False)
     settings = pipeline_settings(record)
     quantizer = settings.get("quantizer") or {}
     calibration = settings.get("calibration") or {}
@@ -225,7 +226,7 @@ def plot_layers(paths: Iterable[str | Path], out: str | Path) -> None:
     """Per-layer relative output MSE after init and at the end, and ρ, for every variant."""
     fig, (ax_mse, ax_rho) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for path in paths:
-        record = json.loads(Path(path).read_text())
+        record = read_json(path, required=False)
         layers = pipeline_settings(record).get("layers") or []
         if not layers:
             continue
@@ -258,7 +259,7 @@ def plot_pv_curves(log_paths: Iterable[str | Path], out: str | Path) -> None:
     fig, (ax_kl, ax_ppl) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     paths = list(log_paths)
     for path in paths:
-        log = pd.read_parquet(path)
+        log = read_parquet(path, required=False)
         label = pv_log_label(path)
         train, heldout = log[log["split"] == "train"], log[log["split"] == "heldout"]
         line = ax_kl.plot(heldout["step"], heldout["kl"], marker="o", markersize=3, label=f"{label} held-out")[0]

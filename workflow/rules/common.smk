@@ -1,6 +1,8 @@
 # Path helpers and input functions: everything the rules compute about paths lives here.
+import hashlib
 import itertools
 import json
+import os
 import re
 import sys
 from functools import lru_cache
@@ -22,7 +24,8 @@ from aqflow.corpus_catalog import (
 wildcard_constraints:
     model="[^/]+",
     bpp=r"\d+",
-    init="greedy|oaem-patient|oaem",
+    # any name: an unknown init is refused by check_wildcards, naming the known ones
+    init="[^/]+",
     # [g{group}m{codebooks}k{codewords}-]b{beam}[e{max epochs}][s{seed}]: see parse_variant
     variant=r"(g\d+m\d+k\d+-)?b\d+(e\d+)?(s\d+)?",
     layer="[^/]+",
@@ -136,7 +139,11 @@ PV_ENABLED = PVTUNE["enabled"]
 # every PV-tuning setting but the switch and the corpus (an input); keys left out of the config
 # take the stage's defaults (the paper's settings)
 PVTUNE_SETTINGS = canonical(
-    {key: value for key, value in PVTUNE.items() if key not in ("enabled", "corpus")}
+    {
+        key: value
+        for key, value in PVTUNE.items()
+        if key not in ("enabled", "corpus", "save_state_every")
+    }
 )
 # With PV-tuning on, eval.json is the PV-tuned model's evaluation (with the pre-PV one embedded)
 # and the stitched model's own evaluation is written beside it.
@@ -169,7 +176,35 @@ def checked_model(name):
     return entry
 
 
+INITS = ("greedy", "oaem", "oaem-patient")
+
+
+def check_wildcards(wildcards):
+    """Refuse an impossible target while the DAG is built (`snakemake -n` included), naming the
+    wildcard and its allowed values, instead of failing in a job hours later."""
+    given = dict(wildcards.items())
+    allowed = {  # wildcard -> (where its values come from, the values)
+        "model": ("config models", sorted(config["models"])),
+        "bpp": ("config bitrates", sorted(str(key) for key in config["bitrates"])),
+        "init": ("the known inits", list(INITS)),
+    }
+    for name, (where, values) in allowed.items():
+        if name in given and str(given[name]) not in values:
+            raise ValueError(
+                f"wildcard {name}={given[name]!r} is not one of {where}: allowed {values}"
+            )
+    if "variant" in given:
+        settings = parse_variant(given["variant"])
+        if settings["beam_size"] < 1 or settings.get("max_epochs", 1) < 1:
+            raise ValueError(
+                f"wildcard variant={given['variant']!r}: beam and epochs must be >= 1 "
+                "([g<group>m<codebooks>k<codewords>-]b<beam>[e<epochs>][s<seed>], e.g. b8 or b8e20s43)"
+            )
+    return wildcards
+
+
 def model_dir(wildcards):
+    check_wildcards(wildcards)
     checked_model(wildcards.model)
     return f"resources/models/{wildcards.model}"
 
@@ -280,9 +315,10 @@ def stitch_layers_dirs(wildcards):
 
 
 def variant_dir(wildcards):
-    """The folder of a variant; its settings are checked first (input functions call this while
-    the DAG is built, so a bit rate or geometry that cannot be fails `snakemake -n` by name).
-    """
+    """The folder of a variant; its wildcards and settings are checked first (input functions call
+    this while the DAG is built, so an impossible target, bit rate or geometry fails `snakemake -n`
+    by name)."""
+    check_wildcards(wildcards)
     quantizer_settings(wildcards)
     return f"results/{wildcards.model}/{wildcards.bpp}bpp/{wildcards.init}/{wildcards.variant}"
 
@@ -384,6 +420,33 @@ def layer_artifacts(wildcards):
     return [
         f"{base}/layers/{layer}.safetensors" for layer in quantized_layers(wildcards)
     ]
+
+
+def unchanged_since_written(path):
+    """Refuse, while the DAG is built, a finished file whose bytes no longer match the sha256
+    recorded beside it (`<file>.sha256`, written by aqflow): caught here, before Snakemake
+    deletes the outputs of the job it would rerun (stitch's model/). Missing files pass.
+    """
+    record = f"{path}.sha256"
+    if not (os.path.isfile(path) and os.path.isfile(record)):
+        return path
+    with open(record) as handle:
+        expected = handle.read().split(" ")[0]
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != expected:
+        raise ValueError(
+            f"{path}: corrupt: its sha256 is not the one recorded in {record} when it was "
+            f"written; delete {path} (and {record}) and rerun to redo it"
+        )
+    return path
+
+
+def checked_layer_artifacts(wildcards):
+    """The layers stitch reads, each checked against its recorded checksum (see above)."""
+    return [unchanged_since_written(path) for path in layer_artifacts(wildcards)]
 
 
 def layer_metrics(wildcards):

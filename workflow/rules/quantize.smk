@@ -25,7 +25,7 @@ rule quantize_layer:
 rule stitch:
     input:
         model=model_dir,
-        layers=layer_artifacts,
+        layers=checked_layer_artifacts,
         tuned=finetuned_blocks,
     output:
         directory("results/{model}/{bpp}bpp/{init}/{variant}/model"),

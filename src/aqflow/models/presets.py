@@ -97,6 +97,9 @@ HUB_PRESETS = {
                           license="Qwen research license", hub_id="Qwen/Qwen2.5-3B"),
 }
 
+# built, not fetched: a random Llama for tests and CPU demos (`aqflow fetch-model --preset tiny`)
+TINY_PRESET = "tiny"
+
 PRESETS: dict[str, ModelPreset] = {
     SMOLLM2.name: SMOLLM2,
     GEMMA3_270M.name: GEMMA3_270M,
@@ -110,4 +113,4 @@ def get_preset(name: str) -> ModelPreset:
     try:
         return PRESETS[name]
     except KeyError:
-        raise KeyError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}") from None
+        raise KeyError(f"unknown model preset {name!r}; known presets: {sorted([*PRESETS, TINY_PRESET])}") from None

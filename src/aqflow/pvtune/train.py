@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from ..quant.representation import pack_codes, unpack_codes
 from .loss import chunked_kl_sum, chunked_nll_sum, final_hidden
+from .resume import LoopState, Resumer
 from .student import PVLinear, pv_linears
 from .vstep import DEFAULT_MEMORY_BUDGET_BYTES, v_step_layer
 
@@ -251,10 +252,11 @@ def batches_per_epoch(num_windows: int, batch_size: int) -> int:
 
 def train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, heldout_windows: torch.Tensor,
           settings: PVSettings, device: str | torch.device, progress: bool = True,
-          on_eval: Callable[[dict], None] | None = None) -> TrainResult:
+          on_eval: Callable[[dict], None] | None = None, resumer: Resumer | None = None) -> TrainResult:
     """PV-tune `student` against `teacher` in place; the student ends in its best held-out state.
 
-    train_windows [n, T] int64, heldout_windows [h, T] int64 (on any device).
+    train_windows [n, T] int64, heldout_windows [h, T] int64 (on any device). resumer: where the
+    loop's full state is saved every few steps and resumed from (`aqflow.pvtune.resume`).
     """
     device = torch.device(device)
     rank, size = world()
@@ -289,18 +291,27 @@ def train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, h
             on_eval(row)
         return row
 
-    best = initial = evaluate(0, 0.0)
     metric = settings.selection_metric
-    best_state = snapshot(student, p_params)
     generator = torch.Generator().manual_seed(settings.seed)
-    bar = tqdm(total=total_steps, desc="pv-tune", unit="step", disable=not progress or rank != 0)
-    step = 0
+    optimizers = {"p": p_optimizer, "v": v_optimizer}
+    resumed = resumer.load(student, optimizers) if resumer is not None else None
+    if resumed is None:
+        best = initial = evaluate(0, 0.0)
+        best_state = snapshot(student, p_params)
+        step, order, first = 0, None, 0
+    else:
+        log[:], best, initial, best_state = resumed.log, resumed.best, resumed.initial, resumed.best_state
+        step, order, first = resumed.step, resumed.order, resumed.next_batch
+        generator.set_state(resumed.generator_state)
+        started -= resumed.elapsed_seconds
+        timings.update(resumed.timings)
+    bar = tqdm(total=total_steps, initial=step, desc="pv-tune", unit="step", disable=not progress or rank != 0)
     while step < total_steps:
-        order = torch.randperm(train_windows.shape[0], generator=generator)
-        for first in range(0, len(order), settings.batch_size):
-            if step >= total_steps:
-                break
+        if order is None:
+            order, first = torch.randperm(train_windows.shape[0], generator=generator), 0
+        while first < len(order) and step < total_steps:
             batch = order[first:first + settings.batch_size]
+            first += settings.batch_size
             batch_tokens = batch.numel() * train_windows.shape[1]
             mine = [batch[i:i + settings.micro_batch_size]
                     for i in range(rank * settings.micro_batch_size, batch.numel(), size * settings.micro_batch_size)]
@@ -336,6 +347,12 @@ def train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, h
                 if row[metric] < best[metric]:
                     best = row
                     best_state = snapshot(student, p_params)
+            if resumer is not None and rank == 0 and resumer.due(step, total_steps):
+                resumer.save(student, optimizers, LoopState(
+                    step=step, order=order if first < len(order) else None, next_batch=first,
+                    generator_state=generator.get_state(), log=log, initial=initial, best=best,
+                    best_state=best_state, elapsed_seconds=time.perf_counter() - started, timings=timings))
+        order = None
     bar.close()
     if settings.gradient_checkpointing:
         set_checkpointing(student, False)

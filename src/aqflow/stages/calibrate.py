@@ -49,6 +49,9 @@ from aqflow.calibration.sequential import WINDOWS_FILE, save_windows
 from aqflow.data.offline_text import load_split_corpus, role_texts
 from aqflow.data.windows import sample_calibration_windows
 from aqflow.models.fetch import load_causal_lm, load_tokenizer, model_compute_dtype
+from aqflow.artifacts import verify_inputs
+from aqflow.processes import die_with_parent
+from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
 
 PROPAGATION_MODES = ("fp", "sequential")
 
@@ -116,7 +119,8 @@ def launch_sharded(args: argparse.Namespace, argv: list[str]) -> int:
     command = torchrun_command(args.num_devices, "aqflow", ["calibrate", *argv])
     print(" ".join(command), flush=True)
     stdout, stderr = _real_stream(sys.stdout), _real_stream(sys.stderr)
-    result = subprocess.run(command, stdout=stdout or subprocess.PIPE, stderr=stderr or subprocess.PIPE, text=True)
+    result = subprocess.run(command, stdout=stdout or subprocess.PIPE, stderr=stderr or subprocess.PIPE, text=True,
+                            preexec_fn=die_with_parent)
     for captured, stream in ((result.stdout, sys.stdout), (result.stderr, sys.stderr)):
         if captured:  # only where the stream had no file descriptor to hand down
             stream.write(captured)
@@ -173,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
+        verify_inputs(args.model_dir, args.corpus)
         if args.num_devices > 1 and launched_world_size() == 1:
             code = launch_sharded(args, argv)
             if code:
@@ -182,9 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             summary = json.loads((args.output_dir / "calibration.json").read_text())
         else:
             summary = calibrate(args)
-    except (FileNotFoundError, KeyError, ValueError) as error:
-        print(f"aqflow calibrate: error: {error}", file=sys.stderr)
-        return 2
+    except (*EXPECTED_ERRORS, KeyError, ValueError) as error:
+        return report_error("calibrate", error)
     if summary is None:  # a rank other than 0 of a sharded calibration: rank 0 reports
         return 0
     print(f"calibrated {len(summary['blocks_calibrated'])} of {summary['blocks']} blocks ({args.propagation}), {summary['sites']} input sites, {summary['tokens']} tokens "

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -38,6 +37,8 @@ from aqflow.calibration.sequential import (
     sequential_block_xtx,
 )
 from aqflow.models.fetch import load_causal_lm, model_compute_dtype
+from aqflow.artifacts import verify_inputs
+from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,10 +118,10 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        verify_inputs(args.model_dir, args.calibration_dir, args.previous_layers_dir, args.previous_block_tensors, args.previous_inputs)
         summary = run(args)
-    except (FileNotFoundError, KeyError, ValueError) as error:
-        print(f"aqflow calibrate-block: error: {error}", file=sys.stderr)
-        return 2
+    except (*EXPECTED_ERRORS, KeyError, ValueError) as error:
+        return report_error("calibrate-block", error)
     print(f"block {summary['block']}: {summary['sites']} input sites, {summary['tokens']} tokens through the "
           f"quantized block {summary['block'] - 1} in {summary['seconds']:.1f} s -> {args.output_dir}")
     return 0

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -48,6 +47,8 @@ from aqflow.evaluation.zero_shot import DEFAULT_BOOTSTRAP_ITERS, average_accurac
 from aqflow.fetching import default_cache_dir
 from aqflow.finite import require_finite
 from aqflow.models.fetch import load_causal_lm, load_tokenizer, model_compute_dtype
+from aqflow.artifacts import verify_inputs
+from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
 
 PERPLEXITY_SETS = ("wikitext2", "c4")
 SET_PROTOCOLS = {"wikitext2": "joined", "c4": "sampled"}
@@ -356,10 +357,11 @@ def summary_line(payload: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        verify_inputs(args.model_dir, args.settings, args.pre_pv, args.data_dir, args.wikitext2_corpus, args.c4_corpus,
+                      args.task_data_dir, *(Path(corpus) for _, _, corpus in args.domain or []))
         payload = evaluate(args)
-    except (FileNotFoundError, KeyError, ValueError) as error:
-        print(f"aqflow evaluate: error: {error}", file=sys.stderr)
-        return 2
-    artifacts.write_json(args.output, payload)
+        artifacts.write_json(args.output, payload)
+    except (*EXPECTED_ERRORS, KeyError, ValueError) as error:
+        return report_error("evaluate", error)
     print(summary_line(payload))
     return 0

@@ -14,10 +14,10 @@ to it records the roles and where the text came from), so later stages do not ca
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from aqflow.corpus_catalog import HUB_CORPORA, STANDIN_CORPORA
+from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,9 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         split = fetch(args)
-    except (FileNotFoundError, KeyError, ValueError) as error:
-        print(f"aqflow fetch-data: error: {error}", file=sys.stderr)
-        return 2
+    except (*EXPECTED_ERRORS, KeyError, ValueError) as error:
+        return report_error("fetch-data", error)
     counts = split["role"].value_counts().to_dict()
     print(f"{args.corpus}: {len(split)} documents {counts} -> {args.output}")
     return 0

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 from pathlib import Path
 
 from aqflow import artifacts
 from aqflow.models.fetch import MARKER_FILE, prepare_hub_model, prepare_local_model, prepare_model
 from aqflow.models.hub import HubModelError
 from aqflow.models.tiny import build_tiny_llama
+from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
 
 DTYPES = ["float16", "bfloat16", "float32"]
 
@@ -68,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         folder = fetch(args)
-    except (HubModelError, KeyError, ValueError, FileExistsError, FileNotFoundError) as error:
-        print(f"aqflow fetch-model: error: {error}", file=sys.stderr)
-        return 2
+    except (*EXPECTED_ERRORS, HubModelError, KeyError, ValueError) as error:
+        return report_error("fetch-model", error)
     print(f"{args.preset or args.hub_id or args.path}: {folder}")
     return 0

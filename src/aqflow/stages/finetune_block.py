@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from aqflow import artifacts
 from aqflow.calibration.block_finetune import BlockFinetuneSettings, QuantizedLinearParams, cast_floats, finetune_block
@@ -37,6 +35,8 @@ from aqflow.calibration.sequential import (
 )
 from aqflow.models.fetch import load_causal_lm, model_compute_dtype
 from aqflow.quant.representation import pack_codes, unpack_codes
+from aqflow.artifacts import load_safetensors, verify_inputs
+from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def read_quantized(path: Path) -> tuple[QuantizedLinearParams, int]:
     """A layer artifact as (unpacked params, nbits)."""
-    tensors = load_file(str(path))
+    tensors = load_safetensors(path)
     nbits = tensors["codebooks"].shape[1].bit_length() - 1
     return QuantizedLinearParams(unpack_codes(tensors["codes"], nbits), tensors["codebooks"], tensors["scales"]), nbits
 
@@ -121,10 +121,10 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        verify_inputs(args.model_dir, args.calibration_dir, args.layers_dir, args.inputs)
         summary = run(args)
-    except (FileNotFoundError, KeyError, ValueError) as error:
-        print(f"aqflow finetune-block: error: {error}", file=sys.stderr)
-        return 2
+    except (*EXPECTED_ERRORS, KeyError, ValueError) as error:
+        return report_error("finetune-block", error)
     print(f"block {summary['block']}: relative output MSE {summary['relative_mse_before']:.5f} -> "
           f"{summary['relative_mse_after']:.5f} (best epoch {summary['best_epoch']}, {summary['seconds']:.1f} s) "
           f"-> {args.output_dir}")

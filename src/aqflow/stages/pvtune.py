@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -31,9 +30,13 @@ from aqflow import artifacts
 from aqflow.finite import require_finite
 from aqflow.models.fetch import load_tokenizer, model_compute_dtype
 from aqflow.pvtune.data import pv_windows
+from aqflow.pvtune.resume import Resumer, run_fingerprint
 from aqflow.pvtune.student import StudentError, load_student, load_teacher, pv_linears, save_student
 from aqflow.pvtune.train import SELECTION_METRICS, PVSettings, settings_record, train, world
 from aqflow.quant.representation import pack_codes
+from aqflow.artifacts import verify_inputs
+from aqflow.processes import die_with_parent
+from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--output-dir", required=True, type=Path, help="PV-tuned AQLM checkpoint folder to write")
     io.add_argument("--train-log", required=True, type=Path, help="training log .parquet to write")
     io.add_argument("--metrics", required=True, type=Path, help="metrics .json to write")
+    io.add_argument("--state-dir", type=Path, default=None,
+                    help="folder for the loop's full state, saved every --save-state-every steps; a run finding "
+                         "a state of the same settings and inputs there resumes from it (removed when done)")
+    io.add_argument("--save-state-every", type=int, default=25, help="steps between saved states (0: never)")
     data = parser.add_argument_group("data")
     data.add_argument("--num-samples", type=int, default=10000, help="training windows (all there are, if fewer)")
     data.add_argument("--heldout-samples", type=int, default=128, help="held-out windows (all there are, if fewer)")
@@ -90,6 +97,7 @@ def check_inputs(args: argparse.Namespace) -> None:
     _require(args.corpus.is_file(), f"--corpus: {args.corpus} does not exist")
     _require(args.num_samples >= 1 and args.heldout_samples >= 1, "--num-samples and --heldout-samples must be >= 1")
     _require(args.window_tokens >= 2, f"--window-tokens must be >= 2, got {args.window_tokens}")
+    _require(args.save_state_every >= 0, f"--save-state-every must be >= 0, got {args.save_state_every}")
     _require(not str(args.device).startswith("cuda") or torch.cuda.is_available(), f"--device {args.device}: CUDA is not available")
 
 
@@ -109,6 +117,7 @@ def pv_settings(args: argparse.Namespace, device: torch.device) -> PVSettings:
 def setup_device(args: argparse.Namespace) -> torch.device:
     """The process's device; under torchrun also joins the process group (nccl on GPU, gloo on CPU)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+        die_with_parent()  # a torchrun worker dies with torchrun, never outliving a killed job
         cuda = str(args.device).startswith("cuda")
         torch.distributed.init_process_group("nccl" if cuda else "gloo")
         if cuda:
@@ -161,8 +170,13 @@ def pvtune(args: argparse.Namespace) -> dict:
         say(f"step {row['step']}: held-out KL {row['kl']:.5f}, perplexity {row['perplexity']:.4f} "
             f"({row['seconds']:.1f} s)", flush=True)
 
+    resumer = None
+    if args.state_dir is not None:
+        resumer = Resumer(args.state_dir, args.save_state_every, run_fingerprint(
+            settings_record(settings) | {"world_size": size}, data.record,
+            [args.model_dir, args.checkpoint_dir, args.corpus]))
     result = train(student, teacher, data.train.input_ids, data.heldout.input_ids, settings, device,
-                   progress=not args.quiet, on_eval=report)
+                   progress=not args.quiet, on_eval=report, resumer=resumer)
     timings.update(result.timings)
     record = {
         "settings": settings_record(settings) | {"device": str(device), "world_size": size, "teacher_dtype": teacher_dtype},
@@ -196,6 +210,8 @@ def pvtune(args: argparse.Namespace) -> dict:
         timings["total_seconds"] = time.perf_counter() - started
         record["timings"] = timings
         artifacts.write_json(args.metrics, record)
+        if resumer is not None:
+            resumer.finish()
     if size > 1:
         torch.distributed.barrier()
     record.setdefault("timings", timings)
@@ -205,11 +221,11 @@ def pvtune(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        verify_inputs(args.model_dir, args.checkpoint_dir, args.corpus)
         record = pvtune(args)
         rank = world()[0]  # before the process group is gone
-    except (StudentError, FileNotFoundError, KeyError, ValueError) as error:
-        print(f"aqflow pvtune: error: {error}", file=sys.stderr)
-        return 2
+    except (*EXPECTED_ERRORS, StudentError, KeyError, ValueError) as error:
+        return report_error("pvtune", error)
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import platform
 import re
-import sys
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from aqflow.quant.quantize import QuantizerSettings, layer_summary, quantize_lay
 from aqflow.quant.representation import pack_codes
 from aqflow.quant.validation import QuantizationInputError
 from aqflow.tensor_files import load_tensor
+from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +78,7 @@ def calibration_site(calibration_dir: Path, layer: str) -> tuple[Path, str]:
     from aqflow.calibration.hessians import load_manifest
 
     block, linear = split_module_name(layer)
-    manifest = load_manifest(calibration_dir)
+    manifest = load_manifest(calibration_dir, verify=True, blocks=[block])
     rows = manifest[(manifest["block"] == block) & manifest["linears"].apply(lambda names: linear in list(names))]
     if rows.empty:
         raise KeyError(f"{calibration_dir}: the manifest has no input site for block {block} linear {linear!r}")
@@ -92,7 +93,7 @@ def load_inputs(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, s
         from aqflow.models.weights import load_model_tensor
 
         block_file, key = calibration_site(args.calibration_dir, args.layer)
-        return load_model_tensor(args.model_dir, f"{args.layer}.weight"), load_tensor(block_file, key), args.layer
+        return load_model_tensor(args.model_dir, f"{args.layer}.weight"), load_tensor(block_file, key, verify=True), args.layer
     if args.weight is None or args.xtx is None:
         raise ValueError("give --weight and --xtx, or --model-dir, --calibration-dir and --layer")
     return load_tensor(args.weight, args.weight_key), load_tensor(args.xtx, args.xtx_key), args.weight.stem
@@ -126,18 +127,36 @@ def run(args: argparse.Namespace) -> dict:
         "scales": layer.scales,
     }
     meta = {"settings": json.dumps(dataclasses.asdict(settings)), "layer": name, "format": "aqlm"}
-    artifacts.save_safetensors(args.output, tensors, meta)
-    artifacts.write_json(args.metrics, metrics)
+    write_layer_pair(args.output, args.metrics, tensors, meta, metrics)
     return metrics
+
+
+def write_layer_pair(output: Path, metrics_path: Path, tensors: dict, meta: dict, metrics: dict) -> None:
+    """The layer's tensors and metrics as one unit: the metrics JSON, written first, records the
+    sha256 of the tensor file's bytes, then the tensor file is renamed into place. A crash between
+    the two leaves a JSON whose `tensors_sha256` matches no tensor file (missing, or an older one),
+    which stitch refuses (`aqflow.checkpoint.read_layer_artifact`): there is never a pair that
+    looks finished but is half old, half new."""
+    from safetensors.torch import save
+
+    payload = save({key: value.detach().contiguous() for key, value in tensors.items()}, metadata=meta)
+    artifacts.write_json(metrics_path, metrics | {"tensors_file": output.name,
+                                                  "tensors_sha256": hashlib.sha256(payload).hexdigest()})
+    try:
+        with artifacts.atomic_path(output) as tmp:
+            tmp.write_bytes(payload)
+    except BaseException:  # e.g. the disk filled up: take back the metrics, leave no lone half of the pair
+        for path in (metrics_path, artifacts.sidecar_path(metrics_path)):
+            path.unlink(missing_ok=True)
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         metrics = run(args)
-    except (QuantizationInputError, FileNotFoundError, KeyError, ValueError) as error:
-        print(f"aqflow quantize-layer: error: {error}", file=sys.stderr)
-        return 2
+    except (*EXPECTED_ERRORS, QuantizationInputError, KeyError, ValueError) as error:
+        return report_error("quantize-layer", error)
     print(
         f"{metrics['layer']}: relative MSE {metrics['init_relative_mse']:.5f} after init -> "
         f"{metrics['final_relative_mse']:.5f} after {len(metrics['epochs'])} epochs "

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from aqflow import artifacts
 from aqflow.reporting import plot_layers, plot_pareto, plot_pv_curves, summary_table
+from aqflow.artifacts import verify_inputs
+from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +21,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pv-curves", type=Path, default=None, help="PV-tuning curves .png to write")
     parser.add_argument("--pv-logs", nargs="*", type=Path, default=[], help="PV-tuning train_log.parquet files")
     args = parser.parse_args(argv)
+    try:
+        verify_inputs(*args.evals, *args.pv_logs)
+        table = write_report(args)
+    except (*EXPECTED_ERRORS, KeyError, ValueError) as error:
+        return report_error("report", error)
+    print(table.to_string(index=False))
+    return 0
+
+
+def write_report(args: argparse.Namespace):
+    """Every output of the report from the eval.json files; the summary table."""
     table = summary_table(args.evals)
     artifacts.write_parquet(args.parquet, table)
     with artifacts.atomic_path(args.csv) as tmp:
@@ -30,5 +43,4 @@ def main(argv: list[str] | None = None) -> int:
     if args.pv_curves is not None:
         with artifacts.atomic_path(args.pv_curves) as tmp:
             plot_pv_curves(args.pv_logs, tmp)
-    print(table.to_string(index=False))
-    return 0
+    return table

@@ -9,13 +9,12 @@ artifact is checked before anything is written; on a bad input nothing is writte
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-
-from safetensors.torch import load_file
 
 from aqflow.checkpoint import CheckpointError, stored_bits_per_parameter, write_aqlm_checkpoint
 from aqflow.models.fetch import config_dtype
+from aqflow.artifacts import load_safetensors, verify_inputs
+from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,14 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         dtype = (config_dtype(args.model_dir) or "float16") if args.dtype == "auto" else args.dtype
+        verify_inputs(args.model_dir, *args.layers_dir, *args.replace_tensors)
         replaced = {}
         for path in args.replace_tensors:
-            replaced.update(load_file(str(path)))
+            replaced.update(load_safetensors(path, verify=False))  # verified above
         output_dir = write_aqlm_checkpoint(args.model_dir, args.layers_dir, args.output_dir,
                                            num_codebooks=args.num_codebooks, nbits=args.nbits,
                                            group_size=args.group_size, dtype=dtype, replaced_tensors=replaced)
-    except (CheckpointError, ValueError, KeyError, OSError) as error:
-        print(f"aqflow stitch: error: {error}", file=sys.stderr)
-        return 2
+    except (*EXPECTED_ERRORS, CheckpointError, ValueError, KeyError) as error:
+        return report_error("stitch", error)
     print(f"{output_dir}: AQLM checkpoint, {stored_bits_per_parameter(output_dir):.3f} stored bits per quantized weight")
     return 0
