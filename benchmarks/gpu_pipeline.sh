@@ -30,7 +30,7 @@ part)
 start)
   # Snakemake runs detached (its own session) in a copy outside the synced checkout, so that it
   # outlives this call and keeps its outputs between calls: the device tool replaces the
-  # checkout's unignored files (results/smollm2 is committed) at every call, and a job killed at a
+  # checkout's unignored files (results/published is committed) at every call, and a job killed at a
   # call's time limit would restart from scratch. Later `wait` calls watch it.
   gguf="$STAGE/cache/smollm2/$GGUF_NAME"
   if [ ! -f "$gguf" ]; then cat "$STAGE"/parts/gguf.* > "$gguf.tmp" && mv "$gguf.tmp" "$gguf"; fi

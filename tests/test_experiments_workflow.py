@@ -49,3 +49,12 @@ def test_a_geometry_of_another_bit_rate_is_refused_when_the_dag_is_built(tmp_pat
     assert result.returncode != 0
     output = result.stdout + result.stderr
     assert "g8m1k256-b2" in output and "stores 1 code bits per weight" in output
+
+
+def test_results_folders_that_are_not_models_cannot_be_model_names(tmp_path):
+    config = dict(TINY, models={**TINY["models"], "published": {"preset": "tiny"}})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile", str(path),
+                             "--directory", str(tmp_path), "-n"], capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0 and "['published'] are folders of results/" in result.stdout + result.stderr

@@ -151,6 +151,14 @@ PRE_PV_EVAL = "eval_pre_pv.json" if PV_ENABLED else "eval.json"
 
 
 GROUP_SIZE = config["quantization"].get("group_size", 8)
+# folders of results/ that are not models: published results (committed, written by hand only),
+# the report and the experiment tables
+RESERVED_RESULT_FOLDERS = ("published", "report", "paper")
+if set(config["models"]) & set(RESERVED_RESULT_FOLDERS):
+    raise ValueError(
+        f"config.yaml models: {sorted(set(config['models']) & set(RESERVED_RESULT_FOLDERS))} are folders of "
+        f"results/ ({list(RESERVED_RESULT_FOLDERS)}); give the model another name"
+    )
 # every `models:` entry parsed (a bad entry is an error naming it before anything runs)
 MODEL_ENTRIES = {
     name: parse_model_entry(name, entry) for name, entry in config["models"].items()
