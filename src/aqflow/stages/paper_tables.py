@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import pandas as pd
 
 from aqflow import artifacts
+from aqflow.artifacts import read_json, verify_inputs
 from aqflow.experiments.claims import claims_table, paper_claims
 from aqflow.experiments.paper_numbers import PAPER_DOMAIN_RATIOS, paper_cells
 from aqflow.experiments.plots import plot_against_beam, plot_against_domain, plot_against_rho, plot_pre_to_post_pv
 from aqflow.experiments.runs import grid_evals, missing_cells, runs_table
 from aqflow.experiments.tables import frame_markdown, markdown_table, seed_statistics, with_paper
+from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
 
 PLOTS = ("beam.png", "rho.png", "domains.png", "pv.png")
 
@@ -136,11 +137,14 @@ def write_tables(runs: pd.DataFrame, out_dir: Path, domains: list[str], expected
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    absent = [str(path) for path in args.evals if not path.is_file()]
-    if absent:
-        print(f"aqflow paper-tables: error: eval.json files not found: {absent}", file=sys.stderr)
-        return 2
-    expected = json.loads(args.expected_cells.read_text()) if args.expected_cells else []
-    result = write_tables(runs_table(grid_evals(args.evals, expected)), args.out_dir, args.domains, expected)
+    try:
+        absent = [str(path) for path in args.evals if not path.is_file()]
+        if absent:
+            raise FileNotFoundError(f"eval.json files not found: {absent}")
+        verify_inputs(*args.evals, args.expected_cells)
+        expected = read_json(args.expected_cells, required=False) if args.expected_cells else []
+        result = write_tables(runs_table(grid_evals(args.evals, expected)), args.out_dir, args.domains, expected)
+    except (*EXPECTED_ERRORS, KeyError, ValueError) as error:
+        return report_error("paper-tables", error)
     print(f"paper tables from {result['runs']} runs -> {args.out_dir} ({len(result['missing'])} expected cells missing)")
     return 0
