@@ -10,7 +10,6 @@ the list of expected cells that have no run yet.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import pandas as pd
