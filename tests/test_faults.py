@@ -58,7 +58,7 @@ def run_snakemake(workdir: Path, *args: str, config: Path = CONFIG) -> subproces
     ("results/tiny/3bpp/greedy/b2e2/eval.json", "wildcard bpp='3' is not one of config bitrates: allowed ['2']"),
     ("results/huge/2bpp/greedy/b2e2/eval.json", "wildcard model='huge' is not one of config models: allowed ['tiny']"),
     ("results/huge/fp/eval.json", "wildcard model='huge'"),
-    ("results/tiny/2bpp/kmeans/b2e2/eval.json", "wildcard init='kmeans' is not one of the known inits: allowed ['greedy', 'oaem']"),
+    ("results/tiny/2bpp/kmeans/b2e2/eval.json", "wildcard init='kmeans' is not one of the known inits: allowed ['greedy', 'oaem', 'oaem-patient']"),
     (f"{VARIANT[:-4]}b0/layers/model.layers.0.mlp.up_proj.safetensors", "wildcard variant='b0'"),
 ])
 def test_an_impossible_target_fails_the_dry_run_naming_the_wildcard(tmp_path, target, named):
