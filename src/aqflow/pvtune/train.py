@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from ..quant.representation import pack_codes, unpack_codes
 from .loss import chunked_kl_sum, chunked_nll_sum, final_hidden
 from .student import PVLinear, close_weight_gradients, open_weight_gradients, pv_linears
-from .vstep import DEFAULT_MEMORY_BUDGET_BYTES, v_step_layer
+from .vstep import DEFAULT_MEMORY_BUDGET_BYTES, v_step_layer_queued
 
 SELECTION_METRICS = ("kl", "perplexity")
 
@@ -388,14 +388,15 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
                 if p_optimizer is not None:
                     p_optimizer.step()
                     p_optimizer.zero_grad(set_to_none=True)
-            changed = 0
+            changed_groups = torch.zeros((), dtype=torch.int64, device=device)
             with _timed(timings, "v_step_seconds", device):
                 if v_optimizer is not None:
                     v_optimizer.step()
                     v_optimizer.zero_grad(set_to_none=True)
                     for layer in layers:
-                        changed += v_step_layer(layer, settings.max_code_change_fraction, settings.code_beam_size,
-                                                settings.beam_memory_budget_bytes)
+                        changed_groups += v_step_layer_queued(layer, settings.max_code_change_fraction,
+                                                              settings.code_beam_size, settings.beam_memory_budget_bytes)
+            changed = int(changed_groups)
             step += 1
             epoch = step / steps_per_epoch
             log.append({"step": step, "epoch": epoch, "split": "train", "kl": loss_sum.item() / batch_tokens,
