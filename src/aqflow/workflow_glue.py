@@ -12,6 +12,7 @@ import importlib
 from typing import Any, Mapping
 
 from aqflow.__main__ import STAGES
+from aqflow.gpu_pool import pin_job_gpus
 
 
 def settings_argv(settings: Mapping[str, Any]) -> list[str]:
@@ -36,8 +37,15 @@ def flags_argv(settings: Mapping[str, Any]) -> list[str]:
     return argv
 
 
+def job_gpus(snakemake) -> int:
+    """The rule's `gpu` resource (0 when it has none)."""
+    return int(getattr(snakemake.resources, "gpu", 0) or 0)
+
+
 def run_stage(snakemake, stage: str, argv: list[str]) -> None:
-    """Run `python -m aqflow <stage> argv` in this process, logging to the rule's log."""
+    """Run `python -m aqflow <stage> argv` in this process, logging to the rule's log; a GPU job is
+    first pinned to the least-busy card of the node (`gpu_pool`)."""
+    pin_job_gpus(job_gpus(snakemake))
     module = importlib.import_module(STAGES[stage])
     log_path = snakemake.log[0]
     with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
@@ -69,6 +77,8 @@ def run_stage_on_gpus(snakemake, stage: str, argv: list[str], num_gpus: int) -> 
         run_stage(snakemake, stage, argv)
         return
     import subprocess
+
+    pin_job_gpus(num_gpus)  # torchrun's processes inherit the chosen cards
 
     from aqflow.calibration.sharded import torchrun_command
 
