@@ -102,7 +102,7 @@ def v_step_layer_queued(layer, max_fraction: float, beam_size: int,
     target = layer.straight_through.detach().float()
     errors = group_squared_errors(target, layer.dequantized().float(), layer.group_size)  # [out, G]
     count = min(errors.numel(), math.ceil(max_fraction * errors.numel()))
-    indices = errors.reshape(-1).topk(count, largest=True, sorted=True).indices
+    indices = errors.reshape(-1).topk(count, largest=True, sorted=False).indices  # a set: the order is not used
     new_codes = reencode_groups(target, layer.codes, layer.codebooks.detach().float(), layer.scales.detach().float(),
                                 indices, beam_size, memory_budget_bytes)
     new_codes = torch.where((errors > 0)[..., None], new_codes, layer.codes)
