@@ -87,3 +87,19 @@ def test_the_chosen_card_reaches_a_rule_script_before_torch_starts(tmp_path):
     first = subprocess.run([sys.executable, "-c", script, str(tmp_path / "log")], env=env, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
     assert first.stdout.split() == ["0", "False"]
+
+
+def test_gpu_node_profile_gives_pvtune_two_cards(tmp_path):
+    """profiles/gpu-node parses and reaches the jobs: pvtune asks for 2 GPUs (torchrun over two
+    cards), the rest as config.yaml says (dry run of the tiny model's PV target)."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-s", str(repo / "Snakefile"), "--profile", str(repo / "profiles" / "gpu-node"),
+         "--directory", str(tmp_path), "--dry-run", "results/tiny/2bpp/greedy/b8/pv/pvtune.json"],
+        capture_output=True, text=True, cwd=repo, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    jobs = dict(re.findall(r"^rule (\w+):\n(?:    .*\n)*?    resources: (.*)$", result.stdout, flags=re.M))
+    assert re.search(r"\bgpu=2\b", jobs["pvtune"]) and re.search(r"\bgpu=0\b", jobs["fetch_model"])
