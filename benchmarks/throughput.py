@@ -137,13 +137,15 @@ def steady_step_seconds(log: pd.DataFrame) -> list[float]:
 
 
 def run_variant(label: str, source: Path, inputs: dict, shape_name: str, work: Path, extra: list[str],
-                device: str) -> dict:
-    batch, steps, heldout, every = RUNS[shape_name]
+                device: str, run: tuple[int, int, int, int], processes: int = 1) -> dict:
+    batch, steps, heldout, every = run
     tokens = WINDOW_TOKENS.get(shape_name, 4096)
     out = work / label
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source.resolve()), os.environ.get("PYTHONPATH", "")]),
                PYTHONUNBUFFERED="1")
-    command = [sys.executable, "-m", "aqflow", "pvtune", "--model-dir", str(inputs["teacher"]),
+    launcher = [sys.executable] if processes == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+    command = [*launcher, "-m", "aqflow", "pvtune", "--model-dir", str(inputs["teacher"]),
                "--checkpoint-dir", str(inputs["student"]), "--corpus", str(inputs["corpus"]),
                "--num-samples", str(batch * steps), "--heldout-samples", str(heldout), "--window-tokens", str(tokens),
                "--batch-size", str(batch), "--epochs", "1", "--max-steps", str(steps), "--eval-every-steps", str(every),
@@ -160,7 +162,8 @@ def run_variant(label: str, source: Path, inputs: dict, shape_name: str, work: P
     durations = steady_step_seconds(log)
     heldout_rows = log[log["split"] == "heldout"]
     return {
-        "source": str(source), "extra_flags": extra, "wall_seconds": wall,
+        "source": str(source), "extra_flags": extra, "wall_seconds": wall, "processes": processes,
+        "batch_windows, steps, heldout_windows, eval_every": run,
         "micro_batch_size": record.get("micro_batch_size_used", record["settings"]["micro_batch_size"]),
         "peak_memory_allocated_gib": record.get("peak_memory_allocated_gib"),
         "steady_step_seconds": durations,
@@ -200,14 +203,18 @@ def command_pv(args: argparse.Namespace) -> int:
     teacher = build_teacher(work / "teacher", shape, args.device)
     inputs = {"teacher": teacher, "student": build_student(teacher, work, args.device), "corpus": build_corpus(
         work / "corpus.parquet", 48, 40_000 if args.shape != "smoke" else 2000)}
+    run = tuple(args.run) if args.run else RUNS[args.shape]
     report = {"shape_name": args.shape, "shape": shape,
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-              "batch_windows, steps, heldout_windows, eval_every": RUNS[args.shape],
+              "cards": torch.cuda.device_count() if args.device == "cuda" else 0,
+              "batch_windows, steps, heldout_windows, eval_every": run,
               "prepare_seconds": time.perf_counter() - started}
     print(f"inputs ready in {report['prepare_seconds']:.0f} s", flush=True)
     for label, source, extra in (("before", args.before, args.before_flags), ("after", args.after, args.after_flags)):
-        report[label] = run_variant(label, source, inputs, args.shape, work, extra, args.device)
-        args.out.write_text(json.dumps(report, indent=2))
+        if label in args.variants:
+            report[label] = run_variant(label, source, inputs, args.shape, work, extra, args.device, run,
+                                        args.processes)
+            args.out.write_text(json.dumps(report, indent=2))
     if args.profile:
         text = profile_in_process(inputs, args.shape)
         (args.out.with_suffix(".profile.txt")).write_text(text)
@@ -217,6 +224,13 @@ def command_pv(args: argparse.Namespace) -> int:
 
 
 def print_pv(report: dict) -> None:
+    if "before" not in report or "after" not in report:
+        for label in ("before", "after"):
+            if label in report:
+                row = report[label]
+                print(f"{report['shape_name']} {label} on {report['device']} x{row['processes']} processes: "
+                      f"{row['tokens_per_s']:.0f} tokens/s, micro-batch {row['micro_batch_size']}, held-out KL {row['heldout_kl']}")
+        return
     before, after = report["before"], report["after"]
     print(f"{report['shape_name']} on {report['device']}: tokens/s {before['tokens_per_s']:.0f} -> {after['tokens_per_s']:.0f} "
           f"({after['tokens_per_s'] / before['tokens_per_s']:.1f}x); micro-batch {before['micro_batch_size']} -> "
@@ -272,6 +286,10 @@ def main() -> int:
     pv.add_argument("--out", type=Path, required=True)
     pv.add_argument("--profile", action="store_true", help="also print a torch.profiler table of the new code")
     pv.add_argument("--device", default="cuda", help="cuda; cpu only for --shape smoke")
+    pv.add_argument("--variants", nargs="+", default=["before", "after"], choices=["before", "after"])
+    pv.add_argument("--processes", type=int, default=1, help="torchrun processes (one per GPU)")
+    pv.add_argument("--run", type=int, nargs=4, metavar=("BATCH", "STEPS", "HELDOUT", "EVAL_EVERY"),
+                    help="override the shape's run (windows per step, steps, held-out windows, eval every)")
     table = commands.add_parser("table", help="merge pv reports into one JSON and print the table")
     table.add_argument("reports", nargs="+")
     table.add_argument("--out", type=Path, required=True)
