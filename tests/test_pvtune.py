@@ -182,6 +182,33 @@ def test_v_step_changes_at_most_the_configured_fraction_of_each_layer(setup, rng
     assert changed == int((layer.codes != before).any(-1).sum())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_v_step_replayed_as_a_cuda_graph_equals_the_eager_v_step(setup, rng):
+    """Three V-steps with the straight-through weights moved in place between them: the recorded
+    and replayed graph leaves the same codes, step by step, as running every layer eagerly."""
+    from aqflow.pvtune.vstep import VStep
+
+    students = [load_student(setup["aqlm_dir"], "cuda") for _ in range(2)]
+    runners = []
+    for student, use_graph in zip(students, (False, True)):
+        layers = list(pv_linears(student).values())
+        for layer in layers:
+            layer.enable_straight_through()
+        runners.append((layers, VStep(layers, 0.05, 1, use_graph=use_graph)))
+    assert runners[1][1].use_graph and not runners[0][1].use_graph
+    for _ in range(3):
+        noise = [0.05 * torch.randn(layer.straight_through.shape, generator=rng) for layer in runners[0][0]]
+        counts = []
+        for layers, v_step in runners:
+            with torch.no_grad():
+                for layer, delta in zip(layers, noise):
+                    layer.straight_through.add_(delta.cuda())
+            counts.append(v_step())
+        assert counts[0] == counts[1] > 0
+        for eager, replayed in zip(runners[0][0], runners[1][0]):
+            assert torch.equal(eager.codes, replayed.codes)
+
+
 # --- training ----------------------------------------------------------------------------------
 
 def test_p_step_alone_never_touches_codes(setup):

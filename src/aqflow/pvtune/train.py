@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from ..quant.representation import pack_codes, unpack_codes
 from .loss import chunked_kl_sum, chunked_nll_sum, final_hidden
 from .student import PVLinear, close_weight_gradients, open_weight_gradients, pv_linears
-from .vstep import DEFAULT_MEMORY_BUDGET_BYTES, v_step_layer_queued
+from .vstep import DEFAULT_MEMORY_BUDGET_BYTES, VStep
 
 SELECTION_METRICS = ("kl", "perplexity")
 
@@ -70,6 +70,7 @@ class PVSettings:
     seed: int = 0
     selection_metric: str = "kl"  # held-out metric that picks the state written out
     beam_memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
+    v_step_graph: bool = True  # on a GPU, replay the V-step of all layers as one CUDA graph
 
     def __post_init__(self):
         problems = []
@@ -348,6 +349,8 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
     if settings.max_steps is not None:
         total_steps = min(total_steps, settings.max_steps)
     total_groups = sum(layer.codes.shape[0] * layer.codes.shape[1] for layer in layers)
+    v_step = VStep(layers, settings.max_code_change_fraction, settings.code_beam_size,
+                   settings.beam_memory_budget_bytes, use_graph=settings.v_step_graph)
 
     def evaluate(step: int, epoch: float) -> dict:
         with _timed(timings, "heldout_eval_seconds", device):
@@ -388,15 +391,12 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
                 if p_optimizer is not None:
                     p_optimizer.step()
                     p_optimizer.zero_grad(set_to_none=True)
-            changed_groups = torch.zeros((), dtype=torch.int64, device=device)
+            changed = 0
             with _timed(timings, "v_step_seconds", device):
                 if v_optimizer is not None:
                     v_optimizer.step()
                     v_optimizer.zero_grad(set_to_none=True)
-                    for layer in layers:
-                        changed_groups += v_step_layer_queued(layer, settings.max_code_change_fraction,
-                                                              settings.code_beam_size, settings.beam_memory_budget_bytes)
-            changed = int(changed_groups)
+                    changed = v_step()
             step += 1
             epoch = step / steps_per_epoch
             log.append({"step": step, "epoch": epoch, "split": "train", "kl": loss_sum.item() / batch_tokens,

@@ -109,3 +109,48 @@ def v_step_layer_queued(layer, max_fraction: float, beam_size: int,
     changed = (new_codes != layer.codes).any(dim=-1).sum()
     layer.codes.copy_(new_codes)
     return changed
+
+
+class VStep:
+    """The V-step of every layer of a student, `v_step_layer_queued` for each in turn.
+
+    On a GPU the whole sequence (a few dozen small kernels per layer; hundreds of layers) is
+    recorded as one CUDA graph at its first call, which itself runs eagerly, and every later call
+    replays it: the launch overhead, not the arithmetic, is what a V-step costs otherwise. The
+    recording holds on to the layers' tensors (codes, codebooks, scales, straight-through weights),
+    which training only ever updates in place. Calling returns the number of changed groups.
+    """
+
+    def __init__(self, layers, max_fraction: float, beam_size: int,
+                 memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES, use_graph: bool = True):
+        self.layers = list(layers)
+        self.settings = (max_fraction, beam_size, memory_budget_bytes)
+        self.use_graph = use_graph and bool(self.layers) and self.layers[0].codes.is_cuda
+        self.graph = None
+        self.recorded_count = None
+
+    def _every_layer(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.int64, device=self.layers[0].codes.device)
+        for layer in self.layers:
+            total += v_step_layer_queued(layer, *self.settings)
+        return total
+
+    @torch.no_grad()
+    def __call__(self) -> int:
+        if not self.use_graph:
+            return int(self._every_layer())
+        if self.graph is not None:
+            self.graph.replay()
+            return int(self.recorded_count)
+        # the first call is also the warm-up a capture needs (on a side stream); the capture
+        # itself only records, so the codes are updated once
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            changed = self._every_layer()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.recorded_count = self._every_layer()
+        self.graph = graph
+        return int(changed)
