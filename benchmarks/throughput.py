@@ -200,9 +200,12 @@ def command_pv(args: argparse.Namespace) -> int:
     shape = SHAPES[args.shape]
     work = args.work / args.shape
     started = time.perf_counter()
-    teacher = build_teacher(work / "teacher", shape, args.device)
-    inputs = {"teacher": teacher, "student": build_student(teacher, work, args.device), "corpus": build_corpus(
-        work / "corpus.parquet", 48, 40_000 if args.shape != "smoke" else 2000)}
+    if args.reuse and (work / "aqlm").is_dir() and (work / "corpus.parquet").is_file():
+        inputs = {"teacher": work / "teacher", "student": work / "aqlm", "corpus": work / "corpus.parquet"}
+    else:
+        teacher = build_teacher(work / "teacher", shape, args.device)
+        inputs = {"teacher": teacher, "student": build_student(teacher, work, args.device), "corpus": build_corpus(
+            work / "corpus.parquet", 48, 40_000 if args.shape != "smoke" else 2000)}
     run = tuple(args.run) if args.run else RUNS[args.shape]
     report = {"shape_name": args.shape, "shape": shape,
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
@@ -286,6 +289,7 @@ def main() -> int:
     pv.add_argument("--out", type=Path, required=True)
     pv.add_argument("--profile", action="store_true", help="also print a torch.profiler table of the new code")
     pv.add_argument("--device", default="cuda", help="cuda; cpu only for --shape smoke")
+    pv.add_argument("--reuse", action="store_true", help="use the inputs an earlier run left in --work")
     pv.add_argument("--variants", nargs="+", default=["before", "after"], choices=["before", "after"])
     pv.add_argument("--processes", type=int, default=1, help="torchrun processes (one per GPU)")
     pv.add_argument("--run", type=int, nargs=4, metavar=("BATCH", "STEPS", "HELDOUT", "EVAL_EVERY"),
