@@ -262,6 +262,25 @@ def command_table(args: argparse.Namespace) -> int:
         rates = table["shapes"]["llama3b"]
         table["llama3b_paper_pv_hours_one_card_before"] = PAPER_PV_TOKENS / rates["pv_tokens_per_s_before"] / 3600
         table["llama3b_paper_pv_hours_one_card_after"] = PAPER_PV_TOKENS / rates["pv_tokens_per_s_after"] / 3600
+    for path in args.vstep:  # after, with the V-step eager vs replayed as a CUDA graph (another call)
+        report = json.loads(Path(path).read_text())
+        name = f"{report['shape_name']}_{'graph' if '--no-v-step-graph' not in report['after']['extra_flags'] else 'eager'}"
+        table.setdefault("v_step_graph_call", {})[name] = {
+            "device": report["device"], "pv_tokens_per_s": report["after"]["tokens_per_s"],
+            "pv_heldout_kl": report["after"]["heldout_kl"], "v_step_seconds": report["after"]["timings"]["v_step_seconds"],
+            "steps": report["after"]["batch_windows, steps, heldout_windows, eval_every"][1]}
+    if "llama3b_graph" in table.get("v_step_graph_call", {}):
+        rate = table["v_step_graph_call"]["llama3b_graph"]["pv_tokens_per_s"]
+        table["llama3b_paper_pv_hours_one_card_after_with_v_step_graph"] = PAPER_PV_TOKENS / rate / 3600
+    if args.multi:
+        report = json.loads(Path(args.multi).read_text())
+        row = report["after"]
+        table["llama3b_multi_card"] = {"device": report["device"], "cards": row["processes"],
+                                       "pv_tokens_per_s": row["tokens_per_s"], "heldout_kl": row["heldout_kl"],
+                                       "micro_batch_size": row["micro_batch_size"],
+                                       "batch_windows": row["batch_windows, steps, heldout_windows, eval_every"][0]}
+        table[f"llama3b_paper_pv_hours_{row['processes']}_cards"] = PAPER_PV_TOKENS / row["tokens_per_s"] / 3600
+    table["eval_seconds_before"] = table["eval_seconds_after"] = None  # evaluation speed: not measured (README)
     args.out.write_text(json.dumps(table, indent=2))
     print(f"device: {table['device']}")
     print(f"{'shape':8s} {'tok/s before':>12s} {'tok/s after':>12s} {'speedup':>8s} {'KL before':>10s} {'KL after':>10s} micro-batch")
@@ -270,9 +289,15 @@ def command_table(args: argparse.Namespace) -> int:
         print(f"{name:8s} {row['pv_tokens_per_s_before']:12.0f} {row['pv_tokens_per_s_after']:12.0f} {row['speedup']:7.1f}x "
               f"{row['pv_heldout_kl_before'][last]:10.5f} {row['pv_heldout_kl_after'][last]:10.5f} "
               f"{row['micro_batch_size_before']} -> {row['micro_batch_size_after']}")
-    for key in ("llama3b_paper_pv_hours_one_card_before", "llama3b_paper_pv_hours_one_card_after"):
-        if key in table:
-            print(f"{key}: {table[key]:.1f} h")
+    for name, row in table.get("v_step_graph_call", {}).items():
+        print(f"{name:14s} {row['pv_tokens_per_s']:8.0f} tokens/s, V-step {row['v_step_seconds'] / row['steps']:.2f} s a step "
+              f"({row['device']})")
+    if "llama3b_multi_card" in table:
+        row = table["llama3b_multi_card"]
+        print(f"llama3b on {row['cards']} cards ({row['device']}): {row['pv_tokens_per_s']:.0f} tokens/s")
+    for key, value in table.items():
+        if key.startswith("llama3b_paper_pv_hours"):
+            print(f"{key}: {value:.1f} h")
     return 0
 
 
@@ -296,6 +321,8 @@ def main() -> int:
                     help="override the shape's run (windows per step, steps, held-out windows, eval every)")
     table = commands.add_parser("table", help="merge pv reports into one JSON and print the table")
     table.add_argument("reports", nargs="+")
+    table.add_argument("--vstep", nargs="*", default=[], help="after-only reports, V-step graph vs eager")
+    table.add_argument("--multi", default=None, help="after-only report of a torchrun run over several cards")
     table.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     return {"pv": command_pv, "table": command_table}[args.command](args)
