@@ -11,7 +11,7 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 WORK=${WORK:-/root/node}
 cards=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
-tp="python3 benchmarks/throughput.py pv --before src --after src --variants after"
+tp="timeout 150 python3 benchmarks/throughput.py pv --before src --after src --variants after"
 CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider tests/test_pvtune.py -k cuda_graph > "$OUT/graph_test.log" 2>&1 &
 CUDA_VISIBLE_DEVICES=0 $tp --shape smollm2 --work $WORK/graph --out "$OUT/vstep_smollm2_graph.json" > "$WORK.s0.log" 2>&1 &
 CUDA_VISIBLE_DEVICES=1 $tp --shape smollm2 --work $WORK/eager --out "$OUT/vstep_smollm2_eager.json" --after-flags=--no-v-step-graph > "$WORK.s1.log" 2>&1 &
@@ -20,7 +20,7 @@ CUDA_VISIBLE_DEVICES=3 $tp --shape llama3b --work $WORK/eager --out "$OUT/vstep_
 wait
 tail -1 "$OUT/graph_test.log"
 for log in "$WORK".s0.log "$WORK".s1.log "$WORK".l2.log "$WORK".l3.log; do grep -E "tokens/s|Error|error" "$log" | tail -2; done
-python3 benchmarks/gpu_spread.py --work $WORK/spread --out "$OUT/gpu_spread.json" 2>&1 | tail -3
-$tp --shape llama3b --work $WORK/graph --reuse --processes "$cards" --run 32 5 4 5 \
+timeout 100 python3 benchmarks/gpu_spread.py --blocks 8 --work $WORK/spread --out "$OUT/gpu_spread.json" 2>&1 | tail -3
+timeout 120 ${tp#timeout 150 } --shape llama3b --work $WORK/graph --reuse --processes "$cards" --run 32 5 4 5 \
     --out "$OUT/pv_llama3b_x${cards}.json" > "$WORK.multi.log" 2>&1
 grep -E "tokens/s|Error|error" "$WORK.multi.log" | tail -3
