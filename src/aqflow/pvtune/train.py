@@ -216,7 +216,7 @@ def choose_micro_batch_size(student: nn.Module, teacher: nn.Module, window: torc
     before the first step) are reserved, and so are the V-step's beam-search budget and 10 % of
     the rest. Capped at this process's share of a batch; 1 on a CPU.
     """
-    rank, size = world()
+    size = world()[1]
     most = max(1, math.ceil(settings.batch_size / size))
     if device.type != "cuda":
         return 1
