@@ -91,6 +91,39 @@ def test_straight_through_weight_gets_the_weight_gradient_and_changes_no_output(
     assert layer.codebooks.grad is not None and layer.scales.grad is not None
 
 
+def test_weight_gradients_summed_per_step_equal_autograd_through_every_call(setup):
+    """Two micro-batches with activation checkpointing: the open/close path (dL/dW summed, then
+    pushed through the dequantization once) gives the gradients of plain autograd through every
+    call's dequantization, for straight-through weights, codebooks, scales and the rest."""
+    from aqflow.pvtune.student import close_weight_gradients, open_weight_gradients
+
+    settings = pvtrain.PVSettings(**QUICK)
+    windows = setup["data"].train.input_ids[:4]
+    teacher = _teacher(setup)
+    gradients = []
+    for summed in (False, True):
+        student = load_student(setup["aqlm_dir"])
+        layers = list(pv_linears(student).values())
+        p_params, v_params = pvtrain.trainable_groups(student, settings)
+        pvtrain.set_checkpointing(student, True)
+        student.train()
+        if summed:
+            open_weight_gradients(layers)
+            assert all(layer.weight_gradient is layer.straight_through.grad for layer in layers)
+        for micro in (windows[:2], windows[2:]):
+            pvtrain.micro_batch_kl(student, teacher, micro, settings, torch.device("cpu")).backward()
+        if summed:
+            close_weight_gradients(layers)
+            assert all(layer.weight_gradient is None for layer in layers)
+        names = {id(p): n for n, p in student.named_parameters()}
+        gradients.append({names[id(p)]: p.grad.clone() for p in p_params + v_params})
+    plain, summed = gradients
+    assert plain.keys() == summed.keys() and any(name.endswith("straight_through") for name in plain)
+    for name in plain:
+        torch.testing.assert_close(summed[name], plain[name], rtol=1e-4, atol=1e-7, msg=name)
+        assert plain[name].abs().sum() > 0, name
+
+
 def test_chunked_kl_equals_the_full_kl_and_its_gradient(setup):
     student, teacher = load_student(setup["aqlm_dir"]), _teacher(setup)
     hidden_s = torch.randn(37, 64, requires_grad=True)
@@ -147,6 +180,33 @@ def test_v_step_changes_at_most_the_configured_fraction_of_each_layer(setup, rng
     changed = v_step_layer(layer, max_fraction=0.05, beam_size=2)
     assert 0 < changed <= math.ceil(0.05 * num_groups)
     assert changed == int((layer.codes != before).any(-1).sum())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_v_step_replayed_as_a_cuda_graph_equals_the_eager_v_step(setup, rng):
+    """Three V-steps with the straight-through weights moved in place between them: the recorded
+    and replayed graph leaves the same codes, step by step, as running every layer eagerly."""
+    from aqflow.pvtune.vstep import VStep
+
+    students = [load_student(setup["aqlm_dir"], "cuda") for _ in range(2)]
+    runners = []
+    for student, use_graph in zip(students, (False, True)):
+        layers = list(pv_linears(student).values())
+        for layer in layers:
+            layer.enable_straight_through()
+        runners.append((layers, VStep(layers, 0.05, 1, use_graph=use_graph)))
+    assert runners[1][1].use_graph and not runners[0][1].use_graph
+    for _ in range(3):
+        noise = [0.05 * torch.randn(layer.straight_through.shape, generator=rng) for layer in runners[0][0]]
+        counts = []
+        for layers, v_step in runners:
+            with torch.no_grad():
+                for layer, delta in zip(layers, noise):
+                    layer.straight_through.add_(delta.cuda())
+            counts.append(v_step())
+        assert counts[0] == counts[1] > 0
+        for eager, replayed in zip(runners[0][0], runners[1][0]):
+            assert torch.equal(eager.codes, replayed.codes)
 
 
 # --- training ----------------------------------------------------------------------------------

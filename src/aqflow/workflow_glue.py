@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from aqflow.__main__ import STAGES
 from aqflow.artifacts import read_json
+from aqflow.gpu_pool import pin_job_gpus
 
 
 def settings_argv(settings: Mapping[str, Any]) -> list[str]:
@@ -38,12 +39,19 @@ def flags_argv(settings: Mapping[str, Any]) -> list[str]:
     return argv
 
 
+def job_gpus(snakemake) -> int:
+    """The rule's `gpu` resource (0 when it has none)."""
+    return int(getattr(snakemake.resources, "gpu", 0) or 0)
+
+
 def run_stage(snakemake, stage: str, argv: list[str]) -> None:
     """Run `python -m aqflow <stage> argv` in this process, logging to the rule's log.
 
     A stage's one-line error (exit 2) is in the log and in the job's failure message; a bug's
     traceback is written to the log too before it propagates. The stale temporaries of this job's
-    earlier, killed runs are removed first."""
+    earlier, killed runs are removed first, and a GPU job is pinned to the least-busy card of the
+    node (`gpu_pool`)."""
+    pin_job_gpus(job_gpus(snakemake))
     module = importlib.import_module(STAGES[stage])
     log_path = snakemake.log[0]
     removed = remove_stale_outputs(getattr(snakemake, "output", []))
@@ -102,6 +110,8 @@ def run_stage_on_gpus(snakemake, stage: str, argv: list[str], num_gpus: int) -> 
         run_stage(snakemake, stage, argv)
         return
     import subprocess
+
+    pin_job_gpus(num_gpus)  # torchrun's processes inherit the chosen cards
 
     from aqflow.calibration.sharded import torchrun_command
     from aqflow.processes import die_with_parent

@@ -12,6 +12,14 @@ layer also holds `straight_through` [out, in], a float copy of its weight. The f
 dL/dst = dL/dW: the straight-through estimator. Making it a Parameter lets gradient
 accumulation, gradient checkpointing and the cross-process gradient average treat it like any
 other weight.
+
+Training uses a cheaper path with the same gradients (`open_weight_gradients`): the forward
+dequantizes the weight without an autograd graph, straight into the compute dtype, and the
+backward adds dL/dW of every micro-batch into one float32 buffer per layer (the straight-through
+weight's .grad when there is one). `close_weight_gradients` then pushes that sum through the
+dequantization once per optimiser step, into codebooks and scales. Per micro-batch the old path
+ran the gather's backward (a sort of every code) and several float32 passes over each weight;
+this one runs one matmul for dL/dW.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ class PVLinear(nn.Module):
         self.scales = nn.Parameter(scales.float())
         self.bias = None if bias is None else nn.Parameter(bias.float())
         self.straight_through: nn.Parameter | None = None
+        self.weight_gradient: torch.Tensor | None = None  # float32 [out, in] while open_weight_gradients is on
 
     @property
     def nbits(self) -> int:
@@ -77,12 +86,95 @@ class PVLinear(nn.Module):
         with torch.no_grad():
             self.straight_through = nn.Parameter(self.dequantized().detach().clone())
 
+    @torch.no_grad()
+    def compute_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized weight [out, in] in `dtype`, outside autograd."""
+        return self.dequantized().to(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_gradient is not None:
+            compute_dtype = _compute_dtype(x)
+            output = _WeightGradientLinear.apply(x.to(compute_dtype), self)
+            return output if self.bias is None else output + self.bias.to(output.dtype)
         weight = self.dequantized()
         if self.straight_through is not None:
             weight = weight + (self.straight_through - self.straight_through.detach())
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, weight.to(x.dtype), bias)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear on x computes in: autocast's, if it is on for x's device, else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _add_weight_gradient(accumulator: torch.Tensor, grad_output: torch.Tensor, x: torch.Tensor) -> None:
+    """accumulator [out, in] float32 += grad_output [N, out]ᵀ @ x [N, in], the product summed in float32."""
+    if grad_output.dtype == accumulator.dtype:
+        accumulator.addmm_(grad_output.t(), x)
+        return
+    try:  # bf16/fp16 operands, float32 result straight from the matmul (CUDA)
+        accumulator.add_(torch.mm(grad_output.t(), x, out_dtype=accumulator.dtype))
+    except (RuntimeError, TypeError, NotImplementedError):
+        accumulator.add_(torch.mm(grad_output.t(), x).to(accumulator.dtype))
+
+
+class _WeightGradientLinear(torch.autograd.Function):
+    """x @ Wᵀ for a `PVLinear` whose W autograd does not track: the backward returns dL/dx and
+    adds dL/dW into the layer's `weight_gradient` buffer (see `open_weight_gradients`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: "PVLinear") -> torch.Tensor:
+        weight = layer.compute_weight(x.dtype)
+        ctx.layer = layer
+        # under activation checkpointing this forward runs without saving, then once more per
+        # block in the backward: only one block's weights are held at a time
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        layer = ctx.layer
+        if layer.weight_gradient is None:
+            raise RuntimeError("a PVLinear's backward ran after close_weight_gradients: its dL/dW would be lost")
+        _add_weight_gradient(layer.weight_gradient, grad_output.reshape(-1, grad_output.shape[-1]),
+                             x.reshape(-1, x.shape[-1]))
+        grad_x = grad_output @ weight if ctx.needs_input_grad[0] else None
+        return grad_x, None
+
+
+def open_weight_gradients(layers) -> None:
+    """Switch `layers` (PVLinear) to the accumulate-dL/dW path until `close_weight_gradients`.
+
+    The buffer is the straight-through weight's .grad (created as zeros if absent), else a new
+    float32 zero tensor [out, in]; a no-op for a layer whose weight gradient nothing needs.
+    """
+    for layer in layers:
+        if layer.weight_gradient is not None:
+            continue
+        straight_through = layer.straight_through
+        if straight_through is not None and straight_through.requires_grad:
+            if straight_through.grad is None:
+                straight_through.grad = torch.zeros_like(straight_through)
+            layer.weight_gradient = straight_through.grad
+        elif layer.codebooks.requires_grad or layer.scales.requires_grad:
+            layer.weight_gradient = torch.zeros(layer.out_features, layer.in_features, device=layer.codes.device)
+
+
+def close_weight_gradients(layers) -> None:
+    """Back-propagate each layer's accumulated dL/dW through its dequantization (into the .grad of
+    codebooks and scales) and switch the layer back to the plain path."""
+    for layer in layers:
+        accumulated = layer.weight_gradient
+        if accumulated is None:
+            continue
+        layer.weight_gradient = None
+        if layer.codebooks.requires_grad or layer.scales.requires_grad:
+            with torch.enable_grad():
+                layer.dequantized().backward(accumulated)
 
 
 # --- reading -------------------------------------------------------------------------------------

@@ -5,6 +5,10 @@ One optimiser step consumes `batch_size` windows, split into micro-batches of
 `micro_batch_size` (and, under torch.distributed, over processes: process r takes the
 micro-batches r, r + world, ...). Each micro-batch's KL sum is divided by the token count of the
 whole batch, so the accumulated and all-reduced gradient is that of the batch's mean token KL.
+`micro_batch_size: 0` picks the largest micro-batch the card's free memory allows, measured on
+one window before training (`choose_micro_batch_size`; 1 on a CPU). The quantized layers'
+dL/dW is summed over the micro-batches and pushed into codebooks and scales once per step
+(`student.open_weight_gradients`). On a GPU, float32 matmuls outside autocast may use TF32.
 Then:
 
 * P-step: Adam on codebooks, scales and, optionally, every non-quantized parameter (norms,
@@ -24,7 +28,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterator
 
 import torch
@@ -35,8 +39,8 @@ from tqdm.auto import tqdm
 from ..quant.representation import pack_codes, unpack_codes
 from .loss import chunked_kl_sum, chunked_nll_sum, final_hidden
 from .resume import LoopState, Resumer
-from .student import PVLinear, pv_linears
-from .vstep import DEFAULT_MEMORY_BUDGET_BYTES, v_step_layer
+from .student import PVLinear, close_weight_gradients, open_weight_gradients, pv_linears
+from .vstep import DEFAULT_MEMORY_BUDGET_BYTES, VStep
 
 SELECTION_METRICS = ("kl", "perplexity")
 
@@ -47,7 +51,7 @@ class PVSettings:
 
     epochs: int = 5
     batch_size: int = 32  # windows per optimiser step, over all processes
-    micro_batch_size: int = 1
+    micro_batch_size: int = 0  # windows per forward pass; 0: as many as the card's memory allows
     lr: float = 3e-4  # P-step Adam
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -67,12 +71,15 @@ class PVSettings:
     seed: int = 0
     selection_metric: str = "kl"  # held-out metric that picks the state written out
     beam_memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
+    v_step_graph: bool = True  # on a GPU, replay the V-step of all layers as one CUDA graph
 
     def __post_init__(self):
         problems = []
-        for name in ("epochs", "batch_size", "micro_batch_size", "code_beam_size", "eval_every_steps", "kl_chunk_tokens"):
+        for name in ("epochs", "batch_size", "code_beam_size", "eval_every_steps", "kl_chunk_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.micro_batch_size < 0:
+            problems.append(f"micro_batch_size must be >= 1, or 0 for automatic, got {self.micro_batch_size}")
         if not 0.0 < self.max_code_change_fraction <= 1.0:
             problems.append(f"max_code_change_fraction must lie in (0, 1], got {self.max_code_change_fraction}")
         if self.max_steps is not None and self.max_steps < 1:
@@ -94,6 +101,7 @@ class TrainResult:
     best_heldout: dict  # the held-out log row of the selected state
     initial_heldout: dict  # the held-out log row before training
     steps: int
+    micro_batch_size: int  # the one used (chosen, if the settings said 0)
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -200,6 +208,58 @@ def micro_batch_kl(student: nn.Module, teacher: nn.Module, input_ids: torch.Tens
                               teacher_hidden.reshape(-1, teacher_hidden.shape[-1]), settings.kl_chunk_tokens)
 
 
+def choose_micro_batch_size(student: nn.Module, teacher: nn.Module, window: torch.Tensor, settings: PVSettings,
+                            device: torch.device, trainable: list[nn.Parameter]) -> int:
+    """The most windows per micro-batch that fit the card, from one measured window.
+
+    window [1, T]. Runs one forward/backward (gradients discarded) and measures its peak memory
+    over what the models hold; the gradients it leaves and Adam's two moments (not yet allocated
+    before the first step) are reserved, and so are the V-step's beam-search budget and 10 % of
+    the rest. Capped at this process's share of a batch; 1 on a CPU.
+    """
+    size = world()[1]
+    most = max(1, math.ceil(settings.batch_size / size))
+    if device.type != "cuda":
+        return 1
+    layers = list(pv_linears(student).values())
+    torch.cuda.synchronize(device)
+    held = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    open_weight_gradients(layers)
+    micro_batch_kl(student, teacher, window.to(device), settings, device).backward()
+    close_weight_gradients(layers)
+    torch.cuda.synchronize(device)
+    gradients = torch.cuda.memory_allocated(device) - held
+    activations = max(torch.cuda.max_memory_allocated(device) - held - gradients, 1)
+    for parameter in trainable:
+        parameter.grad = None
+    free, _ = torch.cuda.mem_get_info(device)
+    reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    moments = sum(2 * p.numel() * p.element_size() for p in trainable)
+    budget = 0.9 * (free + reusable - gradients - moments - settings.beam_memory_budget_bytes)
+    chosen = int(max(1, min(most, budget // activations)))
+    if size > 1:  # every process takes the same size (the smallest card decides)
+        agreed = torch.tensor(chosen, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        chosen = int(agreed.item())
+    return chosen
+
+
+@contextmanager
+def tf32_matmuls(device: torch.device) -> Iterator[None]:
+    """Let float32 matmuls on a GPU use TF32 (what stays float32 under autocast: the KL's
+    log-softmax inputs are float32 already, the head and blocks run in the autocast dtype)."""
+    if device.type != "cuda":
+        yield
+        return
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
 @torch.no_grad()
 def heldout_metrics(student: nn.Module, teacher: nn.Module, windows: torch.Tensor, settings: PVSettings,
                     device: torch.device) -> dict[str, float]:
@@ -259,6 +319,13 @@ def train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, h
     loop's full state is saved every few steps and resumed from (`aqflow.pvtune.resume`).
     """
     device = torch.device(device)
+    with tf32_matmuls(device):
+        return _train(student, teacher, train_windows, heldout_windows, settings, device, progress, on_eval)
+
+
+def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, heldout_windows: torch.Tensor,
+           settings: PVSettings, device: torch.device, progress: bool,
+           on_eval: Callable[[dict], None] | None) -> TrainResult:
     rank, size = world()
     if settings.micro_batch_size * size > settings.batch_size:
         raise ValueError(f"batch_size {settings.batch_size} is smaller than micro_batch_size "
@@ -273,6 +340,10 @@ def train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, h
     teacher.eval()
 
     timings: dict[str, float] = {}
+    if settings.micro_batch_size == 0:
+        with _timed(timings, "micro_batch_probe_seconds", device):
+            settings = replace(settings, micro_batch_size=choose_micro_batch_size(
+                student, teacher, train_windows[:1], settings, device, p_params + v_params))
     log: list[dict] = []
     started = time.perf_counter()
     steps_per_epoch = batches_per_epoch(train_windows.shape[0], settings.batch_size)
@@ -280,6 +351,8 @@ def train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, h
     if settings.max_steps is not None:
         total_steps = min(total_steps, settings.max_steps)
     total_groups = sum(layer.codes.shape[0] * layer.codes.shape[1] for layer in layers)
+    v_step = VStep(layers, settings.max_code_change_fraction, settings.code_beam_size,
+                   settings.beam_memory_budget_bytes, use_graph=settings.v_step_graph)
 
     def evaluate(step: int, epoch: float) -> dict:
         with _timed(timings, "heldout_eval_seconds", device):
@@ -317,10 +390,12 @@ def train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, h
                     for i in range(rank * settings.micro_batch_size, batch.numel(), size * settings.micro_batch_size)]
             loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             with _timed(timings, "forward_backward_seconds", device):
+                open_weight_gradients(layers)
                 for micro in mine:
                     kl = micro_batch_kl(student, teacher, train_windows[micro].to(device), settings, device)
                     (kl / batch_tokens).backward()
                     loss_sum += kl.detach().double()
+                close_weight_gradients(layers)
                 _average_gradients(p_params + v_params)
                 all_reduce_sum(loss_sum)
             with _timed(timings, "p_step_seconds", device):
@@ -332,9 +407,7 @@ def train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, h
                 if v_optimizer is not None:
                     v_optimizer.step()
                     v_optimizer.zero_grad(set_to_none=True)
-                    for layer in layers:
-                        changed += v_step_layer(layer, settings.max_code_change_fraction, settings.code_beam_size,
-                                                settings.beam_memory_budget_bytes)
+                    changed = v_step()
             step += 1
             epoch = step / steps_per_epoch
             log.append({"step": step, "epoch": epoch, "split": "train", "kl": loss_sum.item() / batch_tokens,
@@ -360,7 +433,7 @@ def train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, h
     student.eval()
     timings["train_seconds"] = time.perf_counter() - started
     return TrainResult(log=log, best_step=best["step"], best_heldout=best, initial_heldout=initial, steps=step,
-                       timings=timings)
+                       micro_batch_size=settings.micro_batch_size, timings=timings)
 
 
 def settings_record(settings: PVSettings) -> dict:

@@ -84,13 +84,73 @@ def reencode_groups(target: torch.Tensor, codes: torch.Tensor, codebooks: torch.
 def v_step_layer(layer, max_fraction: float, beam_size: int,
                  memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> int:
     """Re-encode one `PVLinear` toward its straight-through weight; returns how many groups changed."""
+    return int(v_step_layer_queued(layer, max_fraction, beam_size, memory_budget_bytes))
+
+
+@torch.no_grad()
+def v_step_layer_queued(layer, max_fraction: float, beam_size: int,
+                        memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> torch.Tensor:
+    """`v_step_layer` without waiting for the device: returns the changed-group count as a 0-dim
+    tensor on the layer's device. The ceil(max_fraction * N) largest-error groups are searched
+    whatever their error; those whose error is exactly zero then keep their codes, which is what
+    leaving them out (`groups_to_update`) does, without the host reading how many there are
+    (a V-step is a few dozen small kernels per layer: one host round trip each would cost more)."""
     if layer.straight_through is None:
         raise ValueError("the V-step needs the layer's straight-through weight (enable_straight_through)")
+    if not 0.0 < max_fraction <= 1.0:
+        raise ValueError(f"max_fraction must lie in (0, 1], got {max_fraction}")
     target = layer.straight_through.detach().float()
-    errors = group_squared_errors(target, layer.dequantized().float(), layer.group_size)
-    indices = groups_to_update(errors, max_fraction)
+    errors = group_squared_errors(target, layer.dequantized().float(), layer.group_size)  # [out, G]
+    count = min(errors.numel(), math.ceil(max_fraction * errors.numel()))
+    indices = errors.reshape(-1).topk(count, largest=True, sorted=False).indices  # a set: the order is not used
     new_codes = reencode_groups(target, layer.codes, layer.codebooks.detach().float(), layer.scales.detach().float(),
                                 indices, beam_size, memory_budget_bytes)
-    changed = int((new_codes != layer.codes).any(dim=-1).sum())
+    new_codes = torch.where((errors > 0)[..., None], new_codes, layer.codes)
+    changed = (new_codes != layer.codes).any(dim=-1).sum()
     layer.codes.copy_(new_codes)
     return changed
+
+
+class VStep:
+    """The V-step of every layer of a student, `v_step_layer_queued` for each in turn.
+
+    On a GPU the whole sequence (a few dozen small kernels per layer; hundreds of layers) is
+    recorded as one CUDA graph at its first call, which itself runs eagerly, and every later call
+    replays it: the launch overhead, not the arithmetic, is what a V-step costs otherwise. The
+    recording holds on to the layers' tensors (codes, codebooks, scales, straight-through weights),
+    which training only ever updates in place. Calling returns the number of changed groups.
+    """
+
+    def __init__(self, layers, max_fraction: float, beam_size: int,
+                 memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES, use_graph: bool = True):
+        self.layers = list(layers)
+        self.settings = (max_fraction, beam_size, memory_budget_bytes)
+        self.use_graph = use_graph and bool(self.layers) and self.layers[0].codes.is_cuda
+        self.graph = None
+        self.recorded_count = None
+
+    def _every_layer(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.int64, device=self.layers[0].codes.device)
+        for layer in self.layers:
+            total += v_step_layer_queued(layer, *self.settings)
+        return total
+
+    @torch.no_grad()
+    def __call__(self) -> int:
+        if not self.use_graph:
+            return int(self._every_layer())
+        if self.graph is not None:
+            self.graph.replay()
+            return int(self.recorded_count)
+        # the first call is also the warm-up a capture needs (on a side stream); the capture
+        # itself only records, so the codes are updated once
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            changed = self._every_layer()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.recorded_count = self._every_layer()
+        self.graph = graph
+        return int(changed)

@@ -1,0 +1,332 @@
+"""PV-tuning throughput, today's code against this branch's, on one GPU, in one call per shape.
+
+    # before = another copy of the source tree (e.g. `git archive 08f5c2e src`), after = this one
+    PYTHONPATH=src python3 benchmarks/throughput.py pv --shape smollm2 --before before/src --after src \\
+        --work /root/tp --out $OUT/pv_smollm2.json [--profile]
+    PYTHONPATH=src python3 benchmarks/throughput.py table $OUT/pv_*.json --out $OUT/throughput.json
+
+Inputs are built once per shape and shared by both variants: a random bf16 teacher of the
+shape (SmolLM2-135M, or Llama-3.2-3B as in pvtune_gpu_check.py), its 2x8-bit AQLM student
+(codes from one pass of residual nearest-codeword assignment to codewords drawn from the
+weight's own groups, so the student starts near its teacher), and a corpus of random words.
+Each variant runs `python -m aqflow pvtune` from its own source tree with the same data, seed
+and steps (its defaults otherwise: micro-batch 1 before, 0 = automatic after), so the held-out
+KL curves must agree within run-to-run noise. Tokens/s is measured on steps that neither come
+first nor follow a held-out evaluation. `table` adds the paper's PV budget (10K windows x 4096
+tokens x 5 epochs) projected at the 3B rate, writes one JSON and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+PAPER_PV_TOKENS = 10_000 * 4096 * 5
+SHAPES = {
+    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                    max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True),
+    "llama3b": dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                    num_attention_heads=24, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True),
+    "smoke": dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),  # checks this script on a CPU
+}
+# steps of the measured run per shape: (batch windows, steps, held-out windows, eval every)
+RUNS = {"smollm2": (32, 8, 16, 4), "llama3b": (8, 6, 4, 3), "smoke": (4, 4, 2, 2)}
+WINDOW_TOKENS = {"smoke": 64}
+WORDS = ("the quick brown fox jumps over lazy dog additive quantization codebook group weight model token "
+         "calibration evaluation split document beam search").split()
+
+
+# --- inputs --------------------------------------------------------------------------------------
+
+def build_teacher(folder: Path, shape: dict, device: str) -> Path:
+    """A random bf16 Llama of `shape`, with a small BPE tokenizer (its ids fit any vocabulary)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from aqflow.models.tiny import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer(folder)
+    config = LlamaConfig(**shape, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return folder
+
+
+@torch.no_grad()
+def nearest_codeword_codes(weight: torch.Tensor, num_codebooks: int, nbits: int, generator: torch.Generator):
+    """One pass of residual quantization: codebook m = 2^nbits groups of the current residual drawn
+    at random, codes = each group's nearest codeword. weight [out, in] -> codes [out, in/8, M] int64,
+    codebooks [M, K, 8] float32."""
+    groups = weight.float().reshape(-1, 8)
+    residual = groups.clone()
+    codes, codebooks = [], []
+    for _ in range(num_codebooks):
+        picks = torch.randint(0, groups.shape[0], (1 << nbits,), generator=generator).to(weight.device)
+        codebook = residual[picks].clone()  # [K, 8]
+        chosen = torch.empty(groups.shape[0], dtype=torch.int64, device=weight.device)
+        for start in range(0, groups.shape[0], 1 << 20):
+            part = residual[start:start + (1 << 20)]
+            distance = (codebook * codebook).sum(-1)[None, :] - 2 * part @ codebook.T  # ||c||² - 2<x, c>
+            chosen[start:start + (1 << 20)] = distance.argmin(-1)
+        residual -= codebook[chosen]
+        codes.append(chosen)
+        codebooks.append(codebook)
+    return torch.stack(codes, -1).reshape(weight.shape[0], weight.shape[1] // 8, num_codebooks), torch.stack(codebooks)
+
+
+def build_student(teacher: Path, root: Path, device: str) -> Path:
+    """The teacher's 2x8-bit AQLM checkpoint (`nearest_codeword_codes`), stitched by the pipeline."""
+    from safetensors.torch import load_file, save_file
+
+    from aqflow import checkpoint
+    from aqflow.pvtune.student import weight_files
+    from aqflow.quant.representation import pack_codes
+
+    layers = root / "layers"
+    layers.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for path in weight_files(teacher):
+        tensors.update(load_file(str(path)))
+    generator = torch.Generator().manual_seed(0)
+    for name in checkpoint.quantized_linear_names(checkpoint._meta_model(teacher)):
+        codes, codebooks = nearest_codeword_codes(tensors[f"{name}.weight"].to(device), 2, 8, generator)
+        save_file({"codes": pack_codes(codes, 8).cpu(), "codebooks": codebooks[:, :, None, :].half().cpu(),
+                   "scales": torch.ones(codes.shape[0], 1, 1, 1, dtype=torch.float16)},
+                  str(checkpoint.layer_artifact_path(layers, name)))
+    return checkpoint.write_aqlm_checkpoint(teacher, layers, root / "aqlm", num_codebooks=2, nbits=8, dtype="float16")
+
+
+def build_corpus(path: Path, documents: int, words: int) -> Path:
+    """A split corpus (.parquet) of random-word documents, half of them calibration documents."""
+    from aqflow.data.offline_text import split_documents, write_split_corpus
+
+    rng = np.random.default_rng(0)
+    docs = pd.DataFrame({"doc_id": [f"doc{i:03d}" for i in range(documents)],
+                         "text": [" ".join(rng.choice(WORDS, words)) for _ in range(documents)], "source": "synthetic"})
+    write_split_corpus(split_documents(docs, 0.5, 0), path, 0, 0.5)
+    return path
+
+
+# --- one variant ---------------------------------------------------------------------------------
+
+def steady_step_seconds(log: pd.DataFrame) -> list[float]:
+    """Durations of training steps that neither come first nor follow a held-out evaluation."""
+    rows = log.sort_values(["seconds"]).to_dict("records")
+    durations = []
+    for previous, row in zip(rows, rows[1:]):
+        if row["split"] == "train" and previous["split"] == "train":
+            durations.append(row["seconds"] - previous["seconds"])
+    return durations
+
+
+def run_variant(label: str, source: Path, inputs: dict, shape_name: str, work: Path, extra: list[str],
+                device: str, run: tuple[int, int, int, int], processes: int = 1) -> dict:
+    batch, steps, heldout, every = run
+    tokens = WINDOW_TOKENS.get(shape_name, 4096)
+    out = work / label
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source.resolve()), os.environ.get("PYTHONPATH", "")]),
+               PYTHONUNBUFFERED="1")
+    launcher = [sys.executable] if processes == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+    command = [*launcher, "-m", "aqflow", "pvtune", "--model-dir", str(inputs["teacher"]),
+               "--checkpoint-dir", str(inputs["student"]), "--corpus", str(inputs["corpus"]),
+               "--num-samples", str(batch * steps), "--heldout-samples", str(heldout), "--window-tokens", str(tokens),
+               "--batch-size", str(batch), "--epochs", "1", "--max-steps", str(steps), "--eval-every-steps", str(every),
+               "--device", device, "--quiet", "--output-dir", str(out / "model"), "--train-log", str(out / "log.parquet"),
+               "--metrics", str(out / "pv.json"), *extra]
+    started = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    print(done.stdout[-1500:], flush=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{label} failed:\n{done.stderr[-4000:]}")
+    record = json.loads((out / "pv.json").read_text())
+    log = pd.read_parquet(out / "log.parquet")
+    durations = steady_step_seconds(log)
+    heldout_rows = log[log["split"] == "heldout"]
+    return {
+        "source": str(source), "extra_flags": extra, "wall_seconds": wall, "processes": processes,
+        "batch_windows, steps, heldout_windows, eval_every": run,
+        "micro_batch_size": record.get("micro_batch_size_used", record["settings"]["micro_batch_size"]),
+        "peak_memory_allocated_gib": record.get("peak_memory_allocated_gib"),
+        "steady_step_seconds": durations,
+        "tokens_per_s": batch * tokens / float(np.median(durations)),
+        "heldout_kl": dict(zip(heldout_rows["step"].astype(int).tolist(), heldout_rows["kl"].tolist())),
+        "train_kl": log[log["split"] == "train"]["kl"].tolist(),
+        "codes_changed_fraction": record["codes_changed_fraction"],
+        "timings": record["timings"],
+    }
+
+
+def profile_in_process(inputs: dict, shape_name: str, rows: int = 25) -> str:
+    """Two PV steps of whatever aqflow is importable, under torch.profiler; the top CUDA ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from aqflow.models.fetch import load_tokenizer
+    from aqflow.pvtune.data import pv_windows
+    from aqflow.pvtune.student import load_student, load_teacher
+    from aqflow.pvtune.train import PVSettings, train
+
+    batch, _, _, _ = RUNS[shape_name]
+    data = pv_windows(inputs["corpus"], load_tokenizer(inputs["teacher"]), 2 * batch, 1, 4096, 0.1, 0)
+    teacher = load_teacher(inputs["teacher"], "cuda", "bfloat16")
+    student = load_student(inputs["student"], "cuda")
+    settings = PVSettings(batch_size=batch, epochs=1, max_steps=2, eval_every_steps=100, amp_dtype="bfloat16")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        train(student, teacher, data.train.input_ids, data.heldout.input_ids, settings, "cuda", progress=False)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
+
+
+# --- commands ------------------------------------------------------------------------------------
+
+def command_pv(args: argparse.Namespace) -> int:
+    shape = SHAPES[args.shape]
+    work = args.work / args.shape
+    started = time.perf_counter()
+    if args.reuse and (work / "aqlm").is_dir() and (work / "corpus.parquet").is_file():
+        inputs = {"teacher": work / "teacher", "student": work / "aqlm", "corpus": work / "corpus.parquet"}
+    else:
+        teacher = build_teacher(work / "teacher", shape, args.device)
+        inputs = {"teacher": teacher, "student": build_student(teacher, work, args.device), "corpus": build_corpus(
+            work / "corpus.parquet", 48, 40_000 if args.shape != "smoke" else 2000)}
+    run = tuple(args.run) if args.run else RUNS[args.shape]
+    report = {"shape_name": args.shape, "shape": shape,
+              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "cards": torch.cuda.device_count() if args.device == "cuda" else 0,
+              "batch_windows, steps, heldout_windows, eval_every": run,
+              "prepare_seconds": time.perf_counter() - started}
+    print(f"inputs ready in {report['prepare_seconds']:.0f} s", flush=True)
+    for label, source, extra in (("before", args.before, args.before_flags), ("after", args.after, args.after_flags)):
+        if label in args.variants:
+            report[label] = run_variant(label, source, inputs, args.shape, work, extra, args.device, run,
+                                        args.processes)
+            args.out.write_text(json.dumps(report, indent=2))
+    if args.profile:
+        text = profile_in_process(inputs, args.shape)
+        (args.out.with_suffix(".profile.txt")).write_text(text)
+        print(text[-6000:])
+    print_pv(report)
+    return 0
+
+
+def print_pv(report: dict) -> None:
+    if "before" not in report or "after" not in report:
+        for label in ("before", "after"):
+            if label in report:
+                row = report[label]
+                print(f"{report['shape_name']} {label} on {report['device']} x{row['processes']} processes: "
+                      f"{row['tokens_per_s']:.0f} tokens/s, micro-batch {row['micro_batch_size']}, held-out KL {row['heldout_kl']}")
+        return
+    before, after = report["before"], report["after"]
+    print(f"{report['shape_name']} on {report['device']}: tokens/s {before['tokens_per_s']:.0f} -> {after['tokens_per_s']:.0f} "
+          f"({after['tokens_per_s'] / before['tokens_per_s']:.1f}x); micro-batch {before['micro_batch_size']} -> "
+          f"{after['micro_batch_size']}; peak GiB {before['peak_memory_allocated_gib']} -> {after['peak_memory_allocated_gib']}")
+    for step in sorted(set(before["heldout_kl"]) | set(after["heldout_kl"]), key=int):
+        print(f"  held-out KL at step {step}: before {before['heldout_kl'].get(step, float('nan')):.5f}  "
+              f"after {after['heldout_kl'].get(step, float('nan')):.5f}")
+
+
+def command_table(args: argparse.Namespace) -> int:
+    reports = [json.loads(Path(path).read_text()) for path in args.reports]
+    table = {"device": reports[0]["device"], "paper_pv_tokens": PAPER_PV_TOKENS, "shapes": {}}
+    for report in reports:
+        before, after = report["before"], report["after"]
+        last = str(max(int(step) for step in after["heldout_kl"]))
+        table["shapes"][report["shape_name"]] = {
+            "pv_tokens_per_s_before": before["tokens_per_s"], "pv_tokens_per_s_after": after["tokens_per_s"],
+            "speedup": after["tokens_per_s"] / before["tokens_per_s"],
+            "pv_heldout_kl_before": before["heldout_kl"], "pv_heldout_kl_after": after["heldout_kl"],
+            "pv_heldout_kl_last_relative_difference": abs(after["heldout_kl"][last] - before["heldout_kl"][last])
+            / before["heldout_kl"][last],
+            "micro_batch_size_before": before["micro_batch_size"], "micro_batch_size_after": after["micro_batch_size"],
+            "peak_memory_allocated_gib_after": after["peak_memory_allocated_gib"],
+        }
+    if "llama3b" in table["shapes"]:
+        rates = table["shapes"]["llama3b"]
+        table["llama3b_paper_pv_hours_one_card_before"] = PAPER_PV_TOKENS / rates["pv_tokens_per_s_before"] / 3600
+        table["llama3b_paper_pv_hours_one_card_after"] = PAPER_PV_TOKENS / rates["pv_tokens_per_s_after"] / 3600
+    for path in args.vstep:  # after, with the V-step eager vs replayed as a CUDA graph (another call)
+        report = json.loads(Path(path).read_text())
+        name = f"{report['shape_name']}_{'graph' if '--no-v-step-graph' not in report['after']['extra_flags'] else 'eager'}"
+        table.setdefault("v_step_graph_call", {})[name] = {
+            "device": report["device"], "pv_tokens_per_s": report["after"]["tokens_per_s"],
+            "pv_heldout_kl": report["after"]["heldout_kl"], "v_step_seconds": report["after"]["timings"]["v_step_seconds"],
+            "steps": report["after"]["batch_windows, steps, heldout_windows, eval_every"][1]}
+    if "llama3b_graph" in table.get("v_step_graph_call", {}):
+        rate = table["v_step_graph_call"]["llama3b_graph"]["pv_tokens_per_s"]
+        table["llama3b_paper_pv_hours_one_card_after_with_v_step_graph"] = PAPER_PV_TOKENS / rate / 3600
+    if args.multi:
+        report = json.loads(Path(args.multi).read_text())
+        row = report["after"]
+        table["llama3b_multi_card"] = {"device": report["device"], "cards": row["processes"],
+                                       "pv_tokens_per_s": row["tokens_per_s"], "heldout_kl": row["heldout_kl"],
+                                       "micro_batch_size": row["micro_batch_size"],
+                                       "batch_windows": row["batch_windows, steps, heldout_windows, eval_every"][0]}
+        table[f"llama3b_paper_pv_hours_{row['processes']}_cards"] = PAPER_PV_TOKENS / row["tokens_per_s"] / 3600
+    table["eval_seconds_before"] = table["eval_seconds_after"] = None  # evaluation speed: not measured (README)
+    args.out.write_text(json.dumps(table, indent=2))
+    print(f"device: {table['device']}")
+    print(f"{'shape':8s} {'tok/s before':>12s} {'tok/s after':>12s} {'speedup':>8s} {'KL before':>10s} {'KL after':>10s} micro-batch")
+    for name, row in table["shapes"].items():
+        last = str(max(int(s) for s in row["pv_heldout_kl_after"]))
+        print(f"{name:8s} {row['pv_tokens_per_s_before']:12.0f} {row['pv_tokens_per_s_after']:12.0f} {row['speedup']:7.1f}x "
+              f"{row['pv_heldout_kl_before'][last]:10.5f} {row['pv_heldout_kl_after'][last]:10.5f} "
+              f"{row['micro_batch_size_before']} -> {row['micro_batch_size_after']}")
+    for name, row in table.get("v_step_graph_call", {}).items():
+        print(f"{name:14s} {row['pv_tokens_per_s']:8.0f} tokens/s, V-step {row['v_step_seconds'] / row['steps']:.2f} s a step "
+              f"({row['device']})")
+    if "llama3b_multi_card" in table:
+        row = table["llama3b_multi_card"]
+        print(f"llama3b on {row['cards']} cards ({row['device']}): {row['pv_tokens_per_s']:.0f} tokens/s")
+    for key, value in table.items():
+        if key.startswith("llama3b_paper_pv_hours"):
+            print(f"{key}: {value:.1f} h")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    pv = commands.add_parser("pv", help="PV-tuning before/after at one shape")
+    pv.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    pv.add_argument("--before", type=Path, required=True, help="source tree (the folder holding aqflow/) of the old code")
+    pv.add_argument("--after", type=Path, required=True, help="source tree of the new code")
+    pv.add_argument("--before-flags", type=str.split, default=[], help="extra pvtune flags, one string")
+    pv.add_argument("--after-flags", type=str.split, default=[], help="extra pvtune flags, one string")
+    pv.add_argument("--work", type=Path, required=True)
+    pv.add_argument("--out", type=Path, required=True)
+    pv.add_argument("--profile", action="store_true", help="also print a torch.profiler table of the new code")
+    pv.add_argument("--device", default="cuda", help="cuda; cpu only for --shape smoke")
+    pv.add_argument("--reuse", action="store_true", help="use the inputs an earlier run left in --work")
+    pv.add_argument("--variants", nargs="+", default=["before", "after"], choices=["before", "after"])
+    pv.add_argument("--processes", type=int, default=1, help="torchrun processes (one per GPU)")
+    pv.add_argument("--run", type=int, nargs=4, metavar=("BATCH", "STEPS", "HELDOUT", "EVAL_EVERY"),
+                    help="override the shape's run (windows per step, steps, held-out windows, eval every)")
+    table = commands.add_parser("table", help="merge pv reports into one JSON and print the table")
+    table.add_argument("reports", nargs="+")
+    table.add_argument("--vstep", nargs="*", default=[], help="after-only reports, V-step graph vs eager")
+    table.add_argument("--multi", default=None, help="after-only report of a torchrun run over several cards")
+    table.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    return {"pv": command_pv, "table": command_table}[args.command](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

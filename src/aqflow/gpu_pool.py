@@ -1,0 +1,100 @@
+"""Spread the jobs of one node over all of its GPUs: each job pinned to the least-busy card(s).
+
+Snakemake counts a `gpu` resource but never says which card a job should use, so without help
+every job of a multi-GPU node lands on card 0. Before a GPU job's stage imports torch, its rule
+script calls `pin_job_gpus(n)`: under a file lock shared by the node's jobs, it reads which
+processes hold which cards, forgets processes that have exited, takes the n cards held by the
+fewest live jobs, records itself on them and sets CUDA_VISIBLE_DEVICES to them. Several jobs
+may share a card (layer jobs are short and mostly CPU start-up); a job holds its cards until its
+process exits, so nothing has to release them.
+
+The cards to choose from are the job's visible ones: CUDA_VISIBLE_DEVICES if set (a cluster
+executor's allocation, or a user's restriction), else every card `nvidia-smi` lists. With one
+card or none nothing changes. The state lives in AQFLOW_GPU_POOL_DIR, by default
+`.snakemake/aqflow-gpu-pool` of the working directory, one file per host.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+POOL_DIR_ENV = "AQFLOW_GPU_POOL_DIR"
+DEFAULT_POOL_DIR = Path(".snakemake") / "aqflow-gpu-pool"
+
+
+def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Ids of the cards this process may use: CUDA_VISIBLE_DEVICES's entries if it is set, else
+    the indices `nvidia-smi` lists (none if it is missing or fails)."""
+    environ = os.environ if environ is None else environ
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return [card.strip() for card in environ["CUDA_VISIBLE_DEVICES"].split(",") if card.strip()]
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                                text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in listed.stdout.splitlines() if line.strip()] if listed.returncode == 0 else []
+
+
+def least_loaded(holders: Mapping[str, Sequence[int]], cards: Sequence[str], count: int) -> list[str]:
+    """The `count` cards with the fewest holders (ties: the earlier card), in `cards` order."""
+    if not 1 <= count <= len(cards):
+        raise ValueError(f"cannot choose {count} of the cards {list(cards)}")
+    ranked = sorted(range(len(cards)), key=lambda i: (len(holders.get(cards[i], ())), i))
+    return [cards[i] for i in sorted(ranked[:count])]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def pin_job_gpus(count: int, pool_dir: str | os.PathLike | None = None, pid: int | None = None) -> list[str]:
+    """Choose `count` of the visible cards for this job (see the module docstring), record `pid`
+    (default: this process) on them and point CUDA_VISIBLE_DEVICES at them. Returns the chosen
+    ids; [] (and no change) for count < 1 or when no card is visible. A job asking for more cards
+    than are visible gets all of them."""
+    cards = visible_gpus()
+    if count < 1 or not cards:
+        return []
+    count = min(count, len(cards))
+    if len(cards) == 1:
+        return cards
+    pool_dir = Path(pool_dir or os.environ.get(POOL_DIR_ENV) or DEFAULT_POOL_DIR)
+    host = socket.gethostname()
+    state_path = pool_dir / f"{host}.json"
+    pid = os.getpid() if pid is None else pid
+    with _locked(pool_dir / f"{host}.lock"):
+        holders: dict[str, list[int]] = json.loads(state_path.read_text()) if state_path.is_file() else {}
+        holders = {card: [p for p in pids if _alive(p)] for card, pids in holders.items()}
+        chosen = least_loaded(holders, cards, count)
+        for card in chosen:
+            holders.setdefault(card, []).append(pid)
+        staging = state_path.with_suffix(f".{pid}.tmp")
+        staging.write_text(json.dumps(holders))
+        staging.replace(state_path)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(chosen)
+    return chosen
