@@ -320,12 +320,12 @@ def train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, h
     """
     device = torch.device(device)
     with tf32_matmuls(device):
-        return _train(student, teacher, train_windows, heldout_windows, settings, device, progress, on_eval)
+        return _train(student, teacher, train_windows, heldout_windows, settings, device, progress, on_eval, resumer)
 
 
 def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, heldout_windows: torch.Tensor,
            settings: PVSettings, device: torch.device, progress: bool,
-           on_eval: Callable[[dict], None] | None) -> TrainResult:
+           on_eval: Callable[[dict], None] | None, resumer: Resumer | None) -> TrainResult:
     rank, size = world()
     if settings.micro_batch_size * size > settings.batch_size:
         raise ValueError(f"batch_size {settings.batch_size} is smaller than micro_batch_size "
