@@ -116,3 +116,17 @@ def test_a_read_only_folder_is_a_named_write_error_and_leaves_the_old_file(tmp_p
     finally:
         tmp_path.chmod(0o755)
     assert artifacts.read_json(tmp_path / "a.json") == {"x": 1}
+
+
+def test_safetensors_artifacts_get_the_umask_mode_not_private(tmp_path):
+    """safetensors' own writer creates 0600 files; artifacts are shared like any other output."""
+    import os
+
+    import torch
+
+    from aqflow.artifacts import save_safetensors
+
+    save_safetensors(tmp_path / "x.safetensors", {"a": torch.zeros(4, 4)})
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "x.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask

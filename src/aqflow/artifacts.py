@@ -292,6 +292,8 @@ def atomic_path(target: str | os.PathLike, checksum: bool | None = None) -> Iter
         tmp.chmod(0o666 & ~umask)  # mkstemp makes files private; artifacts are shared like any other output
         try:
             yield tmp
+            # again: a writer may have replaced the file (and its mode) with its own
+            tmp.chmod(0o666 & ~umask)
             with open(tmp, "rb+") as handle:
                 os.fsync(handle.fileno())
             if checksum:
