@@ -27,7 +27,8 @@ import torch
 
 from aqflow import checkpoint
 from aqflow.data.offline_text import split_documents, write_split_corpus
-from aqflow.models.tiny import build_tiny_llama, build_tiny_tokenizer, quantize_every_linear
+from aqflow.models.tiny import build_tiny_llama, build_tiny_tokenizer
+from aqflow.stages.quantize_layer import quantize_every_linear
 from aqflow.stages import pvtune
 
 WORDS = ("the quick brown fox jumps over lazy dog additive quantization codebook group weight model token "

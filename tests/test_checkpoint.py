@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from transformers.quantizers.quantizers_utils import should_convert_module
 
 from aqflow import artifacts, checkpoint
-from aqflow.models import build_tiny_llama, load_causal_lm, load_tokenizer, quantize_every_linear
+from aqflow.models import build_tiny_llama, load_causal_lm, load_tokenizer
+from aqflow.stages.quantize_layer import quantize_every_linear
 from aqflow.quant.representation import bits_per_parameter, pack_codes
 from aqflow.stages import stitch
 

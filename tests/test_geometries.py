@@ -9,7 +9,8 @@ from aqlm import QuantizedLinear
 from transformers import AutoModelForCausalLM
 
 from aqflow import checkpoint
-from aqflow.models import build_tiny_llama, load_tokenizer, quantize_every_linear
+from aqflow.models import build_tiny_llama, load_tokenizer
+from aqflow.stages.quantize_layer import quantize_every_linear
 from aqflow.quant.representation import layer_rho
 
 

@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 
 from aqflow import checkpoint
 from aqflow.data.offline_text import CALIBRATION, load_split_corpus, split_documents, write_split_corpus
-from aqflow.models import build_tiny_llama, load_causal_lm, load_tokenizer, quantize_every_linear
+from aqflow.models import build_tiny_llama, load_causal_lm, load_tokenizer
+from aqflow.stages.quantize_layer import quantize_every_linear
 from aqflow.pvtune import train as pvtrain
 from aqflow.pvtune.data import pv_windows
 from aqflow.pvtune.loss import chunked_kl_sum, output_logits

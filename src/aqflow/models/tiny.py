@@ -76,39 +76,3 @@ def build_tiny_llama(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLik
     model = LlamaForCausalLM(config).to({"float32": torch.float32, "float16": torch.float16}[dtype])
     model.save_pretrained(out_dir)
     return out_dir
-
-
-def quantize_every_linear(model_dir: str | os.PathLike, layers_dir: str | os.PathLike, nbits: int,
-                          num_codebooks: int = 2, group_size: int = 8) -> list[str]:
-    """A quick, rough quantization of every decoder linear of a (tiny) model folder, for tests and
-    dry runs: the quantize-layer stage with XᵀX = I, beam 2 and one 5-step epoch.
-
-    Writes each layer artifact where the pipeline does (`checkpoint.layer_artifact_path`), and
-    its weight, XᵀX and metrics under `<layers_dir>-inputs/`. Returns the linears' names.
-    """
-    import numpy as np
-    from safetensors.torch import save_file
-
-    from ..checkpoint import layer_artifact_path, quantized_linear_names
-    from ..stages import quantize_layer
-    from .fetch import load_causal_lm
-
-    layers_dir = Path(layers_dir)
-    inputs = layers_dir.parent / f"{layers_dir.name}-inputs"
-    inputs.mkdir(parents=True, exist_ok=True)
-    model = load_causal_lm(model_dir)
-    names = quantized_linear_names(model)
-    for name in names:
-        weight = model.get_submodule(name).weight.detach()
-        save_file({"weight": weight.contiguous()}, str(inputs / f"{name}.safetensors"))
-        np.savez(inputs / f"{name}.npz", xtx=np.eye(weight.shape[1]))
-        code = quantize_layer.main([
-            "--weight", str(inputs / f"{name}.safetensors"), "--xtx", str(inputs / f"{name}.npz"),
-            "--output", str(layer_artifact_path(layers_dir, name)), "--metrics", str(inputs / f"{name}.json"),
-            "--nbits", str(nbits), "--num-codebooks", str(num_codebooks), "--group-size", str(group_size),
-            "--beam-size", "2", "--max-epochs", "1",
-            "--steps-per-epoch", "5", "--oaem-rounds", "1", "--oaem-steps", "5", "--kmeans-max-iter", "10",
-            "--device", "cpu", "--quiet"])
-        if code != 0:
-            raise RuntimeError(f"quantize-layer failed for {name} of {model_dir} (exit {code})")
-    return names

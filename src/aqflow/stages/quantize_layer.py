@@ -100,10 +100,18 @@ def load_inputs(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, s
 
 
 def run(args: argparse.Namespace) -> dict:
-    settings = settings_from_args(args)
     weight, xtx, default_name = load_inputs(args)
-    name = args.name or default_name
-    layer, report = quantize_layer(weight, xtx, settings, device=args.device, progress=not args.quiet, name=name)
+    inputs = {k: str(getattr(args, k)) for k in ("weight", "xtx", "model_dir", "calibration_dir") if getattr(args, k)}
+    return quantize_and_write(weight, xtx, settings_from_args(args), args.name or default_name, args.output,
+                              args.metrics, args.device, progress=not args.quiet, inputs=inputs)
+
+
+def quantize_and_write(weight: torch.Tensor, xtx: torch.Tensor, settings: QuantizerSettings, name: str,
+                       output: Path, metrics_path: Path, device: str | torch.device = "cpu", progress: bool = False,
+                       inputs: dict | None = None) -> dict:
+    """Quantize one linear (weight [out, in], xtx [in, in]) and write its layer artifact pair
+    (`output` .safetensors in AQLM's layout, `metrics_path` .json); returns the metrics."""
+    layer, report = quantize_layer(weight, xtx, settings, device=device, progress=progress, name=name)
     metrics = {
         "layer": name,
         **layer_summary(weight.shape[0], weight.shape[1], settings),
@@ -114,21 +122,42 @@ def run(args: argparse.Namespace) -> dict:
         "epochs": report.epochs,
         "stopped_because": report.stopped_because,
         "settings": dataclasses.asdict(settings),
-        "device": str(args.device) if not str(args.device).startswith("cuda") else torch.cuda.get_device_name(),
+        "device": str(device) if not str(device).startswith("cuda") else torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "inputs": {k: str(getattr(args, k)) for k in ("weight", "xtx", "model_dir", "calibration_dir") if getattr(args, k)},
+        "inputs": inputs or {},
     }
     require_finite({key: metrics[key] for key in ("init_relative_mse", "final_relative_mse", "epochs")},
-                   f"quantize-layer {name}", str(args.model_dir or args.weight))
+                   f"quantize-layer {name}", str(inputs.get("model_dir") or inputs.get("weight")) if inputs else name)
     tensors = {
         "codes": pack_codes(layer.codes, settings.nbits),
         "codebooks": layer.codebooks,
         "scales": layer.scales,
     }
     meta = {"settings": json.dumps(dataclasses.asdict(settings)), "layer": name, "format": "aqlm"}
-    write_layer_pair(args.output, args.metrics, tensors, meta, metrics)
+    write_layer_pair(Path(output), Path(metrics_path), tensors, meta, metrics)
     return metrics
+
+
+def quantize_every_linear(model_dir: str | Path, layers_dir: str | Path, nbits: int, num_codebooks: int = 2,
+                          group_size: int = 8) -> list[str]:
+    """A quick, rough quantization of every decoder linear of a (tiny) model folder, for tests and
+    dry runs: XᵀX = I, beam 2 and one 5-step epoch. Writes each layer's tensors where the pipeline
+    does (`checkpoint.layer_artifact_path`) and its metrics under `<layers_dir>-inputs/` (so tests
+    may edit a layer file without breaking a pair); returns the linears' names."""
+    from aqflow.checkpoint import layer_artifact_path, quantized_linear_names
+    from aqflow.models.fetch import load_causal_lm
+
+    settings = QuantizerSettings(num_codebooks=num_codebooks, nbits=nbits, group_size=group_size, beam_size=2,
+                                 max_epochs=1, steps_per_epoch=5, oaem_rounds=1, oaem_steps=5, kmeans_max_iter=10)
+    model = load_causal_lm(model_dir)
+    names = quantized_linear_names(model)
+    for name in names:
+        weight = model.get_submodule(name).weight.detach()
+        metrics = Path(layers_dir).parent / f"{Path(layers_dir).name}-inputs" / f"{name}.json"
+        quantize_and_write(weight, torch.eye(weight.shape[1], dtype=torch.float64), settings, name,
+                           layer_artifact_path(Path(layers_dir), name), metrics, inputs={"model_dir": str(model_dir)})
+    return names
 
 
 def write_layer_pair(output: Path, metrics_path: Path, tensors: dict, meta: dict, metrics: dict) -> None:
