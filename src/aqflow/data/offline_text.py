@@ -34,7 +34,7 @@ import pandas as pd
 
 from ..artifacts import read_json, read_parquet, write_json, write_parquet
 from ..corpus_catalog import BROWN_CORPORA
-from ..fetching import npm_pack_tarball, pip_download_wheel, read_wheel_member, sha256_file
+from ..fetching import npm_pack_checked, pip_download_wheel, read_wheel_member
 from .wiki_markup import strip_wiki_markup
 
 GENSIM_REQUIREMENT = "gensim==4.4.0"
@@ -62,11 +62,7 @@ def fetch_gensim_wheel(cache_dir: str | os.PathLike) -> Path:
 
 def fetch_nlp_corpus_tarball(cache_dir: str | os.PathLike) -> Path:
     """Download the npm tarball of nlp-corpus 4.4.0 into `cache_dir/nlp-corpus`."""
-    tarball = npm_pack_tarball(NLP_CORPUS_SPEC, Path(cache_dir) / "nlp-corpus")
-    digest = sha256_file(tarball)
-    if digest != NLP_CORPUS_SHA256:
-        raise ValueError(f"{tarball} has sha256 {digest}, expected {NLP_CORPUS_SHA256}; delete it to fetch it again")
-    return tarball
+    return npm_pack_checked(NLP_CORPUS_SPEC, Path(cache_dir) / "nlp-corpus", NLP_CORPUS_SHA256)
 
 
 # --- parsing -----------------------------------------------------------------------------------
