@@ -39,7 +39,7 @@ from aqflow.data.zero_shot import ZERO_SHOT_TASKS, prepare_zero_shot_data, read_
 from aqflow.evaluation.dense_aqlm import dequantize_aqlm_linears
 from aqflow.evaluation.model_bits import quantization_config, stored_bits_per_parameter
 from aqflow.evaluation.perplexity import perplexity
-from aqflow.corpus_catalog import PROTOCOLS
+from aqflow.corpus_catalog import BUILTIN_PROTOCOLS, PROTOCOLS
 from aqflow.evaluation.protocol import (
     DEFAULT_C4_SEED, DEFAULT_C4_WINDOWS, c4_windows, texts_sha256, wikitext2_windows, windows_sha256,
 )
@@ -51,7 +51,6 @@ from aqflow.artifacts import verify_inputs
 from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
 
 PERPLEXITY_SETS = ("wikitext2", "c4")
-SET_PROTOCOLS = {"wikitext2": "joined", "c4": "sampled"}
 STANDIN_FILES = {"wikitext2": "wikitext2-standin.parquet", "c4": "c4-standin.parquet"}
 EVALUATION_ROLE = "evaluation"
 
@@ -134,7 +133,7 @@ def evaluation_domains(args: argparse.Namespace) -> dict[str, tuple[str, Path]]:
         path = explicit[name] or (args.data_dir / STANDIN_FILES[name] if args.data_dir else None)
         _require(path is not None, f"--perplexity {name} needs --{name}-corpus or --data-dir")
         _require(path.is_file(), f"--{name}-corpus / --data-dir: {path} does not exist")
-        domains[name] = (SET_PROTOCOLS[name], path)
+        domains[name] = (BUILTIN_PROTOCOLS[name], path)  # the hub corpora's protocols
     return domains
 
 
