@@ -104,8 +104,9 @@ def start_snakemake(workdir: Path, *args: str) -> subprocess.Popen:
 
 
 def kill_job(workdir: Path, run: subprocess.Popen, script: str, delay: float, ready=lambda: True) -> bool:
-    """Once the job of `script` runs (and `ready()`), wait `delay` s, then SIGKILL it. Returns
-    whether it was killed (False: the run ended first)."""
+    """Once the job of `script` runs (and `ready()`), wait `delay` s, then SIGKILL it. A job that
+    ends within the delay (layer jobs take about a second) is let go and the next one of `script`
+    is tried with half the delay. Returns whether a job was killed (False: the run ended first)."""
     while run.poll() is None:
         pid = job_process(workdir, script)
         if pid is not None and ready():
@@ -114,7 +115,7 @@ def kill_job(workdir: Path, run: subprocess.Popen, script: str, delay: float, re
                 os.kill(pid, signal.SIGKILL)
                 return True
             except ProcessLookupError:
-                return False
+                delay /= 2
         time.sleep(0.05)
     return False
 
