@@ -6,6 +6,9 @@
 #   bash benchmarks/gpu_pipeline.sh part F    # carry one GGUF part F (split -b 49M), once per part
 #   bash benchmarks/gpu_pipeline.sh start [snakemake args]   # detached Snakemake run of the DAG
 #   bash benchmarks/gpu_pipeline.sh wait SECONDS   # watch it; what it has made so far to $OUT
+# PROFILE (default profiles/gpu) and GPU_SLOTS (default 12 per visible card) choose the profile,
+# e.g. PROFILE=profiles/gpu-node on a node with several cards. While Snakemake runs, every card's
+# utilisation and memory are sampled twice a second into gpu_utilisation.csv (copied to $OUT).
 set -euo pipefail
 STAGE=${STAGE:-/root/stage}
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -45,10 +48,16 @@ start)
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
   shift
   date +%s > "$STAGE/started_at"
-  setsid nohup bash -c '"$0" -m snakemake --profile profiles/gpu --resources gpu=12 --scheduler greedy --keep-going "$@"; echo $? > "'"$STAGE"'/snakemake.rc"' \
+  profile=${PROFILE:-profiles/gpu}
+  cards=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+  slots=${GPU_SLOTS:-$(( 12 * cards ))}
+  setsid nohup nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv,nounits -lms 500 \
+    > "$STAGE/gpu_utilisation.csv" 2>/dev/null < /dev/null &
+  echo $! > "$STAGE/sampler.pid"
+  setsid nohup bash -c '"$0" -m snakemake --profile "'"$profile"'" --resources gpu='"$slots"' --scheduler greedy --keep-going "$@"; echo $? > "'"$STAGE"'/snakemake.rc"; kill $(cat "'"$STAGE"'/sampler.pid")' \
     "$PY" "$@" > "$STAGE/snakemake.out" 2>&1 < /dev/null &
   echo $! > "$STAGE/snakemake.pid"
-  echo "snakemake started (pid $(cat "$STAGE/snakemake.pid"))"
+  echo "snakemake started (pid $(cat "$STAGE/snakemake.pid"), $profile, gpu=$slots over $cards card(s))"
   ;;
 wait)
   # Watch the detached run for at most SECONDS, then copy what it has produced so far to $OUT.
@@ -65,6 +74,7 @@ wait)
   { "$PY" benchmarks/stage_times.py "$STAGE"/*.snakemake.log --json "$OUT/stage_times.json" | tee "$OUT/stage_times.txt"; } || true
   mkdir -p results; find results -name '*.json' -o -name '*.csv' -o -name '*.parquet' -o -name '*.png' | grep -v '/model/' \
     | tar -czf "$OUT/results.tar.gz" -T -
+  cp "$STAGE/gpu_utilisation.csv" "$OUT/" 2>/dev/null || true
   tar -czf "$OUT/logs.tar.gz" logs "$STAGE"/*.snakemake.log "$STAGE/snakemake.out" 2>/dev/null || true
   ls -la "$OUT"
   ;;

@@ -10,7 +10,7 @@ Inputs are synthetic unless --bundles is given: weights with heavy-ish tails and
 and per input site an XᵀX = D Q Λ Qᵀ D with a decaying spectrum Λ (λ_i ∝ i^-1.2 over a floor)
 and a few outlier channels in D (x8-x30), as real activations have. They are generated on the
 device from a fixed seed and cached in --data-dir, so that two runs (before/after) see the same
-layers. Real layers: --bundles DIR of safetensors written by benchmarks/prepare_smollm2_layers.py.
+layers. Real layers: --bundles DIR of safetensors written by benchmarks/prepare_layers.py.
 
 Which implementation runs is whatever `aqflow` is importable: run the script twice (once with
 PYTHONPATH at a copy of the old src, once at the new) and combine:

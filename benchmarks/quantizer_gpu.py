@@ -1,6 +1,6 @@
 """Quantizer benchmark on real SmolLM2-135M layers: time and output error, greedy vs OA-EM.
 
-Input: the layer bundles written by `benchmarks/prepare_smollm2_layers.py` (one safetensors file
+Input: the layer bundles written by `benchmarks/prepare_layers.py` (one safetensors file
 per block: fp16 weights of its linears and the XᵀX of each input site, from real text).
 For each linear, bit rate and init it runs the full quantizer (init, then epochs of Adam + beam
 search until max epochs or the relative tolerance) and records seconds for init and per epoch,

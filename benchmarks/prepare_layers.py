@@ -1,8 +1,9 @@
-"""Prepare real layers of SmolLM2 for benchmarking the quantizer on a device machine.
+"""Prepare real layers of an offline preset for benchmarking the quantizer on a device machine.
 
-Fetches and converts the SmolLM2 preset, samples calibration windows from the calibration role of
-the C4 stand-in, computes XᵀX (fp mode) for a few blocks and writes one safetensors file per
-block, small enough to carry to a GPU machine:
+Fetches and converts the preset (SmolLM2 by default; any offline preset, e.g. qwen2.5-coder-1.5b),
+samples calibration windows from the calibration role of the C4 stand-in, computes XᵀX (fp mode)
+for a few blocks and writes one safetensors file per block, small enough to carry to a GPU machine
+(`--linears` leaves out linears, e.g. a wide down_proj whose XᵀX alone is hundreds of MB):
 
     {linear}.weight      float16 [out, in]         for the 7 linears of the block
     {site}.xtx_triu      float32 [n (n + 1) / 2]   upper triangle of XᵀX, torch.triu_indices(n, n) order
@@ -10,7 +11,7 @@ block, small enough to carry to a GPU machine:
 
 Rebuild XᵀX with:  iu = torch.triu_indices(n, n); H = zeros(n, n); H[iu[0], iu[1]] = t; H = H + H.T - diag(diag(H))
 
-Usage: python benchmarks/prepare_smollm2_layers.py [OUT_DIR] [--blocks 0 15 29] [--num-windows 64] ...
+Usage: python benchmarks/prepare_layers.py [OUT_DIR] [--preset smollm2] [--blocks 0 15 29] [--linears q_proj ...]
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", nargs="?", default=".device-carry/smollm2-layers")
     parser.add_argument("--cache-dir", default=None, help="download cache (default: $AQFLOW_CACHE or resources/cache)")
+    parser.add_argument("--preset", default="smollm2", help="offline model preset (models/presets.py)")
     parser.add_argument("--blocks", type=int, nargs="+", default=[0, 15, 29])
+    parser.add_argument("--linears", nargs="+", default=None,
+                        help="substrings naming the linears to keep (default: every linear of the block)")
     parser.add_argument("--num-windows", type=int, default=64)
     parser.add_argument("--window-tokens", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -52,7 +56,7 @@ def main() -> None:
     out_dir = Path(args.out_dir)
 
     started = time.perf_counter()
-    folder = prepare_model("smollm2", cache_dir)
+    folder = prepare_model(args.preset, cache_dir)
     model = load_causal_lm(folder, dtype="float32")
     tokenizer = load_tokenizer(folder)
     split = prepare_corpus("c4-standin", cache_dir, cache_dir / "corpora" / "c4-standin.parquet",
@@ -72,19 +76,21 @@ def main() -> None:
     _, blocks = find_decoder_blocks(model)
     sizes_bytes = {}
     for i, block_stats in stats.items():
-        tensors = {f"{name}.weight": linear.weight.detach().to(torch.float16)
-                   for name, linear in find_linears(blocks[i]).items()}
-        for site in block_stats.sites:
+        kept = {name: linear for name, linear in find_linears(blocks[i]).items()
+                if args.linears is None or any(part in name for part in args.linears)}
+        tensors = {f"{name}.weight": linear.weight.detach().to(torch.float16) for name, linear in kept.items()}
+        kept_sites = [s for s in block_stats.sites if any(lin in kept for lin in s.linears)]
+        for site in kept_sites:
             tensors[f"{site.site_id}.xtx_triu"] = pack_upper_triangle(block_stats.xtx[site.site_id])
         metadata = {
-            "model": "smollm2",
+            "model": args.preset,
             "block": str(i),
-            "linear_to_site": json.dumps({lin: s.site_id for s in block_stats.sites for lin in s.linears}),
-            "site_sizes": json.dumps({s.site_id: s.in_features for s in block_stats.sites}),
+            "linear_to_site": json.dumps({lin: s.site_id for s in kept_sites for lin in s.linears if lin in kept}),
+            "site_sizes": json.dumps({s.site_id: s.in_features for s in kept_sites}),
             "tokens": json.dumps(block_stats.tokens),
             "xtx_triu_order": "torch.triu_indices(n, n): upper triangle row by row, diagonal included",
             "source_data_id": source_data_id,
-            "note": "weights dequantized from the Q4_1 GGUF of SmolLM2-135M-Instruct (the source model)",
+            "note": f"weights dequantized from the GGUF of the {args.preset} preset (the source model)",
         }
         path = out_dir / f"block{i}.safetensors"
         save_safetensors(path, tensors, metadata)
@@ -93,7 +99,7 @@ def main() -> None:
 
     write_parquet(out_dir / "calibration_windows.parquet", windows.to_frame())
     write_json(out_dir / "summary.json", {
-        "blocks": args.blocks, "num_windows": args.num_windows, "window_tokens": args.window_tokens,
+        "preset": args.preset, "blocks": args.blocks, "num_windows": args.num_windows, "window_tokens": args.window_tokens,
         "source_data_id": source_data_id, "prepare_seconds": prepare_seconds, "xtx_seconds": xtx_seconds,
         "torch_threads": torch.get_num_threads(), "sizes_bytes": sizes_bytes,
         "total_bytes": sum(sizes_bytes.values()),

@@ -1,0 +1,87 @@
+"""How busy each card of a node was while a rule's jobs ran, from an nvidia-smi sample log.
+
+    python -m benchmarks.gpu_utilisation gpu_utilisation.csv .snakemake/log/<run>.snakemake.log \
+        [--rule quantize_layer] [--json out.json]
+
+The CSV is what benchmarks/gpu_pipeline.sh samples twice a second while Snakemake runs
+(`nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv,nounits`).
+The window is the rule's span in the Snakemake log (first job start to last job end, read as
+benchmarks/stage_times.py reads it). For each card: samples in the window, the share of samples
+with the card busy (utilization > 0), mean utilization and peak memory. Both clocks are the node's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from datetime import datetime
+from pathlib import Path
+
+from benchmarks.stage_times import parse_jobs
+
+
+def read_samples(path: Path) -> list[dict]:
+    """Rows of the nvidia-smi CSV: {time: datetime, card: str, utilisation: float %, memory_mib: float}."""
+    samples = []
+    with path.open(newline="") as handle:
+        for row in csv.reader(handle):
+            if not row or row[0].strip().startswith("timestamp"):
+                continue
+            try:
+                stamp = datetime.strptime(row[0].strip(), "%Y/%m/%d %H:%M:%S.%f")
+                samples.append({"time": stamp, "card": row[1].strip(), "utilisation": float(row[2]),
+                                "memory_mib": float(row[3])})
+            except (ValueError, IndexError):
+                continue  # a line cut short when the sampler was killed
+    return samples
+
+
+def rule_window(logs: list[Path], rule: str) -> tuple[datetime, datetime]:
+    """First start and last end of the rule's finished jobs over the logs."""
+    jobs = [job for run, path in enumerate(logs) for job in parse_jobs(path.read_text(), run)
+            if job["rule"] == rule and job["end"] is not None]
+    if not jobs:
+        raise SystemExit(f"no finished {rule} job in {', '.join(map(str, logs))}")
+    return min(j["start"] for j in jobs), max(j["end"] for j in jobs)
+
+
+def per_card(samples: list[dict], start: datetime, end: datetime) -> list[dict]:
+    """One row per card for the samples in [start, end]."""
+    cards: dict[str, list[dict]] = {}
+    for sample in samples:
+        if start <= sample["time"] <= end:
+            cards.setdefault(sample["card"], []).append(sample)
+    rows = []
+    for card in sorted(cards, key=int):
+        group = cards[card]
+        rows.append({"card": card, "samples": len(group),
+                     "busy_share": sum(s["utilisation"] > 0 for s in group) / len(group),
+                     "mean_utilisation": sum(s["utilisation"] for s in group) / len(group),
+                     "peak_memory_mib": max(s["memory_mib"] for s in group)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("samples", type=Path)
+    parser.add_argument("logs", nargs="+", type=Path)
+    parser.add_argument("--rule", default="quantize_layer")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    start, end = rule_window(args.logs, args.rule)
+    rows = per_card(read_samples(args.samples), start, end)
+    seconds = (end - start).total_seconds()
+    print(f"{args.rule}: {start:%H:%M:%S} to {end:%H:%M:%S} ({seconds:.0f} s)")
+    print(f"{'card':>4}{'samples':>9}{'busy %':>8}{'mean util %':>13}{'peak MiB':>10}")
+    for row in rows:
+        print(f"{row['card']:>4}{row['samples']:>9}{100 * row['busy_share']:>8.0f}"
+              f"{row['mean_utilisation']:>13.1f}{row['peak_memory_mib']:>10.0f}")
+    if args.json:
+        args.json.write_text(json.dumps({"rule": args.rule, "start": start.isoformat(), "end": end.isoformat(),
+                                         "seconds": seconds, "cards": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
