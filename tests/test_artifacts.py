@@ -130,3 +130,25 @@ def test_safetensors_artifacts_get_the_umask_mode_not_private(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert (tmp_path / "x.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_files_another_writer_makes_private_in_an_atomic_dir_get_the_umask_mode(tmp_path):
+    """transformers' save_pretrained writes model.safetensors 0600 through safetensors' own writer;
+    a model folder in a shared cache must be readable like any other output."""
+    import os
+
+    from safetensors.torch import save_file
+    import torch
+
+    from aqflow.artifacts import atomic_dir
+
+    with atomic_dir(tmp_path / "model") as staging:
+        save_file({"w": torch.zeros(2)}, str(staging / "model.safetensors"))
+        (staging / "sub").mkdir()
+        (staging / "sub" / "x.json").write_text("{}")
+        (staging / "sub" / "x.json").chmod(0o600)
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {path.relative_to(tmp_path).as_posix(): path.stat().st_mode & 0o777
+             for path in (tmp_path / "model").rglob("*") if path.is_file()}
+    assert modes == {name: 0o666 & ~umask for name in modes} and "model/model.safetensors" in modes

@@ -358,6 +358,7 @@ def atomic_dir(target: str | os.PathLike, replace: bool = True) -> Iterator[Path
     try:
         try:
             yield staging
+            _share_files(staging)
             write_checksums(staging)
             if target.exists():
                 shutil.rmtree(target)
@@ -369,6 +370,17 @@ def atomic_dir(target: str | os.PathLike, replace: bool = True) -> Iterator[Path
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _share_files(folder: Path) -> None:
+    """Give every file under `folder` the umask's mode: writers that are not ours (safetensors'
+    own, under transformers' save_pretrained) make them private 0600, and a model folder in a
+    shared cache must be readable by the group like any other output."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 def write_json(target: str | os.PathLike, payload: Any) -> None:
