@@ -62,7 +62,7 @@ def load_bundle(path: Path) -> list[dict]:
             xtx = tensors[f"{site}.xtx"].float()
         else:
             xtx = unpack_upper_triangle(tensors[f"{site}.xtx_triu"].float(), int(sizes.get(site, weight.shape[1])))
-        layers.append({"name": f"{path.stem}.{linear}", "weight": weight, "xtx": xtx})
+        layers.append({"name": f"{path.stem}.{linear}", "model": meta.get("model", "smollm2"), "weight": weight, "xtx": xtx})
     return layers
 
 
@@ -176,6 +176,7 @@ def run_layer(layer, settings) -> dict:
     m, b = settings.num_codebooks, settings.beam_size
     return {
         "layer": layer["name"],
+        "model": layer.get("model"),
         "shape": [out_features, in_features],
         "bpp": m,
         "init": settings.init,
@@ -197,7 +198,10 @@ def run_layer(layer, settings) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bundles", type=Path, default=Path(".device-carry/smollm2-layers"))
+    parser.add_argument("--bundles", type=Path, nargs="+", default=[Path(".device-carry/smollm2-layers")],
+                        help="folders of layer bundles (benchmarks/prepare_layers.py), e.g. of several models")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[QuantizerSettings.seed],
+                        help="quantizer seeds (k-means start, beam order): every layer and init once per seed")
     parser.add_argument("--bpp", type=int, nargs="+", default=[2, 3], help="codebooks of 8 bits: 2 -> 2 bpp, 3 -> 3 bpp")
     parser.add_argument("--inits", nargs="+", default=["greedy", "oaem"])
     parser.add_argument("--beam-size", type=int, default=8)
@@ -217,13 +221,14 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     torch.manual_seed(0)
-    layers = [l for p in sorted(args.bundles.glob("*.safetensors")) for l in load_bundle(p)]
+    layers = [l for folder in args.bundles for p in sorted(folder.glob("*.safetensors")) for l in load_bundle(p)]
     if args.layers:
         layers = [l for l in layers if any(s in l["name"] for s in args.layers)]
     results = {
         "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
         "torch": torch.__version__,
-        "settings": {"beam_size": args.beam_size, "max_epochs": args.max_epochs, "relative_tolerance": args.tolerance},
+        "settings": {"beam_size": args.beam_size, "max_epochs": args.max_epochs, "relative_tolerance": args.tolerance,
+                     "seeds": args.seeds},
         "runs": [],
         "reference_comparison": [],
         "reference_full": [],
@@ -276,14 +281,14 @@ def main(argv=None) -> int:
                 results["reference_comparison"].append(row)
                 print(json.dumps(row), flush=True)
                 save()
-        for init in args.inits:
-            for layer in layers:
-                if out_of_time():
-                    break
-                row = run_layer(layer, dataclasses.replace(base, num_codebooks=bpp, init=init))
-                results["runs"].append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "history"}), flush=True)
-                save()
+        for seed, init, layer in ((s, i, l) for s in args.seeds for i in args.inits for l in layers):
+            if out_of_time():
+                break
+            row = run_layer(layer, dataclasses.replace(base, num_codebooks=bpp, init=init, seed=seed))
+            row["seed"] = seed
+            results["runs"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "history"}), flush=True)
+            save()
         if engine_class is not None:
             for layer in layers:
                 if out_of_time():
