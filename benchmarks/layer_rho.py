@@ -6,7 +6,7 @@ For every (model, layer, init) of the runs: ρ = N/K^M of the layer, the relativ
 after the init and at the end (mean and sd over seeds), and epochs. Then per layer the ratio
 init/greedy of both errors. Writes <stem>.csv (one row per layer and init), <stem>.md (the ratios
 per layer, sorted by ρ, and the least-squares slope of log(ratio) against log10 ρ per init), and
-<stem>.png (both errors against ρ, log-log, one colour per init, one marker per model).
+<stem>.png (each init's errors as ratios to greedy's against ρ, log-log).
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ def per_layer(runs: pd.DataFrame) -> pd.DataFrame:
         rho=("rho", "first"), seeds=("seed", "nunique"), epochs=("epochs", "mean"),
         init_mse=("init_relative_mse", "mean"), init_mse_sd=("init_relative_mse", "std"),
         final_mse=("final_relative_mse", "mean"), final_mse_sd=("final_relative_mse", "std")).reset_index()
-    greedy = stats[stats["init"] == "greedy"].set_index(["model", "bpp", "layer"])[["init_mse", "final_mse"]]
-    joined = stats.join(greedy, on=["model", "bpp", "layer"], rsuffix="_greedy")
+    greedy = stats[stats["init"] == "greedy"][["model", "bpp", "layer", "init_mse", "final_mse"]].rename(
+        columns={"init_mse": "init_mse_greedy", "final_mse": "final_mse_greedy"})
+    joined = stats.merge(greedy, on=["model", "bpp", "layer"], how="left")
     joined["init_ratio"] = joined["init_mse"] / joined["init_mse_greedy"]
     joined["final_ratio"] = joined["final_mse"] / joined["final_mse_greedy"]
     return joined.drop(columns=["init_mse_greedy", "final_mse_greedy"]).sort_values(["bpp", "rho", "model", "layer", "init"])
@@ -83,23 +84,28 @@ def markdown(layers: pd.DataFrame, device: str) -> str:
 
 
 def plot(layers: pd.DataFrame, path: Path) -> None:
+    """Each init's error as a ratio to greedy's on the same layer, against ρ (log-log): after the
+    init and at the end; one colour per init, one marker per model and bit rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    others = layers[layers["init"] != "greedy"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    markers = dict(zip(sorted(layers["model"].unique()), "osD^v"))
-    for ax, column, title in ((axes[0], "init_mse", "after the init"), (axes[1], "final_mse", "at the end")):
-        for colour, (init, group) in zip(("tab:blue", "tab:orange", "tab:green", "tab:red"), layers.groupby("init")):
-            for model, points in group.groupby("model"):
-                ax.scatter(points["rho"], points[column], color=colour, marker=markers[model], s=22,
-                           label=f"{init}, {model}")
+    groups = sorted({(m, b) for m, b in zip(others["model"], others["bpp"])})
+    markers = dict(zip(groups, "osD^vP*X"))
+    for ax, column, title in ((axes[0], "init_ratio", "after the init"), (axes[1], "final_ratio", "at the end")):
+        for colour, (init, group) in zip(("tab:orange", "tab:green", "tab:red", "tab:purple"), others.groupby("init")):
+            for (model, bpp), points in group.groupby(["model", "bpp"]):
+                ax.scatter(points["rho"], points[column], color=colour, marker=markers[(model, bpp)], s=22,
+                           label=f"{init}, {model} {bpp} bpp")
+        ax.axhline(1.0, color="k", linewidth=0.8, linestyle="--")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("ρ = N / K^M (groups per codeword combination)")
-        ax.set_title(f"relative output error {title}")
-    axes[0].set_ylabel("relative output MSE")
+        ax.set_title(f"relative output error {title}, / greedy's")
+    axes[0].set_ylabel("error / greedy's error (< 1: better)")
     axes[1].legend(fontsize=7)
     fig.tight_layout()
     with atomic_path(path) as tmp:
