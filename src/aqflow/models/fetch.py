@@ -280,7 +280,7 @@ def prepare_local_model(path: str | os.PathLike, out_dir: str | os.PathLike, dty
                         group_size: int = 8, name: str | None = None) -> Path:
     """The plain folder of the local model folder `path` (see write_plain_folder)."""
     path = Path(path).resolve()
-    if not (path / "config.json").is_file():
+    if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"model {name or path}: {path} is not a Hugging Face model folder (no config.json)")
     return write_plain_folder(path, out_dir, dtype, name or str(path), group_size, {"source": "path", "path": str(path)})
 

@@ -75,7 +75,7 @@ class PVLinear(nn.Module):
         return self.codebooks.shape[-1]
 
     def dequantized(self) -> torch.Tensor:
-        """The weight the codes represent, [out, in]; differentiable in codebooks and scales."""
+        """The weight the codes represent, [out, in] float32; differentiable in codebooks and scales."""
         return dequantize_weight(self.codes, self.codebooks, self.scales)
 
     def enable_straight_through(self) -> None:
@@ -89,6 +89,7 @@ class PVLinear(nn.Module):
         return self.dequantized().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out]: in x's dtype, or autocast's on the accumulate-dL/dW path."""
         if self.weight_gradient is not None:
             compute_dtype = _compute_dtype(x)
             output = _WeightGradientLinear.apply(x.to(compute_dtype), self)
@@ -120,7 +121,11 @@ def _add_weight_gradient(accumulator: torch.Tensor, grad_output: torch.Tensor, x
 
 class _WeightGradientLinear(torch.autograd.Function):
     """x @ Wᵀ for a `PVLinear` whose W autograd does not track: the backward returns dL/dx and
-    adds dL/dW into the layer's `weight_gradient` buffer (see `open_weight_gradients`)."""
+    adds dL/dW into the layer's `weight_gradient` buffer (see `open_weight_gradients`).
+
+    x [..., in] in the compute dtype -> [..., out] in that dtype; the backward takes
+    grad_output [..., out] and returns dL/dx [..., in] (None for the layer).
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: "PVLinear") -> torch.Tensor:
@@ -196,7 +201,9 @@ def _plain_config(checkpoint_dir: Path):
 
 
 def load_student(checkpoint_dir: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Module:
-    """The AQLM checkpoint as a float32 causal LM whose quantized linears are `PVLinear`.
+    """The AQLM checkpoint as a float32 causal LM whose quantized linears are `PVLinear`
+    (codes [out, G, M] int32 unpacked from the stored int8/int16, codebooks [M, K, g] from the
+    stored [M, K, 1, g], scales [out] from [out, 1, 1, 1], all on `device`).
 
     Every tensor of the checkpoint is used: quantized linears from their codes, codebooks and
     scales (and bias), everything else loaded into the model built from the checkpoint's config.
@@ -292,7 +299,7 @@ def save_student(model: nn.Module, source_dir: str | os.PathLike, output_dir: st
 
 
 def load_teacher(model_dir: str | os.PathLike, device: str | torch.device, dtype: str) -> nn.Module:
-    """The full-precision model, frozen, in eval mode."""
+    """The full-precision model, frozen, in eval mode, its weights in `dtype` on `device`."""
     from ..models.fetch import load_causal_lm
 
     torch_dtype(dtype)  # refuse a bad name before loading anything
