@@ -30,8 +30,6 @@ from .models.fetch import load_causal_lm, torch_dtype as to_torch_dtype
 from .models.structure import find_decoder_blocks, find_linears, meta_model
 from .quant.representation import MAX_NBITS, aqlm_code_dtype, codebook_size, dequantize_weight, unpack_codes
 
-ARTIFACT_TENSORS = model_folder.AQLM_TENSORS
-
 
 class CheckpointError(ValueError):
     """A layer artifact is missing or does not fit the model; the message names module and file."""
@@ -90,10 +88,10 @@ def read_layer_artifact(layers_dir: str | os.PathLike, module_name: str, linear:
     check_layer_pair(path)
     with decoding(path, "safetensors file"):
         tensors = load_file(str(path))
-    missing = [key for key in ARTIFACT_TENSORS if key not in tensors]
+    missing = [key for key in model_folder.AQLM_TENSORS if key not in tensors]
     if missing:
         raise CheckpointError(f"{module_name}: {path} lacks tensors {missing} (has {sorted(tensors)})")
-    codes, codebooks, scales = (tensors[key] for key in ARTIFACT_TENSORS)
+    codes, codebooks, scales = (tensors[key] for key in model_folder.AQLM_TENSORS)
     if codebooks.dim() != 4 or codebooks.shape[2] != 1:
         raise CheckpointError(f"{module_name}: {path} has codebooks of shape {tuple(codebooks.shape)}, "
                               "expected [M, K, 1, g]")

@@ -37,11 +37,11 @@ from ..models import folder as model_folder
 from ..models.fetch import torch_dtype
 from ..quant.representation import dequantize_weight, pack_codes, unpack_codes
 
-QUANTIZED_SUFFIXES = model_folder.AQLM_TENSORS
-
 
 class StudentError(ValueError):
-    """The checkpoint cannot be turned into a student (not AQLM, missing tensors); the message says why."""
+    """The checkpoint cannot be turned into a student (unsupported layout, tensors that do not fit
+    the model); the message says why. A folder that is no AQLM checkpoint raises NotAqlmError and
+    one with incomplete quantized linears ModelFolderError (aqflow.models.folder)."""
 
 
 class PVLinear(nn.Module):
@@ -239,7 +239,7 @@ def load_student(checkpoint_dir: str | os.PathLike, device: str | torch.device =
                                f"model but its codes describe [{layer.out_features}, {layer.in_features}]")
         parent_name, _, child = prefix.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
-        used.update(f"{prefix}.{key}" for key in (*QUANTIZED_SUFFIXES, "bias"))
+        used.update(f"{prefix}.{key}" for key in (*model_folder.AQLM_TENSORS, "bias"))
     rest = {name: tensor.float() if tensor.is_floating_point() else tensor
             for name, tensor in tensors.items() if name not in used}
     missing, unexpected = model.load_state_dict(rest, strict=False)
@@ -267,7 +267,7 @@ def student_tensors(model: nn.Module, like: dict[str, str]) -> dict[str, torch.T
     out: dict[str, torch.Tensor] = {}
     for name, stored in like.items():
         prefix, _, key = name.rpartition(".")
-        if prefix in layers and key in QUANTIZED_SUFFIXES:
+        if prefix in layers and key in model_folder.AQLM_TENSORS:
             layer = layers[prefix]
             tensor = {"codes": lambda: pack_codes(layer.codes, layer.nbits),
                       "codebooks": lambda: layer.codebooks.detach()[:, :, None, :],
