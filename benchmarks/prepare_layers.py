@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from aqflow.artifacts import save_safetensors, write_json, write_parquet
-from aqflow.calibration import collect_xtx_fp, find_decoder_blocks, find_linears
+from aqflow.calibration import collect_xtx_fp
 from aqflow.data import prepare_corpus, role_texts, sample_calibration_windows
 from aqflow.fetching import default_cache_dir
-from aqflow.models import load_causal_lm, load_tokenizer, prepare_model
+from aqflow.models import find_decoder_blocks, find_linears, load_causal_lm, load_tokenizer, prepare_model
 
 
 def pack_upper_triangle(xtx: torch.Tensor) -> torch.Tensor:

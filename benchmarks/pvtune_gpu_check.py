@@ -26,6 +26,7 @@ import pandas as pd
 import torch
 
 from aqflow import artifacts, checkpoint
+from aqflow.models.structure import meta_model
 from aqflow.models.tiny import build_tiny_llama, build_tiny_tokenizer
 from aqflow.stages.quantize_layer import quantize_every_linear
 from aqflow.stages import pvtune
@@ -104,7 +105,7 @@ def random_codes_checkpoint(teacher: Path, root: Path) -> Path:
     """The teacher's 2x8-bit AQLM checkpoint with random codes, stitched by `write_aqlm_checkpoint`."""
     layers = root / "layers"
     layers.mkdir(parents=True, exist_ok=True)
-    meta = checkpoint._meta_model(teacher)
+    meta = meta_model(teacher)
     generator = torch.Generator().manual_seed(0)
     for name in checkpoint.quantized_linear_names(meta):
         out_features, in_features = meta.get_submodule(name).weight.shape
@@ -137,7 +138,7 @@ def peak_memory_of_pv(root: Path, shape: dict, device: str, window_tokens: int) 
     log = pd.read_parquet(out / "log.parquet")
     train = log[log["split"] == "train"]
     gib = 2 ** 30
-    parameters = sum(int(np.prod(t.shape)) for t in checkpoint._meta_model(teacher).parameters())
+    parameters = sum(int(np.prod(t.shape)) for t in meta_model(teacher).parameters())
     return {
         "shape": shape, "parameters": parameters, "window_tokens": window_tokens, "micro_batch_size": 1, "steps": int(record["steps"]),
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / gib if device.startswith("cuda") else None,

@@ -92,19 +92,16 @@ def nearest_codeword_codes(weight: torch.Tensor, num_codebooks: int, nbits: int,
 
 def build_student(teacher: Path, root: Path, device: str) -> Path:
     """The teacher's 2x8-bit AQLM checkpoint (`nearest_codeword_codes`), stitched by the pipeline."""
-    from safetensors.torch import load_file
-
     from aqflow import artifacts, checkpoint
-    from aqflow.pvtune.student import weight_files
+    from aqflow.models.folder import read_tensors
+    from aqflow.models.structure import meta_model
     from aqflow.quant.representation import pack_codes
 
     layers = root / "layers"
     layers.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for path in weight_files(teacher):
-        tensors.update(load_file(str(path)))
+    tensors = read_tensors(teacher)
     generator = torch.Generator().manual_seed(0)
-    for name in checkpoint.quantized_linear_names(checkpoint._meta_model(teacher)):
+    for name in checkpoint.quantized_linear_names(meta_model(teacher)):
         codes, codebooks = nearest_codeword_codes(tensors[f"{name}.weight"].to(device), 2, 8, generator)
         # the pipeline's writer: the layer files carry the checksums stitch verifies
         artifacts.save_safetensors(checkpoint.layer_artifact_path(layers, name), {

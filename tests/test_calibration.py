@@ -14,14 +14,12 @@ from aqflow.calibration import (
     capture_block_inputs,
     collect_xtx_fp,
     discover_input_sites,
-    find_decoder_blocks,
-    find_linears,
     group_linears_by_input,
     load_block_xtx,
     load_manifest,
     save_block_xtx,
 )
-from aqflow.models import build_tiny_llama, load_causal_lm
+from aqflow.models import build_tiny_llama, find_decoder_blocks, find_linears, load_causal_lm
 
 NUM_WINDOWS, WINDOW_TOKENS = 5, 12
 

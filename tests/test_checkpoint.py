@@ -22,6 +22,7 @@ from transformers.quantizers.quantizers_utils import should_convert_module
 
 from aqflow import artifacts, checkpoint
 from aqflow.models import build_tiny_llama, load_causal_lm, load_tokenizer
+from aqflow.models.folder import stored_bits_per_parameter
 from aqflow.stages.quantize_layer import quantize_every_linear
 from aqflow.quant.representation import bits_per_parameter, pack_codes
 from aqflow.stages import stitch
@@ -205,7 +206,7 @@ def test_stored_bits_per_parameter_is_about_two_for_two_8bit_codebooks(tmp_path)
             "codebooks": torch.randn(2, 256, 1, 8, generator=generator),
             "scales": torch.ones(1024, 1, 1, 1)})
     out = checkpoint.write_aqlm_checkpoint(model_dir, layers_dir, tmp_path / "aqlm", num_codebooks=2, nbits=8)
-    bits = checkpoint.stored_bits_per_parameter(out)
+    bits = stored_bits_per_parameter(out)["bits_per_parameter"]
     assert bits == pytest.approx(bits_per_parameter(1024, 1024, num_codebooks=2, nbits=8))
     assert 2.0 < bits < 2.1
     assert json.loads((out / "aqflow_model.json").read_text())["stored_bits_per_parameter"] == pytest.approx(bits)

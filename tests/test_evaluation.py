@@ -19,7 +19,7 @@ from aqflow.data.zero_shot import (
     task_data_files, unique_docs, write_task_files,
 )
 from aqflow.evaluation import perplexity
-from aqflow.evaluation.model_bits import stored_bits_per_parameter
+from aqflow.models.folder import stored_bits_per_parameter
 from aqflow.evaluation.protocol import c4_windows, wikitext2_windows, windows_sha256
 from aqflow.evaluation.zero_shot import (
     HEADLINE_METRIC, TASK_TEMPLATES_DIR, average_accuracy, run_zero_shot, write_task_configs,

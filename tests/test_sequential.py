@@ -14,12 +14,12 @@ import torch
 from safetensors.torch import load_file
 
 from aqflow import artifacts
-from aqflow.calibration import collect_xtx_fp, find_decoder_blocks, find_linears, load_block_xtx, save_block_xtx
+from aqflow.calibration import collect_xtx_fp, load_block_xtx, save_block_xtx
 from aqflow.calibration.block_finetune import BlockFinetuneSettings, QuantizedLinearParams, finetune_block
 from aqflow.calibration.hessians import block_forward
 from aqflow.calibration.sequential import block_call_inputs, load_hidden_states, save_windows
 from aqflow.checkpoint import write_aqlm_checkpoint
-from aqflow.models import build_tiny_llama, load_causal_lm
+from aqflow.models import build_tiny_llama, find_decoder_blocks, find_linears, load_causal_lm
 from aqflow.quant.representation import dequantize_weight, unpack_codes
 from aqflow.stages import calibrate_block, finetune_block as finetune_stage, quantize_layer
 

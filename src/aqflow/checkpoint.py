@@ -17,27 +17,18 @@ full-precision model with each quantized weight replaced by the weight its codes
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import struct
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 
-from .artifacts import ArtifactError, decoding, read_json, recorded_sha256, verified, verified_tree, write_json
-from .calibration.hessians import find_decoder_blocks, find_linears
-from .artifacts import atomic_dir
-from .models.fetch import MARKER_FILE, load_causal_lm, torch_dtype as to_torch_dtype
+from .artifacts import ArtifactError, atomic_dir, decoding, read_json, recorded_sha256, verified, verified_tree, write_json
+from .models import folder as model_folder
+from .models.fetch import load_causal_lm, torch_dtype as to_torch_dtype
+from .models.structure import find_decoder_blocks, find_linears, meta_model
 from .quant.representation import MAX_NBITS, aqlm_code_dtype, codebook_size, dequantize_weight, unpack_codes
-
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
-ARTIFACT_TENSORS = ("codes", "codebooks", "scales")
-_NOT_COPIED = {WEIGHTS_FILE, WEIGHTS_INDEX_FILE, CONFIG_FILE, MARKER_FILE}
 
 
 class CheckpointError(ValueError):
@@ -78,15 +69,6 @@ def not_quantized_names(model: nn.Module, quantized: list[str]) -> list[str]:
     return sorted(modules + [f"{name}.weight" for name in modules])
 
 
-def _meta_model(model_dir: Path) -> nn.Module:
-    """The model's module tree, without allocating or reading any weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
 # --- layer artifacts ---------------------------------------------------------------------------
 
 def read_layer_artifact(layers_dir: str | os.PathLike, module_name: str, linear: nn.Linear,
@@ -106,10 +88,10 @@ def read_layer_artifact(layers_dir: str | os.PathLike, module_name: str, linear:
     check_layer_pair(path)
     with decoding(path, "safetensors file"):
         tensors = load_file(str(path))
-    missing = [key for key in ARTIFACT_TENSORS if key not in tensors]
+    missing = [key for key in model_folder.AQLM_TENSORS if key not in tensors]
     if missing:
         raise CheckpointError(f"{module_name}: {path} lacks tensors {missing} (has {sorted(tensors)})")
-    codes, codebooks, scales = (tensors[key] for key in ARTIFACT_TENSORS)
+    codes, codebooks, scales = (tensors[key] for key in model_folder.AQLM_TENSORS)
     if codebooks.dim() != 4 or codebooks.shape[2] != 1:
         raise CheckpointError(f"{module_name}: {path} has codebooks of shape {tuple(codebooks.shape)}, "
                               "expected [M, K, 1, g]")
@@ -187,27 +169,6 @@ def _read_all_artifacts(model: nn.Module, names: list[str], layers_dir: list[Pat
     return found
 
 
-# --- source weights ----------------------------------------------------------------------------
-
-def _weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a model folder (one file, or the shards its index names)."""
-    index = model_dir / WEIGHTS_INDEX_FILE
-    if index.is_file():
-        shards = sorted(set(read_json(index)["weight_map"].values()))
-        return [model_dir / shard for shard in shards]
-    single = model_dir / WEIGHTS_FILE
-    if not single.is_file():
-        raise FileNotFoundError(f"{model_dir} has neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}")
-    return [single]
-
-
-def _files_to_copy(model_dir: Path) -> list[Path]:
-    """Tokenizer files, generation config and the like: every file but weights, config and marker."""
-    return [item for item in sorted(model_dir.iterdir())
-            if item.is_file() and item.name not in _NOT_COPIED and not item.name.startswith(".")
-            and item.suffix != ".safetensors"]
-
-
 # --- the checkpoint ----------------------------------------------------------------------------
 
 def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.PathLike | Sequence[str | os.PathLike],
@@ -226,9 +187,6 @@ def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.Pat
     exactly one. replaced_tensors: full-precision tensors of the model to store instead of the
     source's (block fine-tuning's tuned norms and biases); each must exist with the same shape.
     """
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     layers_dirs = _as_dirs(layers_dir)
     torch_dtype = to_torch_dtype(dtype)
@@ -237,64 +195,49 @@ def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.Pat
                          f"got {num_codebooks}, {nbits}, {group_size}")
     if output_dir.exists():
         raise FileExistsError(f"{output_dir} already exists; remove it to stitch again")
-    if not (model_dir / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"{model_dir} has no {CONFIG_FILE}: not a model folder")
     verified_tree(model_dir)
+    config = model_folder.read_config(model_dir)
     for folder in layers_dirs:
         if not folder.is_dir():
             raise FileNotFoundError(f"{folder}: no such layers folder")
-    model = _meta_model(model_dir)
+    model = meta_model(model_dir)
     quantized = quantized_linear_names(model)
     keep_fp = not_quantized_names(model, quantized)
     layers = _read_all_artifacts(model, quantized, layers_dirs,
                                  num_codebooks=num_codebooks, nbits=nbits, group_size=group_size)
 
-    tensors: dict[str, torch.Tensor] = {}
     quantized_weights = {f"{name}.weight" for name in quantized}
-    for path in _weight_files(model_dir):
-        with decoding(path, "safetensors file"), safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                if key in quantized_weights:
-                    quantized_weights.discard(key)
-                    continue
-                tensor = handle.get_tensor(key)
-                tensors[key] = tensor.to(torch_dtype) if tensor.is_floating_point() else tensor
+    absent = quantized_weights - model_folder.tensor_headers(model_dir).keys()
+    if absent:
+        raise CheckpointError(f"{model_dir} has no weights for the quantized linears {sorted(absent)[:5]}")
+    tensors: dict[str, torch.Tensor] = {}
+    for key, tensor in model_folder.iter_tensors(model_dir, skip=quantized_weights):
+        tensors[key] = tensor.to(torch_dtype) if tensor.is_floating_point() else tensor
     for key, tensor in (replaced_tensors or {}).items():
         if key not in tensors or tensors[key].shape != tensor.shape:
             raise CheckpointError(f"replacement tensor {key!r} {tuple(tensor.shape)} matches no full-precision "
                                   f"tensor of {model_dir}")
         tensors[key] = tensor.to(torch_dtype)
-    if quantized_weights:
-        raise CheckpointError(f"{model_dir} has no weights for the quantized linears {sorted(quantized_weights)[:5]}")
     for name, layer in layers.items():
         tensors[f"{name}.codes"] = layer["codes"]
         tensors[f"{name}.codebooks"] = layer["codebooks"].to(torch_dtype)
         tensors[f"{name}.scales"] = layer["scales"].to(torch_dtype)
 
-    config = json.loads((model_dir / CONFIG_FILE).read_text())
-    config.update(dtype=dtype, torch_dtype=dtype, quantization_config={
-        "quant_method": "aqlm",
-        "in_group_size": group_size,
-        "out_group_size": 1,
-        "num_codebooks": num_codebooks,
-        "nbits_per_codebook": nbits,
-        "linear_weights_not_to_quantize": keep_fp,
-    })
-    source_marker = model_dir / MARKER_FILE
+    config.update(dtype=dtype, torch_dtype=dtype, quantization_config=model_folder.new_aqlm_quantization_config(
+        num_codebooks, nbits, group_size, not_quantized=keep_fp))
     with atomic_dir(output_dir, replace=False) as staging:
-        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
-        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for item in _files_to_copy(model_dir):
-            shutil.copy2(item, staging / item.name)
-        write_json(staging / MARKER_FILE, {
+        model_folder.write_weights(staging, tensors)
+        model_folder.write_config(staging, config)
+        model_folder.copy_side_files(model_dir, staging)
+        write_json(staging / model_folder.MARKER_FILE, {
             "source_model": str(model_dir),
-            "source_marker": json.loads(source_marker.read_text()) if source_marker.is_file() else None,
+            "source_marker": model_folder.read_marker(model_dir),
             "layers_dir": str(layers_dirs[0]) if len(layers_dirs) == 1 else [str(d) for d in layers_dirs],
             "replaced_tensors": sorted(replaced_tensors or {}),
             "dtype": dtype,
             "quantization": {"num_codebooks": num_codebooks, "nbits": nbits, "group_size": group_size},
             "quantized_linears": len(quantized),
-            "stored_bits_per_parameter": stored_bits_per_parameter(staging),
+            "stored_bits_per_parameter": model_folder.stored_bits_per_parameter(staging)["bits_per_parameter"],
         })
     return output_dir
 
@@ -313,38 +256,3 @@ def dequantized_model(model_dir: str | os.PathLike, layers_dir: str | os.PathLik
             model.get_submodule(name).weight.copy_(
                 dequantize_weight(codes, layer["codebooks"].float(), layer["scales"].float()))
     return model
-
-
-# --- accounting --------------------------------------------------------------------------------
-
-def _safetensors_header(path: Path) -> dict:
-    """The JSON header of a safetensors file: name -> {dtype, shape, data_offsets [start, end)}."""
-    with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
-    header.pop("__metadata__", None)
-    return header
-
-
-def stored_bits_per_parameter(output_dir: str | os.PathLike) -> float:
-    """Bits on disk per quantized weight: the bytes of every `X.codes`, `X.codebooks` and
-    `X.scales` in the checkpoint's safetensors files, over the out*in weights they represent
-    (out = codes.shape[0] * codebooks.shape[2], in = codes.shape[1] * codebooks.shape[3]).
-
-    Codes count at the width of their integer dtype (4-bit codes in int8 cost 8 bits), since that
-    is what the format stores. Full-precision tensors (embeddings, head, norms, biases) are not counted.
-    """
-    entries: dict[str, dict] = {}
-    for path in sorted(Path(output_dir).glob("*.safetensors")):
-        entries.update(_safetensors_header(path))
-    prefixes = [key[: -len(".codes")] for key in entries if key.endswith(".codes")]
-    if not prefixes:
-        raise ValueError(f"{output_dir} holds no quantized linears (no '*.codes' tensors)")
-    stored_bits = num_weights = 0
-    for prefix in prefixes:
-        codes_shape, codebooks_shape = entries[f"{prefix}.codes"]["shape"], entries[f"{prefix}.codebooks"]["shape"]
-        num_weights += codes_shape[0] * codebooks_shape[2] * codes_shape[1] * codebooks_shape[3]
-        for key in ARTIFACT_TENSORS:
-            start, end = entries[f"{prefix}.{key}"]["data_offsets"]
-            stored_bits += 8 * (end - start)
-    return stored_bits / num_weights

@@ -9,9 +9,10 @@ from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
 
-# the library's pure-Python model-entry helpers (no torch), whether or not aqflow is installed here
+# the library's pure-Python helpers (no torch: model entries, module names), whether or not aqflow is installed here
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from aqflow.models.entries import entry_problems, fetch_model_argv, parse_model_entry
+from aqflow.models.folder import block_index
 from aqflow.corpus_catalog import (
     BUILTIN_CORPORA,
     check_role,
@@ -240,19 +241,11 @@ def calibration_dir(wildcards):
     return f"results/{wildcards.model}/calib/{calibration_id(wildcards.model)}"
 
 
-def block_of(layer):
-    """`model.layers.3.mlp.down_proj` -> 3 (the first dotted integer, as quantize-layer reads it)."""
-    match = re.match(r"^(?:.*?\.)?(\d+)\.(.+)$", layer)
-    if match is None:
-        raise ValueError(f"layer {layer!r} has no block index")
-    return int(match.group(1))
-
-
 def layer_calibration_dir(wildcards):
     """The XᵀX of a layer's block: shared (fp mode, and block 0 in sequential mode) or, for a block
     after the first in sequential mode, the variant's own (it depends on its quantized blocks).
     """
-    block = block_of(wildcards.layer)
+    block = block_index(wildcards.layer)
     if SEQUENTIAL and block > 0:
         return f"{variant_dir(wildcards)}/calib/block{block}"
     return calibration_dir(wildcards)
@@ -271,7 +264,7 @@ def block_layer_artifacts(wildcards, block):
     return [
         f"{base}/layers/{layer}.safetensors"
         for layer in quantized_layers(wildcards)
-        if block_of(layer) == block
+        if block_index(layer) == block
     ]
 
 

@@ -11,8 +11,6 @@ from .hessians import (
     capture_block_inputs,
     collect_xtx_fp,
     discover_input_sites,
-    find_decoder_blocks,
-    find_linears,
     group_linears_by_input,
     load_block_xtx,
     load_manifest,
@@ -21,6 +19,5 @@ from .hessians import (
 
 __all__ = [
     "BlockInputs", "BlockXtx", "InputSite", "accumulate_block_xtx", "accumulate_xtx", "array_sha256",
-    "block_forward", "capture_block_inputs", "collect_xtx_fp", "discover_input_sites", "find_decoder_blocks",
-    "find_linears", "group_linears_by_input", "load_block_xtx", "load_manifest", "save_block_xtx",
+    "block_forward", "capture_block_inputs", "collect_xtx_fp", "discover_input_sites", "group_linears_by_input", "load_block_xtx", "load_manifest", "save_block_xtx",
 ]

@@ -24,7 +24,8 @@ from torch import nn
 from torch.func import functional_call
 from tqdm.auto import tqdm
 
-from .hessians import BlockInputs, find_linears
+from ..models.structure import find_linears
+from .hessians import BlockInputs
 from ..quant.representation import dequantize_weight
 
 

@@ -8,10 +8,10 @@ so XᵀX [in, in] is all it needs to know about the calibration data. Linears th
 input tensor (q/k/v of an attention block, gate/up of a gated MLP) have the same X, hence the same
 XᵀX: they form one *input site* and their statistics are computed and stored once.
 
-Everything here is generic over decoder-only `transformers` models: the repeated blocks are
-found by walking the module tree (the nn.ModuleList of identical children holding most of the
-parameters), linears by walking each block, and input sites by running a short probe through the
-model and comparing the tensors each linear receives, not by tables of layer names.
+Everything here is generic over decoder-only `transformers` models: the repeated blocks and
+their linears are found by walking the module tree (`aqflow.models.structure`), and input sites
+by running a short probe through the model and comparing the tensors each linear receives, not
+by tables of layer names.
 
 Propagation modes:
 * fp: every block sees the inputs the full-precision model gives it; one forward pass of the
@@ -38,6 +38,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..artifacts import decoding, read_parquet, save_npz, verified, write_parquet
+from ..models.structure import find_decoder_blocks, find_linears
 
 MANIFEST_FILE = "manifest.parquet"
 SITE_SEPARATOR = "+"
@@ -84,41 +85,7 @@ class _StopForward(Exception):
     """Raised by a hook after the last block of interest, so the rest of the model is skipped."""
 
 
-# --- structure ---------------------------------------------------------------------------------
-
-def _contains_linear(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.Linear) for m in module.modules())
-
-
-def find_decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """Find the list of repeated transformer blocks of a model.
-
-    Candidates are nn.ModuleLists whose children all have the same class and contain nn.Linear
-    layers; the one holding the most parameters is the decoder stack (this passes over, e.g.,
-    the smaller list of a vision tower or the expert list inside one MoE block).
-    Returns (qualified name, the ModuleList), e.g. ("model.layers", ...).
-    """
-    best: tuple[int, str, nn.ModuleList] | None = None
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        if len({type(child) for child in module}) != 1 or not _contains_linear(module[0]):
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        if best is None or size > best[0]:
-            best = (size, name, module)
-    if best is None:
-        raise ValueError(f"no list of repeated blocks with linear layers found in {type(model).__name__}")
-    return best[1], best[2]
-
-
-def find_linears(block: nn.Module) -> dict[str, nn.Linear]:
-    """All nn.Linear modules of a block, by name relative to the block, in module order."""
-    linears = {name: m for name, m in block.named_modules() if isinstance(m, nn.Linear)}
-    if not linears:
-        raise ValueError(f"block {type(block).__name__} has no nn.Linear modules")
-    return linears
-
+# --- input sites ---------------------------------------------------------------------------------
 
 def group_linears_by_input(inputs: Mapping[str, torch.Tensor]) -> list[tuple[str, ...]]:
     """Group linear names whose captured inputs are the same tensor.

@@ -35,9 +35,8 @@ from .hessians import (
     block_forward,
     capture_block_inputs,
     discover_input_sites,
-    find_decoder_blocks,
-    find_linears,
 )
+from ..models.structure import find_decoder_blocks, find_linears
 from ..quant.representation import dequantize_weight, unpack_codes
 
 HIDDEN_KEY = "hidden_states"

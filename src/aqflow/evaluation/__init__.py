@@ -1,11 +1,10 @@
-"""Evaluation: perplexity by the GPTQ/AQLM protocol, zero-shot tasks through lm-eval, stored bits."""
+"""Evaluation: perplexity by the GPTQ/AQLM protocol, zero-shot tasks through lm-eval."""
 
-from .model_bits import stored_bits_per_parameter
 from .perplexity import perplexity, window_nll
 from .protocol import SampledWindows, c4_windows, wikitext2_windows, windows_sha256
 from .zero_shot import HEADLINE_METRIC, average_accuracy, run_zero_shot, write_task_configs
 
 __all__ = [
     "HEADLINE_METRIC", "SampledWindows", "average_accuracy", "c4_windows", "perplexity", "run_zero_shot",
-    "stored_bits_per_parameter", "wikitext2_windows", "window_nll", "windows_sha256", "write_task_configs",
+    "wikitext2_windows", "window_nll", "windows_sha256", "write_task_configs",
 ]

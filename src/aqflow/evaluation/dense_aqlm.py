@@ -17,8 +17,9 @@ from torch import nn
 def dense_weight(layer: nn.Module) -> torch.Tensor:
     """The weight an aqlm `QuantizedLinear` represents, by aqlm's own dequantization.
 
-    layer.codes [out/out_group, in/in_group, M], codebooks [M, K, out_group, in_group],
-    scales [out/out_group, 1, 1, 1] -> weight [out, in] in the codebooks' dtype
+    layer.codes [out/out_group, in/in_group, M] int8 or int16 (packed: signed, as aqlm stores
+    them), codebooks [M, K, out_group, in_group] floating, scales [out/out_group, 1, 1, 1] floating
+    -> weight [out, in] in the codebooks' dtype, on their device
     """
     from aqlm.utils import _dequantize_weight, unpack_int_data
 
@@ -33,6 +34,7 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
 def dequantize_aqlm_linears(model: nn.Module) -> list[str]:
     """Replace, in place, every aqlm `QuantizedLinear` of `model` by an equal `nn.Linear`.
 
+    Each new linear holds weight [out, in] (and bias [out]) in the codebooks' dtype and device.
     Returns the replaced module names (empty for a model without AQLM layers)."""
     from aqlm import QuantizedLinear
 

@@ -18,8 +18,9 @@ from tqdm.auto import tqdm
 def window_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
     """Summed next-token negative log-likelihood (nats) of each window.
 
+    model: a causal LM whose output `.logits` is [batch, T, vocab] in its compute dtype.
     input_ids: [batch, T] int64 on the model's device.
-    Returns nll_nats: [batch] float64, each the sum over the T - 1 predicted tokens.
+    Returns nll_nats: [batch] float64 on the model's device, each the sum over the T - 1 predicted tokens.
     """
     logits = model(input_ids=input_ids).logits  # [batch, T, vocab]
     nll = []
@@ -33,7 +34,8 @@ def window_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool = True) -> float:
-    """exp(mean next-token NLL) of `model` over `windows` [num_windows, T] int64."""
+    """exp(mean next-token NLL) of `model` over `windows` [num_windows, T] int64 (any device;
+    moved to the model's `batch_size` windows at a time), as a Python float."""
     if windows.dim() != 2 or windows.shape[1] < 2:
         raise ValueError(f"windows must be [num_windows, T >= 2], got shape {tuple(windows.shape)}")
     device = next(model.parameters()).device

@@ -65,7 +65,8 @@ def wikitext2_windows(texts: Sequence[str], tokenizer, context_tokens: int,
 
 def c4_windows(doc_ids: Sequence[str], texts: Sequence[str], tokenizer, context_tokens: int,
                num_windows: int = DEFAULT_C4_WINDOWS, seed: int = DEFAULT_C4_SEED) -> SampledWindows:
-    """C4 protocol (AQLM's): `num_windows` seeded windows of `context_tokens` from single documents.
+    """C4 protocol (AQLM's): `num_windows` seeded windows of `context_tokens` from single documents:
+    input_ids [num_windows, context_tokens] int64 (CPU), with each window's document and start.
 
     Documents are used in the given order (the hub shard's, or sorted doc ids for the stand-in),
     which together with the tokenizer and seed fixes the result. Raises ValueError if no document
@@ -98,7 +99,8 @@ def c4_windows(doc_ids: Sequence[str], texts: Sequence[str], tokenizer, context_
 
 
 def windows_sha256(windows: torch.Tensor) -> str:
-    """sha256 of the windows' int64 token ids (row-major): names exactly the tokens evaluated."""
+    """sha256 of the windows' token ids [num_windows, T] (any integer dtype, on the CPU), as int64
+    row-major: names exactly the tokens evaluated."""
     return hashlib.sha256(windows.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
 
 

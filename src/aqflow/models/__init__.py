@@ -1,5 +1,5 @@
-"""Models: presets (GGUF in PyPI wheels, or hub ids), config entries, fetching/conversion, tiny
-test models.
+"""Models: presets (GGUF in PyPI wheels, or hub ids), config entries, fetching/conversion, the
+model folder's files (`folder`), the module tree's blocks and linears (`structure`), tiny test models.
 
 Names are imported on first use (PEP 562), so that the pure-Python parts (`presets`, `entries`,
 `support.config_problems`, `hub.cached_config`) load without torch, e.g. in Snakemake's DAG build.
@@ -12,6 +12,7 @@ _EXPORTS = {
     "load_causal_lm": "fetch", "load_tokenizer": "fetch", "prepare_model": "fetch",
     "PRESETS": "presets", "ModelPreset": "presets", "WheelPart": "presets", "get_preset": "presets",
     "build_tiny_llama": "tiny", "build_tiny_tokenizer": "tiny",
+    "find_decoder_blocks": "structure", "find_linears": "structure", "meta_model": "structure",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from .folder import CONFIG_FILE, read_config
 from .hub import cached_config
 from .presets import PRESETS
 from .support import config_problems
@@ -79,11 +80,9 @@ def entry_problems(entry: ModelEntry, group_size: int, base_dir: str | os.PathLi
     cache holds. Models not yet downloaded are checked by fetch_model instead."""
     if entry.kind == "path":
         folder = Path(base_dir) / entry.path
-        if not (folder / "config.json").is_file():
+        if not (folder / CONFIG_FILE).is_file():
             return [f"path {folder} is not a Hugging Face model folder (no config.json)"]
-        import json
-
-        return config_problems(json.loads((folder / "config.json").read_text()), group_size)
+        return config_problems(read_config(folder), group_size)
     if entry.kind == "hub":
         config = cached_config(entry.hub_repo, entry.revision)
         return config_problems(config, group_size) if config is not None else []

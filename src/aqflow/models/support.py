@@ -12,9 +12,6 @@ covers `group_size` consecutive input weights). Two levels of checking:
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Mapping
 
 # model types whose decoder projections are transformers' Conv1D (weights stored transposed),
@@ -62,7 +59,7 @@ def model_problems(config: Mapping, group_size: int) -> list[str]:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.pytorch_utils import Conv1D
 
-    from ..calibration.hessians import find_decoder_blocks
+    from .structure import find_decoder_blocks
 
     try:
         settings = {key: value for key, value in config.items() if key != "model_type"}
@@ -82,13 +79,6 @@ def model_problems(config: Mapping, group_size: int) -> list[str]:
     if bad:
         problems.append(f"block linears whose in_features is not divisible by the group size {group_size}: {bad}")
     return problems
-
-
-def read_config(folder: str | os.PathLike) -> dict:
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise UnsupportedModelError(f"{folder} has no config.json: not a Hugging Face model folder")
-    return json.loads(path.read_text())
 
 
 def refuse_unsupported(name: str, problems: list[str]) -> None:

@@ -21,8 +21,8 @@ from ..data.windows import CalibrationWindows, sample_calibration_windows
 
 @dataclass(frozen=True)
 class PVData:
-    train: CalibrationWindows  # input_ids [num_samples, window_tokens]
-    heldout: CalibrationWindows  # input_ids [heldout_samples, window_tokens]
+    train: CalibrationWindows  # input_ids [num_samples, window_tokens] int64 (fewer rows where the text runs out)
+    heldout: CalibrationWindows  # input_ids [heldout_samples, window_tokens] int64
     record: dict  # what was used, for the metrics JSON
 
 
@@ -41,7 +41,9 @@ def split_heldout_documents(doc_ids: Sequence[str], heldout_fraction: float, see
 
 def pv_windows(corpus: str | os.PathLike, tokenizer, num_samples: int, heldout_samples: int, window_tokens: int,
                heldout_fraction: float, seed: int) -> PVData:
-    """Training and held-out windows from the calibration documents of a split corpus (.parquet).
+    """Training and held-out windows from the calibration documents of a split corpus (.parquet):
+    train.input_ids [<= num_samples, window_tokens] int64, heldout.input_ids [<= heldout_samples,
+    window_tokens] int64.
 
     Where the documents hold fewer windows than asked, all of them are used and the record says
     so (the offline stand-ins are far smaller than the paper's 10K x 4096 tokens of C4).

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 def output_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The model's output head on final hidden states (with its logit soft-capping, if any).
 
-    hidden [N, d] -> logits [N, vocab] float32
+    hidden [N, d] in the head's dtype (or autocast's) -> logits [N, vocab] float32
     """
     logits = model.get_output_embeddings()(hidden).float()
     cap = getattr(model.config, "final_logit_softcapping", None)
@@ -32,11 +32,15 @@ def output_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def final_hidden(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """Final (normalised) hidden states of a causal LM: input_ids [B, T] -> [B, T, d]."""
+    """Final (normalised) hidden states of a causal LM, before the output head.
+
+    input_ids [B, T] int64 -> hidden [B, T, d] in the model's compute dtype (autocast's, if on)
+    """
     return model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
 
 
 def _kl_sum(student: nn.Module, teacher: nn.Module, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor) -> torch.Tensor:
+    """sum over the n tokens of KL(teacher || student): student_hidden [n, d], teacher_hidden [n, d] -> scalar float32"""
     log_q = F.log_softmax(output_logits(student, student_hidden), dim=-1)
     with torch.no_grad():
         log_p = F.log_softmax(output_logits(teacher, teacher_hidden), dim=-1)
@@ -47,7 +51,8 @@ def chunked_kl_sum(student: nn.Module, teacher: nn.Module, student_hidden: torch
                    chunk_tokens: int) -> torch.Tensor:
     """Sum over tokens of KL(teacher || student), the heads run `chunk_tokens` tokens at a time.
 
-    student_hidden [N, d] (differentiable), teacher_hidden [N, d] -> scalar float32
+    student_hidden [N, d] (differentiable), teacher_hidden [N, d], each in its model's compute
+    dtype -> scalar float32 (nats; the logits are float32 whatever the hidden states' dtype)
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
@@ -66,7 +71,8 @@ def chunked_kl_sum(student: nn.Module, teacher: nn.Module, student_hidden: torch
 def chunked_nll_sum(model: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
     """Summed next-token negative log-likelihood (nats), the head run `chunk_tokens` at a time.
 
-    hidden [N, d] (positions that predict), targets [N] int64 (the tokens they predict) -> scalar float64
+    hidden [N, d] in the model's compute dtype (positions that predict), targets [N] int64 (the
+    tokens they predict) -> scalar float64 on hidden's device
     """
     total = torch.zeros((), dtype=torch.float64, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk_tokens):

@@ -43,11 +43,11 @@ class LoopState:
     step: int
     order: torch.Tensor | None  # this epoch's window order [n] int64, None at an epoch boundary
     next_batch: int  # offset in `order` of the next batch
-    generator_state: torch.Tensor
+    generator_state: torch.Tensor  # the epoch generator's state, [n] uint8 (torch.Generator.get_state)
     log: list[dict]
     initial: dict
     best: dict
-    best_state: dict[str, torch.Tensor]
+    best_state: dict[str, torch.Tensor]  # train.snapshot: packed codes [out, G, M] and P-step parameters, CPU
     elapsed_seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -113,7 +113,13 @@ def _parameter_names(student: nn.Module) -> dict[int, str]:
 
 def save_state(folder: str | os.PathLike, student: nn.Module, optimizers: dict[str, torch.optim.Optimizer | None],
                loop: LoopState, fingerprint: dict) -> Path:
-    """Write the loop's full state to `folder` atomically (replacing an earlier one)."""
+    """Write the loop's full state to `folder` atomically (replacing an earlier one).
+
+    state.safetensors holds, on the CPU: "student/<layer>.codes" [out, G, M] packed int8/int16,
+    "student/<parameter>" for every trainable parameter (its shape, float32), "optim/<p|v>/<parameter>/<slot>"
+    (Adam's exp_avg and exp_avg_sq in the parameter's shape, step 0-dim float32), "best/<name>" the best
+    snapshot, "loop/order" [n] int64, and the generator and RNG states [*] uint8.
+    """
     tensors: dict[str, torch.Tensor] = {}
     for name, layer in pv_linears(student).items():
         tensors[f"student/{name}.codes"] = pack_codes(layer.codes, layer.nbits).cpu()

@@ -24,7 +24,6 @@ this one runs one matmul for dL/dW.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -34,17 +33,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..artifacts import atomic_dir, write_json
-from ..models.fetch import MARKER_FILE, torch_dtype
+from ..models import folder as model_folder
+from ..models.fetch import torch_dtype
 from ..quant.representation import dequantize_weight, pack_codes, unpack_codes
-
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
-QUANTIZED_SUFFIXES = ("codes", "codebooks", "scales")
 
 
 class StudentError(ValueError):
-    """The checkpoint cannot be turned into a student (not AQLM, missing tensors); the message says why."""
+    """The checkpoint cannot be turned into a student (unsupported layout, tensors that do not fit
+    the model); the message says why. A folder that is no AQLM checkpoint raises NotAqlmError and
+    one with incomplete quantized linears ModelFolderError (aqflow.models.folder)."""
 
 
 class PVLinear(nn.Module):
@@ -78,7 +75,7 @@ class PVLinear(nn.Module):
         return self.codebooks.shape[-1]
 
     def dequantized(self) -> torch.Tensor:
-        """The weight the codes represent, [out, in]; differentiable in codebooks and scales."""
+        """The weight the codes represent, [out, in] float32; differentiable in codebooks and scales."""
         return dequantize_weight(self.codes, self.codebooks, self.scales)
 
     def enable_straight_through(self) -> None:
@@ -92,6 +89,7 @@ class PVLinear(nn.Module):
         return self.dequantized().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out]: in x's dtype, or autocast's on the accumulate-dL/dW path."""
         if self.weight_gradient is not None:
             compute_dtype = _compute_dtype(x)
             output = _WeightGradientLinear.apply(x.to(compute_dtype), self)
@@ -123,7 +121,11 @@ def _add_weight_gradient(accumulator: torch.Tensor, grad_output: torch.Tensor, x
 
 class _WeightGradientLinear(torch.autograd.Function):
     """x @ Wᵀ for a `PVLinear` whose W autograd does not track: the backward returns dL/dx and
-    adds dL/dW into the layer's `weight_gradient` buffer (see `open_weight_gradients`)."""
+    adds dL/dW into the layer's `weight_gradient` buffer (see `open_weight_gradients`).
+
+    x [..., in] in the compute dtype -> [..., out] in that dtype; the backward takes
+    grad_output [..., out] and returns dL/dx [..., in] (None for the layer).
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: "PVLinear") -> torch.Tensor:
@@ -179,47 +181,13 @@ def close_weight_gradients(layers) -> None:
 
 # --- reading -------------------------------------------------------------------------------------
 
-def weight_files(model_dir: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a model folder: the shards its index names, or model.safetensors."""
-    model_dir = Path(model_dir)
-    index = model_dir / WEIGHTS_INDEX_FILE
-    if index.is_file():
-        return [model_dir / shard for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    if not (model_dir / WEIGHTS_FILE).is_file():
-        raise FileNotFoundError(f"{model_dir} has neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}")
-    return [model_dir / WEIGHTS_FILE]
-
-
-def read_tensors(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every tensor of a model folder, by name, on the CPU."""
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for path in weight_files(model_dir):
-        tensors.update(load_file(str(path)))
-    return tensors
-
-
 def aqlm_settings(checkpoint_dir: str | os.PathLike) -> dict:
-    """quantization_config of an AQLM checkpoint; StudentError for anything else."""
-    path = Path(checkpoint_dir) / CONFIG_FILE
-    if not path.is_file():
-        raise StudentError(f"{checkpoint_dir} has no {CONFIG_FILE}: not a model folder")
-    config = json.loads(path.read_text()).get("quantization_config")
-    if not config or config.get("quant_method") != "aqlm":
-        raise StudentError(f"{checkpoint_dir} is not an AQLM checkpoint (quantization_config: {config})")
+    """quantization_config of an AQLM checkpoint with one output row per group (the only kind a
+    student is built from); NotAqlmError / StudentError for anything else."""
+    config = model_folder.aqlm_quantization_config(checkpoint_dir)
     if config.get("out_group_size", 1) != 1:
         raise StudentError(f"{checkpoint_dir}: out_group_size {config['out_group_size']} is not supported (only 1)")
     return config
-
-
-def quantized_prefixes(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Module names X that the checkpoint stores as X.codes / X.codebooks / X.scales."""
-    prefixes = sorted(name[: -len(".codes")] for name in tensors if name.endswith(".codes"))
-    incomplete = [p for p in prefixes if any(f"{p}.{s}" not in tensors for s in QUANTIZED_SUFFIXES)]
-    if incomplete:
-        raise StudentError(f"quantized linears without all of {QUANTIZED_SUFFIXES}: {incomplete[:5]}")
-    return prefixes
 
 
 def _plain_config(checkpoint_dir: Path):
@@ -233,7 +201,9 @@ def _plain_config(checkpoint_dir: Path):
 
 
 def load_student(checkpoint_dir: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Module:
-    """The AQLM checkpoint as a float32 causal LM whose quantized linears are `PVLinear`.
+    """The AQLM checkpoint as a float32 causal LM whose quantized linears are `PVLinear`
+    (codes [out, G, M] int32 unpacked from the stored int8/int16, codebooks [M, K, g] from the
+    stored [M, K, 1, g], scales [out] from [out, 1, 1, 1], all on `device`).
 
     Every tensor of the checkpoint is used: quantized linears from their codes, codebooks and
     scales (and bias), everything else loaded into the model built from the checkpoint's config.
@@ -244,8 +214,8 @@ def load_student(checkpoint_dir: str | os.PathLike, device: str | torch.device =
 
     checkpoint_dir = Path(checkpoint_dir)
     nbits = int(aqlm_settings(checkpoint_dir)["nbits_per_codebook"])
-    tensors = read_tensors(checkpoint_dir)
-    prefixes = quantized_prefixes(tensors)
+    tensors = model_folder.read_tensors(checkpoint_dir)
+    prefixes = model_folder.quantized_linear_prefixes(tensors, checkpoint_dir)
     if not prefixes:
         raise StudentError(f"{checkpoint_dir} holds no quantized linears ('*.codes' tensors)")
     with torch.device(device):
@@ -269,7 +239,7 @@ def load_student(checkpoint_dir: str | os.PathLike, device: str | torch.device =
                                f"model but its codes describe [{layer.out_features}, {layer.in_features}]")
         parent_name, _, child = prefix.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
-        used.update(f"{prefix}.{key}" for key in (*QUANTIZED_SUFFIXES, "bias"))
+        used.update(f"{prefix}.{key}" for key in (*model_folder.AQLM_TENSORS, "bias"))
     rest = {name: tensor.float() if tensor.is_floating_point() else tensor
             for name, tensor in tensors.items() if name not in used}
     missing, unexpected = model.load_state_dict(rest, strict=False)
@@ -288,21 +258,6 @@ def pv_linears(model: nn.Module) -> dict[str, PVLinear]:
 
 # --- writing -------------------------------------------------------------------------------------
 
-def _stored_dtypes(checkpoint_dir: Path) -> dict[str, str]:
-    """{tensor name: safetensors dtype string} of a checkpoint, from its headers only."""
-    from safetensors import safe_open
-
-    dtypes = {}
-    for path in weight_files(checkpoint_dir):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                dtypes[name] = handle.get_slice(name).get_dtype()
-    return dtypes
-
-
-_SAFETENSORS_FLOATS = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
-
-
 def student_tensors(model: nn.Module, like: dict[str, str]) -> dict[str, torch.Tensor]:
     """The student as checkpoint tensors with exactly the names and dtypes of `like` ({name: dtype}):
     X.codes packed as AQLM stores them, X.codebooks [M, K, 1, g], X.scales [out, 1, 1, 1], every other
@@ -312,7 +267,7 @@ def student_tensors(model: nn.Module, like: dict[str, str]) -> dict[str, torch.T
     out: dict[str, torch.Tensor] = {}
     for name, stored in like.items():
         prefix, _, key = name.rpartition(".")
-        if prefix in layers and key in QUANTIZED_SUFFIXES:
+        if prefix in layers and key in model_folder.AQLM_TENSORS:
             layer = layers[prefix]
             tensor = {"codes": lambda: pack_codes(layer.codes, layer.nbits),
                       "codebooks": lambda: layer.codebooks.detach()[:, :, None, :],
@@ -321,8 +276,8 @@ def student_tensors(model: nn.Module, like: dict[str, str]) -> dict[str, torch.T
             tensor = state[name].detach()
         else:
             raise StudentError(f"the student has no tensor {name!r} that the source checkpoint holds")
-        if stored in _SAFETENSORS_FLOATS:
-            tensor = tensor.to(_SAFETENSORS_FLOATS[stored])
+        if stored in model_folder.FLOAT_DTYPE_NAMES:
+            tensor = tensor.to(getattr(torch, model_folder.FLOAT_DTYPE_NAMES[stored]))
         out[name] = tensor.cpu().contiguous()
     return out
 
@@ -330,23 +285,21 @@ def student_tensors(model: nn.Module, like: dict[str, str]) -> dict[str, torch.T
 def save_student(model: nn.Module, source_dir: str | os.PathLike, output_dir: str | os.PathLike, record: dict) -> Path:
     """Write the student as an AQLM checkpoint like `source_dir` (same config, tensor names and
     dtypes, tokenizer files), atomically, with `record` added to the aqflow marker as "pvtune"."""
-    from safetensors.torch import save_file
-
     source_dir, output_dir = Path(source_dir), Path(output_dir)
-    tensors = student_tensors(model, _stored_dtypes(source_dir))
-    marker_path = source_dir / MARKER_FILE
-    marker = json.loads(marker_path.read_text()) if marker_path.is_file() else {}
+    stored_dtypes = {name: header.dtype for name, header in model_folder.tensor_headers(source_dir).items()}
+    tensors = student_tensors(model, stored_dtypes)
+    marker = model_folder.read_marker(source_dir) or {}
     with atomic_dir(output_dir) as staging:
-        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
-        for item in sorted(source_dir.iterdir()):
-            if item.is_file() and item.suffix != ".safetensors" and item.name not in (WEIGHTS_INDEX_FILE, MARKER_FILE):
-                shutil.copy2(item, staging / item.name)
-        write_json(staging / MARKER_FILE, {**marker, "pvtune": record, "pvtune_source_checkpoint": str(source_dir)})
+        model_folder.write_weights(staging, tensors)
+        shutil.copy2(source_dir / model_folder.CONFIG_FILE, staging / model_folder.CONFIG_FILE)
+        model_folder.copy_side_files(source_dir, staging)
+        write_json(staging / model_folder.MARKER_FILE, {**marker, "pvtune": record,
+                                                       "pvtune_source_checkpoint": str(source_dir)})
     return output_dir
 
 
 def load_teacher(model_dir: str | os.PathLike, device: str | torch.device, dtype: str) -> nn.Module:
-    """The full-precision model, frozen, in eval mode."""
+    """The full-precision model, frozen, in eval mode, its weights in `dtype` on `device`."""
     from ..models.fetch import load_causal_lm
 
     torch_dtype(dtype)  # refuse a bad name before loading anything

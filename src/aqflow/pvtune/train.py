@@ -115,7 +115,7 @@ def world() -> tuple[int, int]:
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over processes, in place (a no-op in a single process)."""
+    """Sum over processes, in place (a no-op in a single process); any shape and dtype, returned as given."""
     if world()[1] > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
@@ -124,7 +124,12 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
 # --- parameters ----------------------------------------------------------------------------------
 
 def trainable_groups(student: nn.Module, settings: PVSettings) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(P-step parameters, V-step straight-through parameters); sets requires_grad accordingly."""
+    """(P-step parameters, V-step straight-through parameters); sets requires_grad accordingly.
+
+    P-step: every layer's codebooks [M, K, g] and scales [out] float32, and, with
+    `update_non_quantized`, every other parameter once (tied ones once); V-step: every layer's
+    straight-through weight [out, in] float32 (created here where missing).
+    """
     layers = pv_linears(student)
     if not layers:
         raise ValueError("the student has no quantized linears (PVLinear)")
@@ -153,7 +158,8 @@ def trainable_groups(student: nn.Module, settings: PVSettings) -> tuple[list[nn.
 
 
 def snapshot(student: nn.Module, parameters: list[nn.Parameter]) -> dict[str, torch.Tensor]:
-    """CPU copy of everything training changes: packed codes and the P-step parameters."""
+    """CPU copy of everything training changes: {"<layer>.codes": [out, G, M] packed int8/int16
+    (the AQLM storage dtype), "<parameter name>": a copy of each of `parameters` in its own shape and dtype}."""
     names = {id(p): name for name, p in student.named_parameters()}
     state = {name + ".codes": pack_codes(layer.codes, layer.nbits).cpu() for name, layer in pv_linears(student).items()}
     state.update({names[id(p)]: p.detach().to("cpu", copy=True) for p in parameters})
@@ -198,7 +204,8 @@ def _autocast(device: torch.device, amp_dtype: str | None):
 
 def micro_batch_kl(student: nn.Module, teacher: nn.Module, input_ids: torch.Tensor, settings: PVSettings,
                    device: torch.device) -> torch.Tensor:
-    """Summed token KL(teacher || student) of input_ids [B, T] (differentiable in the student)."""
+    """Summed token KL(teacher || student) of input_ids [B, T] int64 on `device`: a scalar float32,
+    differentiable in the student (nats summed over the B * T positions)."""
     with _autocast(device, settings.amp_dtype):
         with torch.no_grad():
             teacher_hidden = final_hidden(teacher, input_ids)
@@ -212,7 +219,7 @@ def choose_micro_batch_size(student: nn.Module, teacher: nn.Module, window: torc
                             device: torch.device, trainable: list[nn.Parameter]) -> int:
     """The most windows per micro-batch that fit the card, from one measured window.
 
-    window [1, T]. Runs one forward/backward (gradients discarded) and measures its peak memory
+    window [1, T] int64. Runs one forward/backward (gradients discarded) and measures its peak memory
     over what the models hold; the gradients it leaves and Adam's two moments (not yet allocated
     before the first step) are reserved, and so are the V-step's beam-search budget and 10 % of
     the rest. Capped at this process's share of a batch; 1 on a CPU.
@@ -263,7 +270,8 @@ def tf32_matmuls(device: torch.device) -> Iterator[None]:
 @torch.no_grad()
 def heldout_metrics(student: nn.Module, teacher: nn.Module, windows: torch.Tensor, settings: PVSettings,
                     device: torch.device) -> dict[str, float]:
-    """Mean token KL and perplexity of the student on held-out windows [n, T] (sharded over processes)."""
+    """Mean token KL and perplexity of the student on held-out windows [n, T] int64 (any device;
+    sharded over processes): {"kl": nats per token, "perplexity": exp(mean next-token NLL)}."""
     rank, size = world()
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # KL nats, NLL nats, predicted tokens, tokens
     was_training = student.training
@@ -286,7 +294,8 @@ def heldout_metrics(student: nn.Module, teacher: nn.Module, windows: torch.Tenso
 
 
 def _average_gradients(parameters: list[nn.Parameter]) -> None:
-    """Sum gradients over processes (each micro-batch loss is already divided by the batch's tokens)."""
+    """Sum the .grad of every parameter (its own shape, float32) over processes, in place (each
+    micro-batch loss is already divided by the batch's tokens); a missing .grad counts as zeros."""
     if world()[1] == 1:
         return
     for parameter in parameters:

@@ -30,7 +30,7 @@ DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
 def group_squared_errors(target: torch.Tensor, current: torch.Tensor, group_size: int) -> torch.Tensor:
     """||target - current||² per group of `group_size` consecutive inputs.
 
-    target [out, in], current [out, in] -> [out, in / group_size]
+    target [out, in], current [out, in] (same floating dtype) -> [out, in / group_size] in that dtype
     """
     num_rows, in_features = target.shape
     difference = (target - current).view(num_rows, in_features // group_size, group_size)
@@ -40,7 +40,7 @@ def group_squared_errors(target: torch.Tensor, current: torch.Tensor, group_size
 def groups_to_update(errors: torch.Tensor, max_fraction: float) -> torch.Tensor:
     """Flat indices (row * G + group) of the groups to re-encode, largest error first.
 
-    errors [out, G] -> [n] int64 with n <= ceil(max_fraction * out * G), only groups with error > 0
+    errors [out, G] floating -> [n] int64 with n <= ceil(max_fraction * out * G), only groups with error > 0
     """
     if not 0.0 < max_fraction <= 1.0:
         raise ValueError(f"max_fraction must lie in (0, 1], got {max_fraction}")
@@ -55,8 +55,9 @@ def reencode_groups(target: torch.Tensor, codes: torch.Tensor, codebooks: torch.
                     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> torch.Tensor:
     """Beam-search the codes of the groups `indices` toward `target`, in weight space.
 
-    target [out, in] float32, codes [out, G, M] int, codebooks [M, K, g], scales [out],
-    indices [n] flat group indices -> new codes [out, G, M] (groups outside `indices` unchanged)
+    target [out, in] float32, codes [out, G, M] int32 or int64 in [0, K), codebooks [M, K, g]
+    floating, scales [out] floating, indices [n] int64 flat group indices (row * G + group)
+    -> new codes [out, G, M] in codes' dtype (groups outside `indices` unchanged)
     """
     num_rows, num_groups, num_codebooks = codes.shape
     num_codewords, group_size = codebooks.shape[1:]
@@ -83,7 +84,8 @@ def reencode_groups(target: torch.Tensor, codes: torch.Tensor, codebooks: torch.
 @torch.no_grad()
 def v_step_layer(layer, max_fraction: float, beam_size: int,
                  memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> int:
-    """Re-encode one `PVLinear` toward its straight-through weight; returns how many groups changed."""
+    """Re-encode one `PVLinear` toward its straight-through weight [out, in] float32 (its codes
+    [out, G, M] int32 change in place); returns how many of the out * G groups changed."""
     return int(v_step_layer_queued(layer, max_fraction, beam_size, memory_budget_bytes))
 
 
@@ -91,7 +93,7 @@ def v_step_layer(layer, max_fraction: float, beam_size: int,
 def v_step_layer_queued(layer, max_fraction: float, beam_size: int,
                         memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> torch.Tensor:
     """`v_step_layer` without waiting for the device: returns the changed-group count as a 0-dim
-    tensor on the layer's device. The ceil(max_fraction * N) largest-error groups are searched
+    int64 tensor on the layer's device. The ceil(max_fraction * N) largest-error groups are searched
     whatever their error; those whose error is exactly zero then keep their codes, which is what
     leaving them out (`groups_to_update`) does, without the host reading how many there are
     (a V-step is a few dozen small kernels per layer: one host round trip each would cost more)."""

@@ -34,9 +34,9 @@ from aqflow.calibration.hessians import (
     PROBE_TOKENS,
     collect_xtx_fp,
     discover_input_sites,
-    find_decoder_blocks,
     save_block_xtx,
 )
+from aqflow.models.structure import find_decoder_blocks
 from aqflow.calibration.sharded import (
     collect_xtx_fp_sharded,
     join_process_group,

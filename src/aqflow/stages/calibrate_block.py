@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from aqflow import artifacts
-from aqflow.calibration.hessians import find_decoder_blocks, save_block_xtx
+from aqflow.calibration.hessians import save_block_xtx
+from aqflow.models.structure import find_decoder_blocks
 from aqflow.calibration.sequential import (
     WINDOWS_FILE,
     block_layer_files,

@@ -37,7 +37,7 @@ import torch
 from aqflow import artifacts
 from aqflow.data.zero_shot import ZERO_SHOT_TASKS, prepare_zero_shot_data, read_manifest, task_data_files
 from aqflow.evaluation.dense_aqlm import dequantize_aqlm_linears
-from aqflow.evaluation.model_bits import quantization_config, stored_bits_per_parameter
+from aqflow.models.folder import quantization_config, stored_bits_per_parameter
 from aqflow.evaluation.perplexity import perplexity
 from aqflow.corpus_catalog import BUILTIN_PROTOCOLS, PROTOCOLS
 from aqflow.evaluation.protocol import (

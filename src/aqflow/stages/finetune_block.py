@@ -22,7 +22,8 @@ import torch
 
 from aqflow import artifacts
 from aqflow.calibration.block_finetune import BlockFinetuneSettings, QuantizedLinearParams, cast_floats, finetune_block
-from aqflow.calibration.hessians import block_forward, find_decoder_blocks
+from aqflow.calibration.hessians import block_forward
+from aqflow.models.structure import find_decoder_blocks
 from aqflow.calibration.sequential import (
     WINDOWS_FILE,
     BLOCK_TENSORS_FILE,

@@ -18,13 +18,13 @@ import dataclasses
 import hashlib
 import json
 import platform
-import re
 from pathlib import Path
 
 import torch
 
 from aqflow import artifacts
 from aqflow.finite import require_finite
+from aqflow.models.folder import split_module_name
 from aqflow.quant.quantize import QuantizerSettings, layer_summary, quantize_layer
 from aqflow.quant.representation import pack_codes
 from aqflow.quant.validation import QuantizationInputError
@@ -65,14 +65,6 @@ def settings_from_args(args: argparse.Namespace) -> QuantizerSettings:
     return QuantizerSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(QuantizerSettings)})
 
 
-def split_module_name(layer: str) -> tuple[int, str]:
-    """`model.layers.3.mlp.down_proj` -> (3, "mlp.down_proj"): block index and name inside the block."""
-    match = re.match(r"^(?:.*?\.)?(\d+)\.(.+)$", layer)
-    if match is None:
-        raise ValueError(f"layer {layer!r} has no block index (expected e.g. model.layers.3.mlp.down_proj)")
-    return int(match.group(1)), match.group(2)
-
-
 def calibration_site(calibration_dir: Path, layer: str) -> tuple[Path, str]:
     """(block file, NPZ key) holding the XᵀX of `layer`'s input."""
     from aqflow.calibration.hessians import load_manifest
@@ -90,10 +82,10 @@ def load_inputs(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, s
     if args.layer is not None:
         if args.model_dir is None or args.calibration_dir is None:
             raise ValueError("--layer needs --model-dir and --calibration-dir")
-        from aqflow.models.weights import load_model_tensor
+        from aqflow.models.folder import read_tensor
 
         block_file, key = calibration_site(args.calibration_dir, args.layer)
-        return load_model_tensor(args.model_dir, f"{args.layer}.weight"), load_tensor(block_file, key, verify=True), args.layer
+        return read_tensor(args.model_dir, f"{args.layer}.weight"), load_tensor(block_file, key, verify=True), args.layer
     if args.weight is None or args.xtx is None:
         raise ValueError("give --weight and --xtx, or --model-dir, --calibration-dir and --layer")
     return load_tensor(args.weight, args.weight_key), load_tensor(args.xtx, args.xtx_key), args.weight.stem

@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from aqflow.checkpoint import CheckpointError, stored_bits_per_parameter, write_aqlm_checkpoint
+from aqflow.checkpoint import CheckpointError, write_aqlm_checkpoint
+from aqflow.models.folder import stored_bits_per_parameter
 from aqflow.models.fetch import config_dtype
 from aqflow.artifacts import load_safetensors, verify_inputs
 from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
@@ -47,5 +48,5 @@ def main(argv: list[str] | None = None) -> int:
                                            group_size=args.group_size, dtype=dtype, replaced_tensors=replaced)
     except (*EXPECTED_ERRORS, CheckpointError, ValueError, KeyError) as error:
         return report_error("stitch", error)
-    print(f"{output_dir}: AQLM checkpoint, {stored_bits_per_parameter(output_dir):.3f} stored bits per quantized weight")
+    print(f"{output_dir}: AQLM checkpoint, {stored_bits_per_parameter(output_dir)['bits_per_parameter']:.3f} stored bits per quantized weight")
     return 0
