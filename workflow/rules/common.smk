@@ -507,11 +507,22 @@ def all_targets(wildcards):
     return target_evals() + baseline_evals() + ["results/report/summary.csv"] + layers
 
 
-def rule_resources(rule_name):
-    """Resources of a rule: config `resources.<rule>` over `resources.default`."""
-    merged = dict(config["resources"]["default"])
-    merged.update(config["resources"].get(rule_name, {}))
-    return merged
+def configured_resources(name):
+    """config `resources.<name>` over `resources.default` (the one place a rule's needs are set;
+    a profile's set-threads / set-resources still override them)."""
+    return {**config["resources"]["default"], **config["resources"].get(name, {})}
+
+
+def rule_threads(name):
+    """A rule's `threads:` (config `cpus`)."""
+    return configured_resources(name)["cpus"]
+
+
+def rule_resources(name):
+    """A rule's `resources:` (`resources: **rule_resources(name)`): everything configured but cpus."""
+    return {
+        key: value for key, value in configured_resources(name).items() if key != "cpus"
+    }
 
 
 def experiment_cells(name):

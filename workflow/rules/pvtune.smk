@@ -12,15 +12,15 @@ if PV_ENABLED:
             metrics="results/{model}/{bpp}bpp/{init}/{variant}/pv/pvtune.json",
         log:
             "logs/pvtune/{model}/{bpp}bpp/{init}/{variant}.log",
+        benchmark:
+            "logs/benchmarks/pvtune/{model}/{bpp}bpp/{init}/{variant}.tsv"
         conda:
             "../../envs/quantize.yaml"
         container:
             CONTAINER
-        threads: rule_resources("pvtune")["cpus"]
+        threads: rule_threads("pvtune")
         resources:
-            mem_mb=rule_resources("pvtune")["mem_mb"],
-            runtime=rule_resources("pvtune")["runtime"],
-            gpu=rule_resources("pvtune")["gpu"],
+            **rule_resources("pvtune"),
         params:
             settings=PVTUNE_SETTINGS,
         script:
@@ -38,15 +38,15 @@ if PV_ENABLED:
             "results/{model}/{bpp}bpp/{init}/{variant}/eval.json",
         log:
             "logs/evaluate/{model}/{bpp}bpp/{init}/{variant}-pv.log",
+        benchmark:
+            "logs/benchmarks/evaluate_pvtuned/{model}/{bpp}bpp/{init}/{variant}.tsv"
         conda:
             "../../envs/evaluate.yaml"
         container:
             CONTAINER
-        threads: rule_resources("evaluate")["cpus"]
+        threads: rule_threads("evaluate")
         resources:
-            mem_mb=rule_resources("evaluate")["mem_mb"],
-            runtime=rule_resources("evaluate")["runtime"],
-            gpu=rule_resources("evaluate")["gpu"],
+            **rule_resources("evaluate"),
         params:
             evaluation=EVALUATION_SETTINGS,
             domains=lambda w: evaluation_domains(w.model),

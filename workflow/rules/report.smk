@@ -26,14 +26,14 @@ rule report:
         ),
     log:
         "logs/report.log",
+    benchmark:
+        "logs/benchmarks/report.tsv"
     conda:
         "../../envs/report.yaml"
     container:
         CONTAINER
-    threads: rule_resources("report")["cpus"]
+    threads: rule_threads("report")
     resources:
-        mem_mb=rule_resources("report")["mem_mb"],
-        runtime=rule_resources("report")["runtime"],
-        gpu=rule_resources("report")["gpu"],
+        **rule_resources("report"),
     script:
         "../scripts/report.py"
