@@ -214,7 +214,7 @@ def check_wildcards(wildcards):
 def model_dir(wildcards):
     check_wildcards(wildcards)
     checked_model(wildcards.model)
-    return f"resources/models/{wildcards.model}"
+    return output_path(rules.fetch_model.output[0], model=wildcards.model)
 
 
 def fetch_model_flags(wildcards):
@@ -222,7 +222,7 @@ def fetch_model_flags(wildcards):
 
 
 def corpus_path(name):
-    return f"resources/data/{name}.parquet"
+    return output_path(rules.fetch_data.output.corpus, corpus=name)
 
 
 def user_corpus(name):
@@ -237,7 +237,11 @@ def user_corpus_file(wildcards):
 
 
 def calibration_dir(wildcards):
-    return f"results/{wildcards.model}/calib/{calibration_id(wildcards.model)}"
+    return output_path(
+        rules.calibrate.output[0],
+        model=wildcards.model,
+        calib=calibration_id(wildcards.model),
+    )
 
 
 def block_of(layer):
@@ -254,7 +258,12 @@ def layer_calibration_dir(wildcards):
     """
     block = block_of(wildcards.layer)
     if SEQUENTIAL and block > 0:
-        return f"{variant_dir(wildcards)}/calib/block{block}"
+        variant_dir(wildcards)  # checks the wildcards and settings
+        return output_path(
+            rules.calibrate_block.output.calibration,
+            **variant_wildcards(wildcards),
+            block=block,
+        )
     return calibration_dir(wildcards)
 
 
@@ -267,21 +276,26 @@ def num_blocks(wildcards):
 
 
 def block_layer_artifacts(wildcards, block):
-    base = variant_dir(wildcards)
     return [
-        f"{base}/layers/{layer}.safetensors"
-        for layer in quantized_layers(wildcards)
+        path
+        for layer, path in zip(quantized_layers(wildcards), layer_artifacts(wildcards))
         if block_of(layer) == block
     ]
 
 
 def tuned_block_dir(wildcards, block):
-    return f"{variant_dir(wildcards)}/tuned/block{block}"
+    variant_dir(wildcards)  # checks the wildcards and settings
+    return output_path(
+        rules.finetune_block.output[0], **variant_wildcards(wildcards), block=block
+    )
 
 
 def block_inputs_path(wildcards, block):
     """Inputs of `block` in the quantized model (a temporary artifact of its calibrate_block job)."""
-    return f"{variant_dir(wildcards)}/calib/block{block}.inputs.safetensors"
+    variant_dir(wildcards)  # checks the wildcards and settings
+    return output_path(
+        rules.calibrate_block.output.inputs, **variant_wildcards(wildcards), block=block
+    )
 
 
 def block_inputs_output(path):
@@ -329,6 +343,19 @@ def variant_dir(wildcards):
     check_wildcards(wildcards)
     quantizer_settings(wildcards)
     return f"results/{wildcards.model}/{wildcards.bpp}bpp/{wildcards.init}/{wildcards.variant}"
+
+
+def variant_wildcards(wildcards):
+    """The four wildcards that name a variant (of any job's wildcards, or a target's)."""
+    return {
+        name: getattr(wildcards, name) for name in ("model", "bpp", "init", "variant")
+    }
+
+
+def output_path(pattern, **wildcards):
+    """One file of a rule's output pattern (`rules.<rule>.output.<name>`) with its wildcards filled
+    in: the rule that writes a file is the one place its path is spelled."""
+    return pattern.format(**wildcards)
 
 
 def bitrate(wildcards):
@@ -424,9 +451,14 @@ def quantized_layers(wildcards):
 
 
 def layer_artifacts(wildcards):
-    base = variant_dir(wildcards)
+    variant_dir(wildcards)  # checks the wildcards and settings
     return [
-        f"{base}/layers/{layer}.safetensors" for layer in quantized_layers(wildcards)
+        output_path(
+            rules.quantize_layer.output.layer,
+            **variant_wildcards(wildcards),
+            layer=layer,
+        )
+        for layer in quantized_layers(wildcards)
     ]
 
 
@@ -458,11 +490,19 @@ def checked_layer_artifacts(wildcards):
 
 
 def layer_metrics(wildcards):
-    base = variant_dir(wildcards)
-    return [f"{base}/layers/{layer}.json" for layer in quantized_layers(wildcards)]
+    variant_dir(wildcards)  # checks the wildcards and settings
+    return [
+        output_path(
+            rules.quantize_layer.output.metrics,
+            **variant_wildcards(wildcards),
+            layer=layer,
+        )
+        for layer in quantized_layers(wildcards)
+    ]
 
 
-def target_variant(target):
+def target_wildcards(target):
+    """A target of config.yaml (or a grid cell) -> the wildcards of its variant's jobs."""
     name = variant_name(
         target["bpp"],
         target["beam"],
@@ -470,11 +510,19 @@ def target_variant(target):
         target.get("seed"),
         target.get("geometry"),
     )
-    return f"results/{target['model']}/{target['bpp']}bpp/{target['init']}/{name}"
+    return SimpleNamespace(
+        model=target["model"], bpp=target["bpp"], init=target["init"], variant=name
+    )
+
+
+def target_eval(target):
+    """A target's final eval.json (the PV-tuned model's when PV-tuning is on)."""
+    final = rules.evaluate_pvtuned if PV_ENABLED else rules.evaluate_quantized
+    return output_path(final.output[0], **variant_wildcards(target_wildcards(target)))
 
 
 def target_evals():
-    return [f"{target_variant(t)}/eval.json" for t in config["targets"]]
+    return [target_eval(t) for t in config["targets"]]
 
 
 def variant_file(name):
@@ -486,11 +534,21 @@ def pv_train_logs():
     """The PV-tuning training logs of the target variants (none when PV-tuning is off)."""
     if not PV_ENABLED:
         return []
-    return [f"{target_variant(t)}/pv/train_log.parquet" for t in config["targets"]]
+    return [
+        output_path(
+            rules.pvtune.output.train_log, **variant_wildcards(target_wildcards(t))
+        )
+        for t in config["targets"]
+    ]
 
 
 def baseline_evals():
-    return sorted({f"results/{t['model']}/fp/eval.json" for t in config["targets"]})
+    return sorted(
+        {
+            output_path(rules.evaluate_fp.output[0], model=t["model"])
+            for t in config["targets"]
+        }
+    )
 
 
 def all_targets(wildcards):
@@ -499,12 +557,12 @@ def all_targets(wildcards):
     makes a deleted layer rerun (with what follows it) on the next plain `snakemake`."""
     layers = []
     for target in config["targets"]:
-        variant = target_variant(target)
-        model = SimpleNamespace(model=target["model"])
+        variant = variant_wildcards(target_wildcards(target))
         layers += [
-            f"{variant}/layers/{layer}.safetensors" for layer in quantized_layers(model)
+            output_path(rules.quantize_layer.output.layer, **variant, layer=layer)
+            for layer in quantized_layers(target_wildcards(target))
         ]
-    return target_evals() + baseline_evals() + ["results/report/summary.csv"] + layers
+    return target_evals() + baseline_evals() + [rules.report.output.table] + layers
 
 
 def configured_resources(name):
@@ -557,7 +615,7 @@ def experiment_cells(name):
             # the default epoch budget stays out of the path (b8, as the default targets have it)
             if epochs != default_epochs:
                 target["epochs"] = epochs
-            path = f"{target_variant(target)}/eval.json"
+            path = target_eval(target)
             cells[path] = {
                 **target,
                 "max_epochs": epochs,

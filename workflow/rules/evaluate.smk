@@ -1,6 +1,6 @@
 rule evaluate_quantized:
     input:
-        model="results/{model}/{bpp}bpp/{init}/{variant}/model",
+        model=rules.stitch.output[0],
         layer_metrics=layer_metrics,
         tuned_blocks=finetuned_blocks,
         corpora=evaluation_corpora,

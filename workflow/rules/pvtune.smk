@@ -4,7 +4,7 @@ if PV_ENABLED:
     rule pvtune:
         input:
             model=model_dir,
-            checkpoint="results/{model}/{bpp}bpp/{init}/{variant}/model",
+            checkpoint=rules.stitch.output[0],
             corpus=lambda w: corpus_path(text_corpus(w.model, "pvtune")),
         output:
             model=directory("results/{model}/{bpp}bpp/{init}/{variant}/pv/model"),
@@ -28,9 +28,9 @@ if PV_ENABLED:
 
     rule evaluate_pvtuned:
         input:
-            model="results/{model}/{bpp}bpp/{init}/{variant}/pv/model",
-            pvtune="results/{model}/{bpp}bpp/{init}/{variant}/pv/pvtune.json",
-            pre_pv=variant_file(PRE_PV_EVAL),
+            model=rules.pvtune.output.model,
+            pvtune=rules.pvtune.output.metrics,
+            pre_pv=rules.evaluate_quantized.output[0],
             layer_metrics=layer_metrics,
             tuned_blocks=finetuned_blocks,
             corpora=evaluation_corpora,
