@@ -565,6 +565,57 @@ def all_targets(wildcards):
     return target_evals() + baseline_evals() + [rules.report.output.table] + layers
 
 
+def job_benchmarks(wildcards):
+    """The benchmark file of every job behind the report (each is an output of its job): the
+    fetches, calibrations and fp evaluations of the targets' models, and each target variant's
+    jobs (its layers, sequential blocks, stitch, PV-tuning and evaluations)."""
+    models = sorted({target["model"] for target in config["targets"]})
+    corpora = set()
+    files = []
+    for model in models:
+        corpora.update([text_corpus(model, "calibration")])
+        corpora.update(name for name, _ in evaluation_domains(model))
+        if PV_ENABLED:
+            corpora.add(text_corpus(model, "pvtune"))
+        files += [
+            output_path(rules.fetch_model.benchmark, model=model),
+            output_path(
+                rules.calibrate.benchmark, model=model, calib=calibration_id(model)
+            ),
+            output_path(rules.evaluate_fp.benchmark, model=model),
+        ]
+    files += [
+        output_path(rules.fetch_data.benchmark, corpus=name) for name in sorted(corpora)
+    ]
+    for target in config["targets"]:
+        files += variant_benchmarks(target_wildcards(target))
+    return files
+
+
+def variant_benchmarks(wildcards):
+    """The benchmark files of the jobs that make one variant, its evaluations included."""
+    variant = variant_wildcards(wildcards)
+    blocks = range(num_blocks(wildcards))
+    files = [
+        output_path(rules.quantize_layer.benchmark, **variant, layer=layer)
+        for layer in quantized_layers(wildcards)
+    ]
+    if SEQUENTIAL:  # block 0 reads the shared calibration
+        files += [
+            output_path(rules.calibrate_block.benchmark, **variant, block=block)
+            for block in blocks[1:]
+        ]
+    if FINETUNE:
+        files += [
+            output_path(rules.finetune_block.benchmark, **variant, block=block)
+            for block in blocks
+        ]
+    finals = [rules.stitch, rules.evaluate_quantized]
+    if PV_ENABLED:
+        finals += [rules.pvtune, rules.evaluate_pvtuned]
+    return files + [output_path(rule.benchmark, **variant) for rule in finals]
+
+
 def configured_resources(name):
     """config `resources.<name>` over `resources.default` (the one place a rule's needs are set;
     a profile's set-threads / set-resources still override them)."""

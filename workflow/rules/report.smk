@@ -2,6 +2,7 @@ rule report:
     input:
         evals=target_evals() + baseline_evals(),
         pv_logs=pv_train_logs(),
+        benchmarks=job_benchmarks,
     output:
         table=report(
             "results/report/summary.csv",
@@ -23,6 +24,11 @@ rule report:
             "results/report/pvtune.png",
             caption="../report/pvtune.rst",
             category="PV-tuning",
+        ),
+        stage_times=report(
+            "results/report/stage_times.csv",
+            caption="../report/stage_times.rst",
+            category="Summary",
         ),
     log:
         "logs/report.log",
