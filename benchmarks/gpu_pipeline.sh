@@ -71,7 +71,7 @@ wait)
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader || true
   cd "$STAGE/work"
   cp .snakemake/log/*.snakemake.log "$STAGE/" 2>/dev/null || true
-  { "$PY" benchmarks/stage_times.py "$STAGE"/*.snakemake.log --json "$OUT/stage_times.json" | tee "$OUT/stage_times.txt"; } || true
+  { "$PY" benchmarks/stage_times.py logs/benchmarks --json "$OUT/stage_times.json" | tee "$OUT/stage_times.txt"; } || true
   mkdir -p results; find results -name '*.json' -o -name '*.csv' -o -name '*.parquet' -o -name '*.png' | grep -v '/model/' \
     | tar -czf "$OUT/results.tar.gz" -T -
   cp "$STAGE/gpu_utilisation.csv" "$OUT/" 2>/dev/null || true

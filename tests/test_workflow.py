@@ -89,6 +89,33 @@ def test_dag_runs_end_to_end_and_writes_a_sane_eval(finished_run):
     assert report.returncode == 0, report.stderr[-3000:]
     html = (finished_run / "report.html").read_text(errors="ignore")
     assert "summary.csv" in html and "pareto.png" in html and "layers.png" in html and "pvtune.png" in html
+    assert "stage_times.csv" in html
+
+
+def assert_report_times_every_job(workdir: Path) -> pd.DataFrame:
+    """Every job wrote its benchmark file (logs/benchmarks/<rule>/...tsv), and the report's
+    stage_times.csv counts each one: all of them but the report's own, written after it."""
+    root = workdir / "logs" / "benchmarks"
+    written: dict[str, int] = {}
+    for path in root.rglob("*.tsv"):
+        rule = path.relative_to(root).with_suffix("").parts[0]
+        written[rule] = written.get(rule, 0) + 1
+    assert written.pop("report") == 1
+    times = pd.read_csv(workdir / "results/report/stage_times.csv").set_index("rule")
+    assert times["jobs"].to_dict() == written
+    assert (times["measured"] == times["jobs"]).all() and (times["wall_seconds_sum"] > 0).all()
+    assert (times["wall_seconds_max"] <= times["wall_seconds_sum"]).all()
+    assert times.loc["quantize_layer", "max_rss_mib"] > 100  # a Python process with torch loaded
+    return times
+
+
+@pytest.mark.slow
+def test_report_times_every_rule_from_its_benchmark_files(finished_run):
+    times = assert_report_times_every_job(finished_run)
+    # two corpora: c4-standin calibrates, wikitext2-standin evaluates
+    assert times["jobs"].to_dict() == {"fetch_model": 1, "fetch_data": 2, "calibrate": 1, "quantize_layer": 28,
+                                       "stitch": 2, "evaluate_quantized": 2, "pvtune": 2, "evaluate_pvtuned": 2,
+                                       "evaluate_fp": 1}
 
 
 @pytest.mark.slow
@@ -180,6 +207,8 @@ def test_sequential_dag_runs_end_to_end_and_records_the_mode(sequential_run):
     stitched = json.loads((workdir / SEQUENTIAL_VARIANT / "model/aqflow_model.json").read_text())
     assert "model.layers.1.input_layernorm.weight" in stitched["replaced_tensors"]  # the tuned norms
     assert planned_jobs(workdir, config=config) == {}  # nothing left to do, though the inputs are gone
+    times = assert_report_times_every_job(workdir)
+    assert (times.loc["calibrate_block", "jobs"], times.loc["finetune_block", "jobs"]) == (1, 2)  # blocks 1; 0 and 1
 
 
 @pytest.mark.slow

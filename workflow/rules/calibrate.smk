@@ -6,15 +6,15 @@ checkpoint calibrate:
         directory("results/{model}/calib/{calib}"),
     log:
         "logs/calibrate/{model}/{calib}.log",
+    benchmark:
+        "logs/benchmarks/calibrate/{model}/{calib}.tsv"
     conda:
         "../../envs/quantize.yaml"
     container:
         CONTAINER
-    threads: rule_resources("calibrate")["cpus"]
+    threads: rule_threads("calibrate")
     resources:
-        mem_mb=rule_resources("calibrate")["mem_mb"],
-        runtime=rule_resources("calibrate")["runtime"],
-        gpu=rule_resources("calibrate")["gpu"],
+        **rule_resources("calibrate"),
     params:
         num_windows=CALIBRATION["num_windows"],
         window_tokens=CALIBRATION["window_tokens"],
@@ -43,15 +43,15 @@ rule calibrate_block:
         ),
     log:
         "logs/calibrate_block/{model}/{bpp}bpp/{init}/{variant}/block{block}.log",
+    benchmark:
+        "logs/benchmarks/calibrate_block/{model}/{bpp}bpp/{init}/{variant}/block{block}.tsv"
     conda:
         "../../envs/quantize.yaml"
     container:
         CONTAINER
-    threads: rule_resources("calibrate_block")["cpus"]
+    threads: rule_threads("calibrate_block")
     resources:
-        mem_mb=rule_resources("calibrate_block")["mem_mb"],
-        runtime=rule_resources("calibrate_block")["runtime"],
-        gpu=rule_resources("calibrate_block")["gpu"],
+        **rule_resources("calibrate_block"),
     params:
         previous_layers_dir=lambda w: (
             tuned_block_dir(w, int(w.block) - 1)
@@ -78,15 +78,15 @@ rule finetune_block:
         directory("results/{model}/{bpp}bpp/{init}/{variant}/tuned/block{block}"),
     log:
         "logs/finetune_block/{model}/{bpp}bpp/{init}/{variant}/block{block}.log",
+    benchmark:
+        "logs/benchmarks/finetune_block/{model}/{bpp}bpp/{init}/{variant}/block{block}.tsv"
     conda:
         "../../envs/quantize.yaml"
     container:
         CONTAINER
-    threads: rule_resources("finetune_block")["cpus"]
+    threads: rule_threads("finetune_block")
     resources:
-        mem_mb=rule_resources("finetune_block")["mem_mb"],
-        runtime=rule_resources("finetune_block")["runtime"],
-        gpu=rule_resources("finetune_block")["gpu"],
+        **rule_resources("finetune_block"),
     params:
         layers_dir=lambda w: f"{variant_dir(w)}/layers",
         epochs=BLOCK_FINETUNE.get("epochs", 5),

@@ -215,7 +215,7 @@ def check_wildcards(wildcards):
 def model_dir(wildcards):
     check_wildcards(wildcards)
     checked_model(wildcards.model)
-    return f"resources/models/{wildcards.model}"
+    return output_path(rules.fetch_model.output[0], model=wildcards.model)
 
 
 def fetch_model_flags(wildcards):
@@ -223,7 +223,7 @@ def fetch_model_flags(wildcards):
 
 
 def corpus_path(name):
-    return f"resources/data/{name}.parquet"
+    return output_path(rules.fetch_data.output.corpus, corpus=name)
 
 
 def user_corpus(name):
@@ -238,7 +238,11 @@ def user_corpus_file(wildcards):
 
 
 def calibration_dir(wildcards):
-    return f"results/{wildcards.model}/calib/{calibration_id(wildcards.model)}"
+    return output_path(
+        rules.calibrate.output[0],
+        model=wildcards.model,
+        calib=calibration_id(wildcards.model),
+    )
 
 
 def layer_calibration_dir(wildcards):
@@ -247,7 +251,12 @@ def layer_calibration_dir(wildcards):
     """
     block = block_index(wildcards.layer)
     if SEQUENTIAL and block > 0:
-        return f"{variant_dir(wildcards)}/calib/block{block}"
+        variant_dir(wildcards)  # checks the wildcards and settings
+        return output_path(
+            rules.calibrate_block.output.calibration,
+            **variant_wildcards(wildcards),
+            block=block,
+        )
     return calibration_dir(wildcards)
 
 
@@ -260,21 +269,26 @@ def num_blocks(wildcards):
 
 
 def block_layer_artifacts(wildcards, block):
-    base = variant_dir(wildcards)
     return [
-        f"{base}/layers/{layer}.safetensors"
-        for layer in quantized_layers(wildcards)
+        path
+        for layer, path in zip(quantized_layers(wildcards), layer_artifacts(wildcards))
         if block_index(layer) == block
     ]
 
 
 def tuned_block_dir(wildcards, block):
-    return f"{variant_dir(wildcards)}/tuned/block{block}"
+    variant_dir(wildcards)  # checks the wildcards and settings
+    return output_path(
+        rules.finetune_block.output[0], **variant_wildcards(wildcards), block=block
+    )
 
 
 def block_inputs_path(wildcards, block):
     """Inputs of `block` in the quantized model (a temporary artifact of its calibrate_block job)."""
-    return f"{variant_dir(wildcards)}/calib/block{block}.inputs.safetensors"
+    variant_dir(wildcards)  # checks the wildcards and settings
+    return output_path(
+        rules.calibrate_block.output.inputs, **variant_wildcards(wildcards), block=block
+    )
 
 
 def block_inputs_output(path):
@@ -322,6 +336,19 @@ def variant_dir(wildcards):
     check_wildcards(wildcards)
     quantizer_settings(wildcards)
     return f"results/{wildcards.model}/{wildcards.bpp}bpp/{wildcards.init}/{wildcards.variant}"
+
+
+def variant_wildcards(wildcards):
+    """The four wildcards that name a variant (of any job's wildcards, or a target's)."""
+    return {
+        name: getattr(wildcards, name) for name in ("model", "bpp", "init", "variant")
+    }
+
+
+def output_path(pattern, **wildcards):
+    """One file of a rule's output pattern (`rules.<rule>.output.<name>`) with its wildcards filled
+    in: the rule that writes a file is the one place its path is spelled."""
+    return pattern.format(**wildcards)
 
 
 def bitrate(wildcards):
@@ -417,9 +444,14 @@ def quantized_layers(wildcards):
 
 
 def layer_artifacts(wildcards):
-    base = variant_dir(wildcards)
+    variant_dir(wildcards)  # checks the wildcards and settings
     return [
-        f"{base}/layers/{layer}.safetensors" for layer in quantized_layers(wildcards)
+        output_path(
+            rules.quantize_layer.output.layer,
+            **variant_wildcards(wildcards),
+            layer=layer,
+        )
+        for layer in quantized_layers(wildcards)
     ]
 
 
@@ -451,11 +483,19 @@ def checked_layer_artifacts(wildcards):
 
 
 def layer_metrics(wildcards):
-    base = variant_dir(wildcards)
-    return [f"{base}/layers/{layer}.json" for layer in quantized_layers(wildcards)]
+    variant_dir(wildcards)  # checks the wildcards and settings
+    return [
+        output_path(
+            rules.quantize_layer.output.metrics,
+            **variant_wildcards(wildcards),
+            layer=layer,
+        )
+        for layer in quantized_layers(wildcards)
+    ]
 
 
-def target_variant(target):
+def target_wildcards(target):
+    """A target of config.yaml (or a grid cell) -> the wildcards of its variant's jobs."""
     name = variant_name(
         target["bpp"],
         target["beam"],
@@ -463,11 +503,19 @@ def target_variant(target):
         target.get("seed"),
         target.get("geometry"),
     )
-    return f"results/{target['model']}/{target['bpp']}bpp/{target['init']}/{name}"
+    return SimpleNamespace(
+        model=target["model"], bpp=target["bpp"], init=target["init"], variant=name
+    )
+
+
+def target_eval(target):
+    """A target's final eval.json (the PV-tuned model's when PV-tuning is on)."""
+    final = rules.evaluate_pvtuned if PV_ENABLED else rules.evaluate_quantized
+    return output_path(final.output[0], **variant_wildcards(target_wildcards(target)))
 
 
 def target_evals():
-    return [f"{target_variant(t)}/eval.json" for t in config["targets"]]
+    return [target_eval(t) for t in config["targets"]]
 
 
 def variant_file(name):
@@ -479,11 +527,21 @@ def pv_train_logs():
     """The PV-tuning training logs of the target variants (none when PV-tuning is off)."""
     if not PV_ENABLED:
         return []
-    return [f"{target_variant(t)}/pv/train_log.parquet" for t in config["targets"]]
+    return [
+        output_path(
+            rules.pvtune.output.train_log, **variant_wildcards(target_wildcards(t))
+        )
+        for t in config["targets"]
+    ]
 
 
 def baseline_evals():
-    return sorted({f"results/{t['model']}/fp/eval.json" for t in config["targets"]})
+    return sorted(
+        {
+            output_path(rules.evaluate_fp.output[0], model=t["model"])
+            for t in config["targets"]
+        }
+    )
 
 
 def all_targets(wildcards):
@@ -492,19 +550,81 @@ def all_targets(wildcards):
     makes a deleted layer rerun (with what follows it) on the next plain `snakemake`."""
     layers = []
     for target in config["targets"]:
-        variant = target_variant(target)
-        model = SimpleNamespace(model=target["model"])
+        variant = variant_wildcards(target_wildcards(target))
         layers += [
-            f"{variant}/layers/{layer}.safetensors" for layer in quantized_layers(model)
+            output_path(rules.quantize_layer.output.layer, **variant, layer=layer)
+            for layer in quantized_layers(target_wildcards(target))
         ]
-    return target_evals() + baseline_evals() + ["results/report/summary.csv"] + layers
+    return target_evals() + baseline_evals() + [rules.report.output.table] + layers
 
 
-def rule_resources(rule_name):
-    """Resources of a rule: config `resources.<rule>` over `resources.default`."""
-    merged = dict(config["resources"]["default"])
-    merged.update(config["resources"].get(rule_name, {}))
-    return merged
+def job_benchmarks(wildcards):
+    """The benchmark file of every job behind the report (each is an output of its job): the
+    fetches, calibrations and fp evaluations of the targets' models, and each target variant's
+    jobs (its layers, sequential blocks, stitch, PV-tuning and evaluations)."""
+    models = sorted({target["model"] for target in config["targets"]})
+    corpora = set()
+    files = []
+    for model in models:
+        corpora.update([text_corpus(model, "calibration")])
+        corpora.update(name for name, _ in evaluation_domains(model))
+        if PV_ENABLED:
+            corpora.add(text_corpus(model, "pvtune"))
+        files += [
+            output_path(rules.fetch_model.benchmark, model=model),
+            output_path(
+                rules.calibrate.benchmark, model=model, calib=calibration_id(model)
+            ),
+            output_path(rules.evaluate_fp.benchmark, model=model),
+        ]
+    files += [
+        output_path(rules.fetch_data.benchmark, corpus=name) for name in sorted(corpora)
+    ]
+    for target in config["targets"]:
+        files += variant_benchmarks(target_wildcards(target))
+    return files
+
+
+def variant_benchmarks(wildcards):
+    """The benchmark files of the jobs that make one variant, its evaluations included."""
+    variant = variant_wildcards(wildcards)
+    blocks = range(num_blocks(wildcards))
+    files = [
+        output_path(rules.quantize_layer.benchmark, **variant, layer=layer)
+        for layer in quantized_layers(wildcards)
+    ]
+    if SEQUENTIAL:  # block 0 reads the shared calibration
+        files += [
+            output_path(rules.calibrate_block.benchmark, **variant, block=block)
+            for block in blocks[1:]
+        ]
+    if FINETUNE:
+        files += [
+            output_path(rules.finetune_block.benchmark, **variant, block=block)
+            for block in blocks
+        ]
+    finals = [rules.stitch, rules.evaluate_quantized]
+    if PV_ENABLED:
+        finals += [rules.pvtune, rules.evaluate_pvtuned]
+    return files + [output_path(rule.benchmark, **variant) for rule in finals]
+
+
+def configured_resources(name):
+    """config `resources.<name>` over `resources.default` (the one place a rule's needs are set;
+    a profile's set-threads / set-resources still override them)."""
+    return {**config["resources"]["default"], **config["resources"].get(name, {})}
+
+
+def rule_threads(name):
+    """A rule's `threads:` (config `cpus`)."""
+    return configured_resources(name)["cpus"]
+
+
+def rule_resources(name):
+    """A rule's `resources:` (`resources: **rule_resources(name)`): everything configured but cpus."""
+    return {
+        key: value for key, value in configured_resources(name).items() if key != "cpus"
+    }
 
 
 def experiment_cells(name):
@@ -539,7 +659,7 @@ def experiment_cells(name):
             # the default epoch budget stays out of the path (b8, as the default targets have it)
             if epochs != default_epochs:
                 target["epochs"] = epochs
-            path = f"{target_variant(target)}/eval.json"
+            path = target_eval(target)
             cells[path] = {
                 **target,
                 "max_epochs": epochs,

@@ -1,6 +1,6 @@
 rule evaluate_quantized:
     input:
-        model="results/{model}/{bpp}bpp/{init}/{variant}/model",
+        model=rules.stitch.output[0],
         layer_metrics=layer_metrics,
         tuned_blocks=finetuned_blocks,
         corpora=evaluation_corpora,
@@ -8,15 +8,15 @@ rule evaluate_quantized:
         variant_file(PRE_PV_EVAL),
     log:
         "logs/evaluate/{model}/{bpp}bpp/{init}/{variant}.log",
+    benchmark:
+        "logs/benchmarks/evaluate_quantized/{model}/{bpp}bpp/{init}/{variant}.tsv"
     conda:
         "../../envs/evaluate.yaml"
     container:
         CONTAINER
-    threads: rule_resources("evaluate")["cpus"]
+    threads: rule_threads("evaluate")
     resources:
-        mem_mb=rule_resources("evaluate")["mem_mb"],
-        runtime=rule_resources("evaluate")["runtime"],
-        gpu=rule_resources("evaluate")["gpu"],
+        **rule_resources("evaluate"),
     params:
         evaluation=EVALUATION_SETTINGS,
         domains=lambda w: evaluation_domains(w.model),
@@ -37,15 +37,15 @@ rule evaluate_fp:
         "results/{model}/fp/eval.json",
     log:
         "logs/evaluate/{model}/fp.log",
+    benchmark:
+        "logs/benchmarks/evaluate_fp/{model}.tsv"
     conda:
         "../../envs/evaluate.yaml"
     container:
         CONTAINER
-    threads: rule_resources("evaluate")["cpus"]
+    threads: rule_threads("evaluate")
     resources:
-        mem_mb=rule_resources("evaluate")["mem_mb"],
-        runtime=rule_resources("evaluate")["runtime"],
-        gpu=rule_resources("evaluate")["gpu"],
+        **rule_resources("evaluate"),
     params:
         evaluation=EVALUATION_SETTINGS,
         domains=lambda w: evaluation_domains(w.model),

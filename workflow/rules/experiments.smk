@@ -48,15 +48,15 @@ if "paper" in config.get("experiments", {}):
             grid="results/paper/grid.json",
         log:
             "logs/paper.log",
+        benchmark:
+            "logs/benchmarks/paper.tsv"
         conda:
             "../../envs/report.yaml"
         container:
             CONTAINER
-        threads: rule_resources("report")["cpus"]
+        threads: rule_threads("report")
         resources:
-            mem_mb=rule_resources("report")["mem_mb"],
-            runtime=rule_resources("report")["runtime"],
-            gpu=rule_resources("report")["gpu"],
+            **rule_resources("report"),
         params:
             cells=lambda w: experiment_cells("paper"),
             domains=experiment_domains("paper"),

@@ -3,15 +3,15 @@ rule fetch_model:
         directory("resources/models/{model}"),
     log:
         "logs/fetch_model/{model}.log",
+    benchmark:
+        "logs/benchmarks/fetch_model/{model}.tsv"
     conda:
         "../../envs/quantize.yaml"
     container:
         CONTAINER
-    threads: rule_resources("fetch_model")["cpus"]
+    threads: rule_threads("fetch_model")
     resources:
-        mem_mb=rule_resources("fetch_model")["mem_mb"],
-        runtime=rule_resources("fetch_model")["runtime"],
-        gpu=rule_resources("fetch_model")["gpu"],
+        **rule_resources("fetch_model"),
     params:
         flags=fetch_model_flags,
     script:
@@ -28,15 +28,15 @@ rule fetch_data:
         split="resources/data/{corpus}.split.json",
     log:
         "logs/fetch_data/{corpus}.log",
+    benchmark:
+        "logs/benchmarks/fetch_data/{corpus}.tsv"
     conda:
         "../../envs/quantize.yaml"
     container:
         CONTAINER
-    threads: rule_resources("fetch_data")["cpus"]
+    threads: rule_threads("fetch_data")
     resources:
-        mem_mb=rule_resources("fetch_data")["mem_mb"],
-        runtime=rule_resources("fetch_data")["runtime"],
-        gpu=rule_resources("fetch_data")["gpu"],
+        **rule_resources("fetch_data"),
     params:
         calibration_fraction=lambda w: user_corpus(w.corpus).get(
             "calibration_fraction", config["data"].get("calibration_fraction", 0.5)

@@ -4,7 +4,7 @@ if PV_ENABLED:
     rule pvtune:
         input:
             model=model_dir,
-            checkpoint="results/{model}/{bpp}bpp/{init}/{variant}/model",
+            checkpoint=rules.stitch.output[0],
             corpus=lambda w: corpus_path(text_corpus(w.model, "pvtune")),
         output:
             model=directory("results/{model}/{bpp}bpp/{init}/{variant}/pv/model"),
@@ -12,15 +12,15 @@ if PV_ENABLED:
             metrics="results/{model}/{bpp}bpp/{init}/{variant}/pv/pvtune.json",
         log:
             "logs/pvtune/{model}/{bpp}bpp/{init}/{variant}.log",
+        benchmark:
+            "logs/benchmarks/pvtune/{model}/{bpp}bpp/{init}/{variant}.tsv"
         conda:
             "../../envs/quantize.yaml"
         container:
             CONTAINER
-        threads: rule_resources("pvtune")["cpus"]
+        threads: rule_threads("pvtune")
         resources:
-            mem_mb=rule_resources("pvtune")["mem_mb"],
-            runtime=rule_resources("pvtune")["runtime"],
-            gpu=rule_resources("pvtune")["gpu"],
+            **rule_resources("pvtune"),
         params:
             settings=PVTUNE_SETTINGS,
         script:
@@ -28,9 +28,9 @@ if PV_ENABLED:
 
     rule evaluate_pvtuned:
         input:
-            model="results/{model}/{bpp}bpp/{init}/{variant}/pv/model",
-            pvtune="results/{model}/{bpp}bpp/{init}/{variant}/pv/pvtune.json",
-            pre_pv=variant_file(PRE_PV_EVAL),
+            model=rules.pvtune.output.model,
+            pvtune=rules.pvtune.output.metrics,
+            pre_pv=rules.evaluate_quantized.output[0],
             layer_metrics=layer_metrics,
             tuned_blocks=finetuned_blocks,
             corpora=evaluation_corpora,
@@ -38,15 +38,15 @@ if PV_ENABLED:
             "results/{model}/{bpp}bpp/{init}/{variant}/eval.json",
         log:
             "logs/evaluate/{model}/{bpp}bpp/{init}/{variant}-pv.log",
+        benchmark:
+            "logs/benchmarks/evaluate_pvtuned/{model}/{bpp}bpp/{init}/{variant}.tsv"
         conda:
             "../../envs/evaluate.yaml"
         container:
             CONTAINER
-        threads: rule_resources("evaluate")["cpus"]
+        threads: rule_threads("evaluate")
         resources:
-            mem_mb=rule_resources("evaluate")["mem_mb"],
-            runtime=rule_resources("evaluate")["runtime"],
-            gpu=rule_resources("evaluate")["gpu"],
+            **rule_resources("evaluate"),
         params:
             evaluation=EVALUATION_SETTINGS,
             domains=lambda w: evaluation_domains(w.model),

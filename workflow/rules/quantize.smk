@@ -7,15 +7,15 @@ rule quantize_layer:
         metrics="results/{model}/{bpp}bpp/{init}/{variant}/layers/{layer}.json",
     log:
         "logs/quantize_layer/{model}/{bpp}bpp/{init}/{variant}/{layer}.log",
+    benchmark:
+        "logs/benchmarks/quantize_layer/{model}/{bpp}bpp/{init}/{variant}/{layer}.tsv"
     conda:
         "../../envs/quantize.yaml"
     container:
         CONTAINER
-    threads: rule_resources("quantize_layer")["cpus"]
+    threads: rule_threads("quantize_layer")
     resources:
-        mem_mb=rule_resources("quantize_layer")["mem_mb"],
-        runtime=rule_resources("quantize_layer")["runtime"],
-        gpu=rule_resources("quantize_layer")["gpu"],
+        **rule_resources("quantize_layer"),
     params:
         settings=quantizer_settings,
     script:
@@ -31,15 +31,15 @@ rule stitch:
         directory("results/{model}/{bpp}bpp/{init}/{variant}/model"),
     log:
         "logs/stitch/{model}/{bpp}bpp/{init}/{variant}.log",
+    benchmark:
+        "logs/benchmarks/stitch/{model}/{bpp}bpp/{init}/{variant}.tsv"
     conda:
         "../../envs/quantize.yaml"
     container:
         CONTAINER
-    threads: rule_resources("stitch")["cpus"]
+    threads: rule_threads("stitch")
     resources:
-        mem_mb=rule_resources("stitch")["mem_mb"],
-        runtime=rule_resources("stitch")["runtime"],
-        gpu=rule_resources("stitch")["gpu"],
+        **rule_resources("stitch"),
     params:
         layers_dirs=stitch_layers_dirs,
         replace_tensors=lambda w: [

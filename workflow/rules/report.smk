@@ -2,6 +2,7 @@ rule report:
     input:
         evals=target_evals() + baseline_evals(),
         pv_logs=pv_train_logs(),
+        benchmarks=job_benchmarks,
     output:
         table=report(
             "results/report/summary.csv",
@@ -24,16 +25,21 @@ rule report:
             caption="../report/pvtune.rst",
             category="PV-tuning",
         ),
+        stage_times=report(
+            "results/report/stage_times.csv",
+            caption="../report/stage_times.rst",
+            category="Summary",
+        ),
     log:
         "logs/report.log",
+    benchmark:
+        "logs/benchmarks/report.tsv"
     conda:
         "../../envs/report.yaml"
     container:
         CONTAINER
-    threads: rule_resources("report")["cpus"]
+    threads: rule_threads("report")
     resources:
-        mem_mb=rule_resources("report")["mem_mb"],
-        runtime=rule_resources("report")["runtime"],
-        gpu=rule_resources("report")["gpu"],
+        **rule_resources("report"),
     script:
         "../scripts/report.py"
