@@ -75,6 +75,8 @@ wait)
   mkdir -p results; find results -name '*.json' -o -name '*.csv' -o -name '*.parquet' -o -name '*.png' | grep -v '/model/' \
     | tar -czf "$OUT/results.tar.gz" -T -
   cp "$STAGE/gpu_utilisation.csv" "$OUT/" 2>/dev/null || true
+  { "$PY" -m benchmarks.gpu_utilisation "$STAGE/gpu_utilisation.csv" logs/benchmarks --json "$OUT/gpu_utilisation.json" \
+      | tee "$OUT/gpu_utilisation.txt"; } 2>/dev/null || true
   tar -czf "$OUT/logs.tar.gz" logs "$STAGE"/*.snakemake.log "$STAGE/snakemake.out" 2>/dev/null || true
   ls -la "$OUT"
   ;;

@@ -1,12 +1,11 @@
 """How busy each card of a node was while a rule's jobs ran, from an nvidia-smi sample log.
 
-    python -m benchmarks.gpu_utilisation gpu_utilisation.csv .snakemake/log/<run>.snakemake.log \
-        [--rule quantize_layer] [--json out.json]
+    python -m benchmarks.gpu_utilisation gpu_utilisation.csv logs/benchmarks [--rule quantize_layer] [--json out.json]
 
 The CSV is what benchmarks/gpu_pipeline.sh samples twice a second while Snakemake runs
 (`nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv,nounits`).
-The window is the rule's span in the Snakemake log (first job start to last job end, read as
-benchmarks/stage_times.py reads it). For each card: samples in the window, the share of samples
+The window is the rule's span in the jobs' benchmark files (first job start to last job end, as
+aqflow.job_benchmarks reads them). For each card: samples in the window, the share of samples
 with the card busy (utilization > 0), mean utilization and peak memory. Both clocks are the node's.
 """
 
@@ -18,7 +17,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from benchmarks.stage_times import parse_jobs
+from aqflow.job_benchmarks import benchmark_files, job_table
 
 
 def read_samples(path: Path) -> list[dict]:
@@ -37,13 +36,13 @@ def read_samples(path: Path) -> list[dict]:
     return samples
 
 
-def rule_window(logs: list[Path], rule: str) -> tuple[datetime, datetime]:
-    """First start and last end of the rule's finished jobs over the logs."""
-    jobs = [job for run, path in enumerate(logs) for job in parse_jobs(path.read_text(), run)
-            if job["rule"] == rule and job["end"] is not None]
-    if not jobs:
-        raise SystemExit(f"no finished {rule} job in {', '.join(map(str, logs))}")
-    return min(j["start"] for j in jobs), max(j["end"] for j in jobs)
+def rule_window(root: Path, rule: str) -> tuple[datetime, datetime]:
+    """First start and last end of the rule's measured jobs under the benchmark folder `root`."""
+    jobs = job_table(benchmark_files(root), root)
+    jobs = jobs[(jobs["rule"] == rule)].dropna(subset=["wall_seconds"])
+    if jobs.empty:
+        raise SystemExit(f"no measured {rule} job under {root}")
+    return datetime.fromtimestamp(jobs["started_at"].min()), datetime.fromtimestamp(jobs["ended_at"].max())
 
 
 def per_card(samples: list[dict], start: datetime, end: datetime) -> list[dict]:
@@ -65,11 +64,11 @@ def per_card(samples: list[dict], start: datetime, end: datetime) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("samples", type=Path)
-    parser.add_argument("logs", nargs="+", type=Path)
+    parser.add_argument("benchmarks", type=Path, help="the jobs' benchmark folder (logs/benchmarks)")
     parser.add_argument("--rule", default="quantize_layer")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    start, end = rule_window(args.logs, args.rule)
+    start, end = rule_window(args.benchmarks, args.rule)
     rows = per_card(read_samples(args.samples), start, end)
     seconds = (end - start).total_seconds()
     print(f"{args.rule}: {start:%H:%M:%S} to {end:%H:%M:%S} ({seconds:.0f} s)")
