@@ -233,7 +233,7 @@ def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.Pat
     layers_dirs = _as_dirs(layers_dir)
     torch_dtype = to_torch_dtype(dtype)
     if num_codebooks < 1 or not 1 <= nbits <= MAX_NBITS or group_size < 1:
-        raise ValueError(f"need num_codebooks >= 1, 1 <= nbits <= {MAX_NBITS} and group_size >= 1; "
+        raise CheckpointError(f"need num_codebooks >= 1, 1 <= nbits <= {MAX_NBITS} and group_size >= 1; "
                          f"got {num_codebooks}, {nbits}, {group_size}")
     if output_dir.exists():
         raise FileExistsError(f"{output_dir} already exists; remove it to stitch again")

@@ -42,7 +42,7 @@ class QuantizerSettings:
     num_codebooks: int = 2
     nbits: int = 8
     group_size: int = 8
-    init: str = "oaem"
+    init: str = field(default="oaem", metadata={"choices": tuple(INITIALISERS), "help": "codebook initialisation"})
     beam_size: int = 8
     max_epochs: int = 100
     steps_per_epoch: int = 100
@@ -63,7 +63,7 @@ class QuantizerSettings:
     use_cuda_graphs: bool = True
     # torch float32 matmul precision of the Adam phase's gradient product on CUDA ("high": TF32,
     # "highest": fp32); the objective that decides each epoch is always computed in fp32
-    adam_matmul_precision: str = "high"
+    adam_matmul_precision: str = field(default="high", metadata={"choices": ("high", "highest")})
 
     def init_settings(self) -> InitSettings:
         names = {f.name for f in dataclasses.fields(InitSettings)}
