@@ -341,23 +341,24 @@ def test_two_processes_average_gradients_like_one(setup, tmp_path, update_codes)
 
 
 def test_every_config_setting_reaches_the_stage_as_written():
-    """config.yaml's pvtune keys (as the rule passes them) are exactly flags of the stage, and
-    keys left out of the config fall back to the same values (the paper's)."""
+    """config.yaml's pvtune keys (as the rule passes them) are exactly fields of the stage's
+    settings, and keys left out of the config fall back to the same values (the paper's)."""
     from pathlib import Path
 
     import yaml
 
-    from aqflow.workflow_glue import flags_argv
+    from aqflow.stage_cli import from_dict
 
     section = yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text())["pvtune"]
     settings = {key: value for key, value in section.items() if key not in ("enabled", "corpus")}
-    required = ["--model-dir", "m", "--checkpoint-dir", "c", "--corpus", "x", "--output-dir", "o", "--train-log", "l",
-                "--metrics", "j"]
-    parsed = vars(pvtune.build_parser().parse_args(required + flags_argv(settings)))
-    defaults = vars(pvtune.build_parser().parse_args(required))
+    parsed, defaults = from_dict(pvtune.PvtuneSettings, settings), pvtune.PvtuneSettings()
+
+    def value_of(built, key):
+        return getattr(built.training, key) if hasattr(built.training, key) else getattr(built, key)
+
     for key, value in settings.items():
-        assert parsed[key] == value, key
-        assert defaults[key] == value, key
+        assert value_of(parsed, key) == value, key
+        assert value_of(defaults, key) == value, key
 
 
 def test_torchrun_runs_the_stage_on_two_processes(setup, tmp_path):

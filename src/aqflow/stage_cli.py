@@ -150,7 +150,10 @@ def from_namespace(cls: type, args: argparse.Namespace) -> Any:
 def parse(parser: argparse.ArgumentParser, classes: Sequence[type], argv: Sequence[str] | None) -> list:
     """argv -> one instance per dataclass of `classes`."""
     args = parser.parse_args(None if argv is None else list(argv))
-    return [from_namespace(cls, args) for cls in classes]
+    try:
+        return [from_namespace(cls, args) for cls in classes]
+    except ValueError as error:  # a settings class refusing a combination of values (__post_init__)
+        parser.error(str(error))
 
 
 def from_dict(cls: type, values: Mapping[str, Any]) -> Any:
@@ -158,6 +161,14 @@ def from_dict(cls: type, values: Mapping[str, Any]) -> Any:
     nested dataclass field from a mapping, sequences as tuples, paths as Path. An unknown key is a
     TypeError naming it (the config and the dataclass disagree: a bug, not an input error)."""
     types_ = _field_types(cls)
+    values = dict(values)
+    for name, kind in types_.items():  # a nested dataclass's fields may come flat, as on the command line
+        kind, _ = _unwrap_optional(kind)
+        if dataclasses.is_dataclass(kind) and name not in values:
+            nested = {spec.name for spec in dataclasses.fields(kind)}
+            flat = {key: values.pop(key) for key in list(values) if key in nested and key not in types_}
+            if flat:
+                values[name] = flat
     unknown = sorted(set(values) - set(types_))
     if unknown:
         raise TypeError(f"{cls.__name__} has no fields {unknown}")
