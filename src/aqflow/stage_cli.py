@@ -74,6 +74,11 @@ def _default(spec: dataclasses.Field) -> Any:
     return MISSING
 
 
+def _shown(sequence: Sequence) -> list:
+    """A sequence default as argparse keeps it (paths as text, so that help shows them plainly)."""
+    return [str(value) if isinstance(value, Path) else value for value in sequence]
+
+
 def flag_name(spec: dataclasses.Field) -> str:
     return spec.metadata.get("flag") or "--" + spec.name.replace("_", "-")
 
@@ -109,14 +114,14 @@ def add_fields(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: t
             kwargs["type"] = kind
         if spec.metadata.get("positional"):
             if default is not MISSING:
-                kwargs["default"] = list(default) if item is not None else default
+                kwargs["default"] = _shown(default) if item is not None else default
             parser.add_argument(spec.name, **kwargs)
             continue
         if default is MISSING:
             kwargs["required"] = True
         else:
-            kwargs["default"] = list(default) if item is not None and default is not None else default
-        parser.add_argument(flag_name(spec), dest=spec.name, **kwargs)
+            kwargs["default"] = _shown(default) if item is not None and default is not None else default
+        parser.add_argument(flag_name(spec), *spec.metadata.get("aliases", ()), dest=spec.name, **kwargs)
 
 
 def build_parser(prog: str, description: str | None, settings: type, paths: type) -> argparse.ArgumentParser:
@@ -141,8 +146,9 @@ def from_namespace(cls: type, args: argparse.Namespace) -> Any:
             values[spec.name] = from_namespace(kind, args)
             continue
         value = getattr(args, spec.name)
-        if _sequence_item(kind) is not None and value is not None:
-            value = tuple(value)
+        item = _sequence_item(kind)
+        if item is not None and value is not None:
+            value = tuple(item(entry) if item is Path and isinstance(entry, str) else entry for entry in value)
         values[spec.name] = value
     return cls(**values)
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 # the library's pure-Python model-entry helpers (no torch), whether or not aqflow is installed here
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
-from aqflow.models.entries import entry_problems, fetch_model_argv, parse_model_entry
+from aqflow.models.entries import entry_problems, fetch_model_request, parse_model_entry
 from aqflow.corpus_catalog import (
     BUILTIN_CORPORA,
     check_role,
@@ -217,8 +217,9 @@ def model_dir(wildcards):
     return f"resources/models/{wildcards.model}"
 
 
-def fetch_model_flags(wildcards):
-    return fetch_model_argv(checked_model(wildcards.model), GROUP_SIZE)
+def fetch_model_settings(wildcards):
+    """What fetch-model is asked for this model (its settings' values, and `path` for a folder)."""
+    return fetch_model_request(checked_model(wildcards.model), GROUP_SIZE)
 
 
 def corpus_path(name):

@@ -1,7 +1,6 @@
 from aqflow.workflow_glue import run_stage
 
 out = snakemake.output
-run_stage(snakemake, "report", [
-    *snakemake.input.evals, "--csv", out.table, "--parquet", out.parquet, "--pareto", out.pareto, "--layers", out.layers,
-    "--pv-curves", out.pv_curves, "--pv-logs", *snakemake.input.pv_logs,
-])
+run_stage(snakemake, "report", settings={},
+          paths={"evals": snakemake.input.evals, "csv": out.table, "parquet": out.parquet, "pareto": out.pareto,
+                 "layers": out.layers, "pv_curves": out.pv_curves, "pv_logs": snakemake.input.pv_logs})
