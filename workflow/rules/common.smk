@@ -126,6 +126,20 @@ CALIBRATION_SETTINGS = canonical(
 )
 
 
+# what the calibrate and calibrate-block stages take of config.yaml `calibration` (keys left out:
+# the stages' defaults)
+CALIBRATE_SETTINGS = canonical(
+    {
+        key: CALIBRATION[key]
+        for key in ("num_windows", "window_tokens", "seed", "propagation", "batch_size")
+        if key in CALIBRATION
+    }
+)
+CALIBRATE_BLOCK_SETTINGS = canonical(
+    {key: CALIBRATION[key] for key in ("batch_size",) if key in CALIBRATION}
+)
+
+
 def calibration_settings(wildcards):
     """The calibration settings a variant's eval.json records, with the corpus the model read."""
     return canonical(
