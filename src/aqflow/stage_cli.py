@@ -107,6 +107,8 @@ def add_fields(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: t
         item = _sequence_item(kind)
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif "append" in spec.metadata:  # a repeatable option of several values: tuple[tuple[str, ...], ...]
+            kwargs.update(action="append", nargs=spec.metadata["append"], type=str)
         elif item is not None:
             kwargs["type"] = item
             kwargs["nargs"] = spec.metadata.get("nargs", "*" if default is not MISSING else "+")
@@ -148,7 +150,8 @@ def from_namespace(cls: type, args: argparse.Namespace) -> Any:
         value = getattr(args, spec.name)
         item = _sequence_item(kind)
         if item is not None and value is not None:
-            value = tuple(item(entry) if item is Path and isinstance(entry, str) else entry for entry in value)
+            value = tuple(item(entry) if item is Path and isinstance(entry, str) else
+                          tuple(entry) if isinstance(entry, list) else entry for entry in value)
         values[spec.name] = value
     return cls(**values)
 
@@ -187,7 +190,9 @@ def from_dict(cls: type, values: Mapping[str, Any]) -> Any:
         elif dataclasses.is_dataclass(kind) and isinstance(value, Mapping):
             converted[name] = from_dict(kind, value)
         elif item is not None:
-            converted[name] = tuple(item(entry) if item is Path else entry for entry in ([value] if isinstance(value, (str, Path)) else value))
+            entries = [value] if isinstance(value, (str, Path)) else value
+            converted[name] = tuple(item(entry) if item is Path else
+                                    tuple(entry) if isinstance(entry, list) else entry for entry in entries)
         elif kind is Path:
             converted[name] = Path(value)
         else:
@@ -224,8 +229,11 @@ def to_argv(*instances: Any) -> list[str]:
                 options.append(flag if value else "--no-" + flag[2:])
             elif value is None:
                 continue
+            elif "append" in spec.metadata:
+                for entry in value:
+                    options += [flag, *map(str, entry)]
             elif _sequence_item(kind) is not None:
-                if value:
+                if value or tuple(value) != tuple(_default(spec) or ()):  # () against a default: the bare flag
                     options += [flag, *map(str, value)]
             else:
                 options += [flag, str(value)]

@@ -44,8 +44,13 @@ def run_stage(snakemake, stage: str, settings: Mapping[str, Any], paths: Mapping
     from aqflow import stage_cli
 
     pin_job_gpus(job_gpus(snakemake))
-    module, settings_, paths_ = stage_call(stage, settings, paths)
     log_path = snakemake.log[0]
+    try:
+        module, settings_, paths_ = stage_call(stage, settings, paths)
+    except ValueError as error:  # a settings class refusing a combination of values (__post_init__)
+        with open(log_path, "w") as log:
+            print(f"aqflow {stage}: error: {error}", file=log)
+        raise SystemExit(f"aqflow {stage}: error: {error} (log: {log_path})") from None
     removed = remove_stale_outputs(getattr(snakemake, "output", []))
     with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         print("aqflow", stage, shlex.join(stage_cli.to_argv(settings_, paths_)), flush=True)

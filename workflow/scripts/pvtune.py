@@ -3,17 +3,18 @@ from pathlib import Path
 from aqflow.workflow_glue import run_stage_on_gpus
 
 out = snakemake.output
+configured = snakemake.config["pvtune"]
+# the PV-tuning settings of config.yaml, flat (the loop's and the data's; a key left out takes the
+# stage's default); how often the state is saved is no param (it changes no result)
+settings = {**snakemake.params.settings, "quiet": True}
+if "save_state_every" in configured:
+    settings["save_state_every"] = configured["save_state_every"]
+paths = {
+    "model_dir": snakemake.input.model, "checkpoint_dir": snakemake.input.checkpoint, "corpus": snakemake.input.corpus,
+    "output_dir": out.model, "train_log": out.train_log, "metrics": out.metrics,
+    # beside the outputs, not among them: Snakemake deletes a failed job's outputs, not this, so a
+    # rerun resumes
+    "state_dir": str(Path(out.metrics).parent / "state"),
+}
 # the job's GPUs (resources.gpu): more than one runs data-parallel under torchrun
-run_stage_on_gpus(
-    snakemake, "pvtune",
-    # the PV-tuning settings of config.yaml, flat (the loop's and the data's; a key left out takes the
-    # stage's default); how often the state is saved is no param (it changes no result)
-    settings={**snakemake.params.settings, "quiet": True,
-              **{key: snakemake.config["pvtune"][key] for key in ("save_state_every",) if key in snakemake.config["pvtune"]}},
-    paths={"model_dir": snakemake.input.model, "checkpoint_dir": snakemake.input.checkpoint,
-           "corpus": snakemake.input.corpus, "output_dir": out.model, "train_log": out.train_log,
-           "metrics": out.metrics,
-           # beside the outputs, not among them: Snakemake deletes a failed job's outputs, not this, so
-           # a rerun resumes
-           "state_dir": str(Path(out.metrics).parent / "state")},
-    num_gpus=snakemake.resources.gpu)
+run_stage_on_gpus(snakemake, "pvtune", settings, paths, snakemake.resources.gpu)
