@@ -95,12 +95,12 @@ def calibration_id(model):
     """The calibration's folder name: every setting that changes its XᵀX, the corpus first."""
     return (
         f"{text_corpus(model, 'calibration')}-n{CALIBRATION['num_windows']}"
-        f"-t{CALIBRATION['window_tokens']}-s{CALIBRATION.get('seed', 0)}"
-        f"-{CALIBRATION.get('propagation', 'fp')}"
+        f"-t{CALIBRATION['window_tokens']}-s{CALIBRATION['seed']}"
+        f"-{CALIBRATION['propagation']}"
     )
 
 
-SEQUENTIAL = CALIBRATION.get("propagation", "fp") == "sequential"
+SEQUENTIAL = CALIBRATION["propagation"] == "sequential"
 BLOCK_FINETUNE = dict(CALIBRATION.get("block_finetune") or {})
 FINETUNE = bool(BLOCK_FINETUNE.pop("enabled", False))
 if FINETUNE and not SEQUENTIAL:
@@ -164,7 +164,7 @@ PVTUNE_SETTINGS = canonical(
 PRE_PV_EVAL = "eval_pre_pv.json" if PV_ENABLED else "eval.json"
 
 
-GROUP_SIZE = config["quantization"].get("group_size", 8)
+GROUP_SIZE = config["quantization"]["group_size"]
 # folders of results/ that are not models: published results (committed, written by hand only),
 # the report and the experiment tables
 RESERVED_RESULT_FOLDERS = ("published", "report", "paper")
@@ -399,11 +399,11 @@ def variant_name(bpp, beam, epochs=None, seed=None, geometry=None):
     name = f"b{beam}"
     if epochs is not None:
         name += f"e{epochs}"
-    if seed is not None and seed != quantization.get("seed", 42):
+    if seed is not None and seed != quantization["seed"]:
         name += f"s{seed}"
     rate = {str(k): v for k, v in config["bitrates"].items()}.get(str(bpp), {})
     default = geometry_name(
-        quantization.get("group_size", 8),
+        quantization["group_size"],
         rate.get("num_codebooks"),
         rate.get("nbits", 0),
     )
@@ -539,7 +539,7 @@ def experiment_cells(name):
             f"no experiment grid {name!r} in config.yaml experiments ({sorted(grids)})"
         )
     grid, quantization = grids[name], config["quantization"]
-    default_epochs = quantization.get("max_epochs", 100)
+    default_epochs = quantization["max_epochs"]
     cells = {}
     for entry in grid["cells"]:
         for model, init, beam, epochs, seed, geometry in itertools.product(
@@ -547,7 +547,7 @@ def experiment_cells(name):
             entry["inits"],
             entry["beams"],
             entry.get("epochs", [default_epochs]),
-            entry.get("seeds", [quantization.get("seed", 42)]),
+            entry.get("seeds", [quantization["seed"]]),
             entry.get("geometries", [None]),
         ):
             target = {

@@ -39,9 +39,9 @@ rule fetch_data:
         gpu=rule_resources("fetch_data")["gpu"],
     params:
         calibration_fraction=lambda w: user_corpus(w.corpus).get(
-            "calibration_fraction", config["data"].get("calibration_fraction")
+            "calibration_fraction", config["data"]["calibration_fraction"]
         ),
-        seed=config["data"].get("split_seed"),
+        seed=config["data"]["split_seed"],
         user=lambda w: user_corpus(w.corpus),
     script:
         "../scripts/fetch_data.py"

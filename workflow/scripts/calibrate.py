@@ -2,7 +2,7 @@ from aqflow.workflow_glue import run_stage
 
 settings = dict(snakemake.params.settings)  # config.yaml `calibration`: the stage's settings among it
 # the job's GPUs (resources.gpu): more than one shards the windows over them (same XᵀX; fp only)
-if settings.get("propagation", "fp") == "fp":
+if settings["propagation"] == "fp":
     settings["num_devices"] = max(1, snakemake.resources.gpu)
 run_stage(snakemake, "calibrate", settings={**settings, "quiet": True},
           paths={"model_dir": snakemake.input.model, "corpus": snakemake.input.corpus, "output_dir": snakemake.output[0]})

@@ -3,12 +3,10 @@ from pathlib import Path
 from aqflow.workflow_glue import run_stage_on_gpus
 
 out = snakemake.output
-configured = snakemake.config["pvtune"]
 # the PV-tuning settings of config.yaml, flat (the loop's and the data's; a key left out takes the
 # stage's default); how often the state is saved is no param (it changes no result)
-settings = {**snakemake.params.settings, "quiet": True}
-if "save_state_every" in configured:
-    settings["save_state_every"] = configured["save_state_every"]
+settings = {**snakemake.params.settings, "save_state_every": snakemake.config["pvtune"]["save_state_every"],
+            "quiet": True}
 paths = {
     "model_dir": snakemake.input.model, "checkpoint_dir": snakemake.input.checkpoint, "corpus": snakemake.input.corpus,
     "output_dir": out.model, "train_log": out.train_log, "metrics": out.metrics,
