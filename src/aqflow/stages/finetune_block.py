@@ -66,46 +66,46 @@ def read_quantized(path: Path) -> tuple[QuantizedLinearParams, int]:
     return QuantizedLinearParams(unpack_codes(tensors["codes"], nbits), tensors["codebooks"], tensors["scales"]), nbits
 
 
-def run(options: FinetuneBlockSettings, paths: FinetuneBlockPaths) -> dict:
+def run(settings: FinetuneBlockSettings, paths: FinetuneBlockPaths) -> dict:
     """The tuned block folder at paths.output_dir; its finetune.json record."""
     verify_inputs(paths.model_dir, paths.calibration_dir, paths.layers_dir, paths.inputs)
-    settings = options.tuning
+    tuning = settings.tuning
     windows = load_windows(paths.calibration_dir / WINDOWS_FILE)
     # the model in its compute dtype (its own on a GPU, float32 on a CPU); only the tuned block goes to float32
-    model = load_causal_lm(paths.model_dir, dtype=model_compute_dtype(paths.model_dir, options.device), device=options.device)
+    model = load_causal_lm(paths.model_dir, dtype=model_compute_dtype(paths.model_dir, settings.device), device=settings.device)
     _, blocks = find_decoder_blocks(model)
-    if not 0 <= options.block < len(blocks):
-        raise StageInputError(f"--block {options.block}: the model has blocks 0..{len(blocks) - 1}")
-    if (options.block == 0) != (paths.inputs is None):
+    if not 0 <= settings.block < len(blocks):
+        raise StageInputError(f"--block {settings.block}: the model has blocks 0..{len(blocks) - 1}")
+    if (settings.block == 0) != (paths.inputs is None):
         raise StageInputError("give --inputs for every block but block 0 (whose inputs are the embeddings)")
-    block, prefix = blocks[options.block], block_prefix_of(model, options.block)
+    block, prefix = blocks[settings.block], block_prefix_of(model, settings.block)
     files = block_layer_files(paths.layers_dir, prefix, block)
     missing = [str(path) for path in files.values() if not path.is_file()]
     if missing:
-        raise FileNotFoundError(f"block {options.block} is not fully quantized: missing {missing}")
+        raise FileNotFoundError(f"block {settings.block} is not fully quantized: missing {missing}")
     quantized = {name: read_quantized(path) for name, path in files.items()}
-    call = cast_floats(block_call_inputs(model, windows, options.block), torch.float32)
+    call = cast_floats(block_call_inputs(model, windows, settings.block), torch.float32)
     if paths.inputs is None:
-        hidden_in = embedded_inputs(model, windows, settings.batch_size, progress=not options.quiet)
+        hidden_in = embedded_inputs(model, windows, tuning.batch_size, progress=not settings.quiet)
     else:
-        hidden_in = load_hidden_states(paths.inputs, windows).to(options.device)
+        hidden_in = load_hidden_states(paths.inputs, windows).to(settings.device)
     hidden_in = hidden_in.float()
     block.float()  # targets and tuning in float32
     with torch.no_grad():  # targets: the full-precision block on the same inputs
-        targets = torch.cat([block_forward(block, call, hidden_in[s:s + settings.batch_size])
-                             for s in range(0, hidden_in.shape[0], settings.batch_size)])
-    result = finetune_block(block, call, hidden_in, targets, {n: q for n, (q, _) in quantized.items()}, settings,
-                            progress=not options.quiet)
+        targets = torch.cat([block_forward(block, call, hidden_in[s:s + tuning.batch_size])
+                             for s in range(0, hidden_in.shape[0], tuning.batch_size)])
+    result = finetune_block(block, call, hidden_in, targets, {n: q for n, (q, _) in quantized.items()}, tuning,
+                            progress=not settings.quiet)
     summary = {
-        "block": options.block,
+        "block": settings.block,
         "relative_mse_before": result.relative_mse_before,
         "relative_mse_after": result.relative_mse_after,
         "relative_mse_per_epoch": result.relative_mse_per_epoch,
         "best_epoch": result.best_epoch,
         "seconds": result.seconds,
-        "settings": dataclasses.asdict(settings),
+        "settings": dataclasses.asdict(tuning),
         "tuned_block_tensors": sorted(result.block_tensors),
-        "device": options.device,
+        "device": settings.device,
     }
     with artifacts.atomic_dir(paths.output_dir) as staging:
         for name, params in result.linears.items():
