@@ -30,7 +30,7 @@ def test_every_stage_runs_from_two_frozen_dataclasses(stage):
     for cls in (settings_class, paths_class):
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls
     assert module.STAGE == stage
-    assert all(issubclass(error, BaseException) for error in module.INPUT_ERRORS)
+    assert all(issubclass(error, BaseException) for error in module.INPUT_ERRORS) and callable(module.summary)
 
 
 @pytest.mark.parametrize("stage", sorted(STAGES))

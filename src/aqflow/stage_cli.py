@@ -254,6 +254,11 @@ def execute(stage: str, run: Callable[[Any, Any], Any], settings: Any, paths: An
     return 0
 
 
+def run_stage_module(module: types.ModuleType, settings: Any, paths: Any) -> int:
+    """A stage module's `run(settings, paths)` on the one error path (`execute`): its exit code."""
+    return execute(module.STAGE, module.run, settings, paths, module.INPUT_ERRORS, module.summary)
+
+
 def default_device() -> str:
     """cuda where a GPU is visible, else cpu (torch imported only when asked)."""
     import torch

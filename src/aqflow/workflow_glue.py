@@ -57,7 +57,7 @@ def run_stage(snakemake, stage: str, settings: Mapping[str, Any], paths: Mapping
         for path in removed:
             print(f"removed {path} (left by an interrupted run)", flush=True)
         try:
-            code = stage_cli.execute(stage, module.run, settings_, paths_, module.INPUT_ERRORS, module.summary)
+            code = stage_cli.run_stage_module(module, settings_, paths_)
         except BaseException:
             traceback.print_exc()
             raise

@@ -35,8 +35,8 @@ class CleanPaths:
                                       metadata=option("folders to clean", positional=True))
 
 
-def run(settings: CleanSettings, paths: CleanPaths) -> list[Path]:
-    """Remove (or with dry_run list) the temporaries under the folders; the paths found."""
+def run(settings: CleanSettings, paths: CleanPaths) -> dict:
+    """Remove (or with dry_run list) the temporaries under the folders; what was found where."""
     locks = Path(".snakemake") / "locks"
     if not settings.force and locks.is_dir() and any(locks.iterdir()):
         raise StageInputError(f"{locks} holds a lock: a Snakemake run may be writing here "
@@ -46,7 +46,12 @@ def run(settings: CleanSettings, paths: CleanPaths) -> list[Path]:
         print(("would remove " if settings.dry_run else "removed ") + str(path))
         if not settings.dry_run:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-    return found
+    return {"found": found, "dry_run": settings.dry_run, "folders": list(paths.folders)}
+
+
+def summary(result: dict) -> str:
+    return (f"{'found' if result['dry_run'] else 'removed'} {len(result['found'])} temporaries under "
+            f"{', '.join(map(str, result['folders']))}")
 
 
 def build_parser():
@@ -55,6 +60,4 @@ def build_parser():
 
 def main(argv: list[str] | None = None) -> int:
     settings, paths = stage_cli.parse(build_parser(), (CleanSettings, CleanPaths), argv)
-    folders = ", ".join(map(str, paths.folders))
-    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, lambda found: (
-        f"{'found' if settings.dry_run else 'removed'} {len(found)} temporaries under {folders}"))
+    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)

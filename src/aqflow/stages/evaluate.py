@@ -390,6 +390,9 @@ def summary_line(payload: dict) -> str:
     return f"{payload['label'] or payload['model_dir']}: " + ", ".join(parts) + f" ({payload['timings']['total_seconds']:.1f} s)"
 
 
+summary = summary_line  # the stage's report line, under the name every stage gives it
+
+
 def run(settings: EvaluateSettings, paths: EvaluatePaths) -> dict:
     """Evaluate and write eval.json; its payload."""
     args = request(settings, paths)
@@ -402,4 +405,4 @@ def run(settings: EvaluateSettings, paths: EvaluatePaths) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     settings, paths = stage_cli.parse(build_parser(), (EvaluateSettings, EvaluatePaths), argv)
-    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary_line)
+    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)
