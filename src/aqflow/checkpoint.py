@@ -31,7 +31,7 @@ from .artifacts import ArtifactError, decoding, read_json, recorded_sha256, veri
 from .calibration.hessians import find_decoder_blocks, find_linears
 from .artifacts import atomic_dir
 from .models.fetch import MARKER_FILE, load_causal_lm, torch_dtype as to_torch_dtype
-from .quant.representation import MAX_NBITS, aqlm_code_dtype, codebook_size, dequantize_weight, unpack_codes
+from .quant.representation import GROUP_SIZE, MAX_NBITS, aqlm_code_dtype, codebook_size, dequantize_weight, unpack_codes
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
@@ -211,7 +211,7 @@ def _files_to_copy(model_dir: Path) -> list[Path]:
 # --- the checkpoint ----------------------------------------------------------------------------
 
 def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.PathLike | Sequence[str | os.PathLike],
-                          output_dir: str | os.PathLike, num_codebooks: int, nbits: int, group_size: int = 8,
+                          output_dir: str | os.PathLike, num_codebooks: int, nbits: int, group_size: int = GROUP_SIZE,
                           dtype: str = "float16", replaced_tensors: Mapping[str, torch.Tensor] | None = None) -> Path:
     """Write a standard AQLM checkpoint folder at `output_dir` (atomically: staged, then renamed).
 

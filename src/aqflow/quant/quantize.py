@@ -27,7 +27,7 @@ from aqflow.quant.beam_search import BeamSearcher
 from aqflow.quant.codebook_update import CodebookAdam
 from aqflow.quant.init import INITIALISERS, InitSettings
 from aqflow.quant.objective import damped_diagonal_blocks, relative_output_mse
-from aqflow.quant.representation import bits_per_parameter, dequantize_weight, layer_rho
+from aqflow.quant.representation import GROUP_SIZE, bits_per_parameter, dequantize_weight, layer_rho
 from aqflow.quant.validation import validate_layer_inputs
 
 
@@ -41,7 +41,7 @@ class QuantizerSettings:
 
     num_codebooks: int = 2
     nbits: int = 8
-    group_size: int = 8
+    group_size: int = GROUP_SIZE
     init: str = field(default="oaem", metadata={"choices": tuple(INITIALISERS), "help": "codebook initialisation"})
     beam_size: int = 8
     max_epochs: int = 100
