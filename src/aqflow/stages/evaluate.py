@@ -37,7 +37,7 @@ from typing import Iterator
 import torch
 
 from aqflow import artifacts, stage_cli
-from aqflow.data.zero_shot import ZERO_SHOT_TASKS, prepare_zero_shot_data, read_manifest, task_data_files
+from aqflow.data.zero_shot import ZERO_SHOT_TASKS, TaskDataError, prepare_zero_shot_data, read_manifest, task_data_files
 from aqflow.evaluation.dense_aqlm import dequantize_aqlm_linears
 from aqflow.evaluation.model_bits import quantization_config, stored_bits_per_parameter
 from aqflow.evaluation.perplexity import perplexity
@@ -65,7 +65,7 @@ class EvaluationInputError(StageInputError):
 
 
 STAGE = "evaluate"
-INPUT_ERRORS = (*EXPECTED_ERRORS, CorpusError, ModelInputError)
+INPUT_ERRORS = (*EXPECTED_ERRORS, CorpusError, ModelInputError, TaskDataError)
 
 
 # --- arguments -----------------------------------------------------------------------------------
