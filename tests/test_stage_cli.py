@@ -66,7 +66,7 @@ def test_quantize_layer_settings_survive_the_command_line_both_ways(tmp_path):
 def test_evaluate_domains_and_an_empty_task_list_survive_the_command_line(tmp_path):
     from aqflow.stages import evaluate
 
-    settings = evaluate.EvaluateSettings(tasks=(), context=64, device="cpu")
+    settings = evaluate.EvaluateSettings(tasks=(), perplexity=(), context=64, device="cpu")
     paths = evaluate.EvaluatePaths(model_dir=tmp_path, output=tmp_path / "eval.json",
                                    domain=(("notes", "joined", str(tmp_path / "notes.parquet")),
                                            ("c4", "sampled", str(tmp_path / "c4.parquet"))))

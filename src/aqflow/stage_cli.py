@@ -6,7 +6,8 @@ metavar or a positional argument (`positional`). This module turns them into an 
 (one `--name` per field, help with defaults and choices, `--x/--no-x` for every on/off switch), parses
 argv back into the same dataclasses, and writes them as argv again where a stage must start a
 copy of itself in other processes (torchrun). A field whose type is itself a dataclass (a library's
-settings, e.g. `QuantizerSettings`) contributes its own fields as a group of options.
+settings, e.g. `QuantizerSettings`) contributes its own fields as options, flat; a rule may hand
+them over flat as well (`from_dict`).
 
 `execute` is the one error path of every stage, from a shell or from a rule: an expected input
 error (the stage's `INPUT_ERRORS`) is one line `aqflow <stage>: error: ...` and exit code 2; any
@@ -92,7 +93,7 @@ def add_fields(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: t
     for spec in dataclasses.fields(cls):
         if spec.metadata.get("cli") is False:
             continue
-        kind, optional = _unwrap_optional(types_[spec.name])
+        kind, _ = _unwrap_optional(types_[spec.name])
         if dataclasses.is_dataclass(kind):  # its fields join this group (argparse does not nest groups)
             add_fields(parser, kind, getattr(defaults, spec.name) if defaults is not None else _default(spec))
             continue
@@ -233,7 +234,8 @@ def to_argv(*instances: Any) -> list[str]:
                 for entry in value:
                     options += [flag, *map(str, entry)]
             elif _sequence_item(kind) is not None:
-                if value or tuple(value) != tuple(_default(spec) or ()):  # () against a default: the bare flag
+                default = _default(spec)
+                if value or default in (None, MISSING) or tuple(default) != tuple(value):  # (): the bare flag
                     options += [flag, *map(str, value)]
             else:
                 options += [flag, str(value)]
