@@ -15,6 +15,7 @@ import shlex
 import traceback
 from typing import Any, Mapping
 
+from aqflow import stage_cli
 from aqflow.__main__ import STAGES
 from aqflow.artifacts import read_json
 from aqflow.gpu_pool import pin_job_gpus
@@ -27,8 +28,6 @@ def job_gpus(snakemake) -> int:
 
 def stage_call(stage: str, settings: Mapping[str, Any], paths: Mapping[str, Any]):
     """(stage module, settings dataclass, paths dataclass) of `aqflow <stage>` from plain values."""
-    from aqflow import stage_cli
-
     module = importlib.import_module(STAGES[stage])
     settings_class, paths_class = stage_cli.stage_classes(module.run)
     return module, stage_cli.from_dict(settings_class, settings), stage_cli.from_dict(paths_class, paths)
@@ -41,8 +40,6 @@ def run_stage(snakemake, stage: str, settings: Mapping[str, Any], paths: Mapping
     traceback is written to the log too before it propagates. A GPU job is pinned to the least-busy
     card of the node (`gpu_pool`) before the stage (and torch) is imported, and the stale temporaries
     of this job's earlier, killed runs are removed first."""
-    from aqflow import stage_cli
-
     pin_job_gpus(job_gpus(snakemake))
     log_path = snakemake.log[0]
     try:
@@ -112,7 +109,6 @@ def run_stage_on_gpus(snakemake, stage: str, settings: Mapping[str, Any], paths:
 
     pin_job_gpus(num_gpus)  # torchrun's processes inherit the chosen cards
 
-    from aqflow import stage_cli
     from aqflow.calibration.sharded import torchrun_command
     from aqflow.processes import die_with_parent
 
