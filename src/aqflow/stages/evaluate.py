@@ -47,7 +47,7 @@ from aqflow.evaluation.protocol import (
 )
 from aqflow.evaluation.zero_shot import DEFAULT_BOOTSTRAP_ITERS, average_accuracy, run_zero_shot
 from aqflow.fetching import default_cache_dir
-from aqflow.finite import require_finite
+from aqflow.finite import NonFiniteMetricError, require_finite
 from aqflow.models.fetch import load_causal_lm, load_tokenizer, model_compute_dtype
 from aqflow.artifacts import verify_inputs
 from aqflow.data.offline_text import CorpusError
@@ -65,7 +65,7 @@ class EvaluationInputError(StageInputError):
 
 
 STAGE = "evaluate"
-INPUT_ERRORS = (*EXPECTED_ERRORS, CorpusError, ModelInputError, TaskDataError)
+INPUT_ERRORS = (*EXPECTED_ERRORS, NonFiniteMetricError, CorpusError, ModelInputError, TaskDataError)
 
 
 # --- arguments -----------------------------------------------------------------------------------

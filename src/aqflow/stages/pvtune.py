@@ -28,7 +28,7 @@ import torch
 from aqflow import artifacts, stage_cli
 from aqflow.artifacts import verify_inputs
 from aqflow.data.offline_text import CorpusError
-from aqflow.finite import require_finite
+from aqflow.finite import NonFiniteMetricError, require_finite
 from aqflow.models.fetch import ModelInputError, load_tokenizer, model_compute_dtype
 from aqflow.processes import die_with_parent
 from aqflow.pvtune.data import pv_windows
@@ -40,7 +40,7 @@ from aqflow.stage_cli import option
 from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
 
 STAGE = "pvtune"
-INPUT_ERRORS = (*EXPECTED_ERRORS, StudentError, CorpusError, ModelInputError)
+INPUT_ERRORS = (*EXPECTED_ERRORS, NonFiniteMetricError, StudentError, CorpusError, ModelInputError)
 
 
 @dataclass(frozen=True)
