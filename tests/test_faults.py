@@ -26,6 +26,8 @@ import torch
 
 from aqflow import artifacts
 from aqflow.artifacts import ArtifactError
+from aqflow.quant.quantize import QuantizerSettings
+from aqflow.stage_cli import run_stage_module
 from aqflow.stages import calibrate, evaluate, pvtune, quantize_layer, report, stitch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -222,9 +224,9 @@ def test_a_flipped_byte_in_a_finished_layer_fails_the_dag_and_keeps_the_checkpoi
     output = result.stdout + result.stderr
     assert result.returncode != 0 and f"{VARIANT}/layers/{layer.name}: corrupt" in output, output[-3000:]
     assert artifacts.file_sha256(workdir / VARIANT / "model" / "model.safetensors") == checkpoint_before
-    # stitch itself refuses it too (here run by hand, as a job would)
-    code = stitch.main(["--model-dir", str(workdir / "resources/models/tiny"), "--layers-dir", str(workdir / VARIANT / "layers"),
-                        "--output-dir", str(tmp_path / "out"), "--num-codebooks", "2", "--nbits", "6"])
+    # stitch itself refuses it too (run here as its job runs it)
+    code = run_stage_module(stitch, stitch.StitchSettings(num_codebooks=2, nbits=6), stitch.StitchPaths(
+        model_dir=workdir / "resources/models/tiny", layers_dir=(workdir / VARIANT / "layers",), output_dir=tmp_path / "out"))
     assert code == 2 and not (tmp_path / "out").exists()
 
 
@@ -254,40 +256,54 @@ def _corrupt(path: Path, fault: str) -> None:
     artifacts._VERIFIED.clear()
 
 
-STAGE_READS = {  # artifact (relative to the run) -> the stage and arguments that read it
-    "corpus parquet": ("resources/data/c4-standin.parquet", calibrate, lambda w: [
-        "--model-dir", f"{w}/resources/models/tiny", "--corpus", f"{w}/resources/data/c4-standin.parquet",
-        "--output-dir", f"{w}/out", "--num-windows", "8", "--window-tokens", "64", "--device", "cpu"]),
-    "model safetensors": ("resources/models/tiny/model.safetensors", calibrate, lambda w: [
-        "--model-dir", f"{w}/resources/models/tiny", "--corpus", f"{w}/resources/data/c4-standin.parquet",
-        "--output-dir", f"{w}/out", "--num-windows", "8", "--window-tokens", "64", "--device", "cpu"]),
-    "XᵀX npz": ("results/tiny/calib/c4-standin-n8-t64-s0-fp/block0.npz", quantize_layer, lambda w: [
-        "--model-dir", f"{w}/resources/models/tiny", "--calibration-dir", f"{w}/results/tiny/calib/c4-standin-n8-t64-s0-fp",
-        "--layer", "model.layers.0.mlp.up_proj", "--output", f"{w}/out.safetensors", "--metrics", f"{w}/out.json",
-        "--device", "cpu", "--quiet"]),
-    "XᵀX manifest parquet": ("results/tiny/calib/c4-standin-n8-t64-s0-fp/manifest.parquet", quantize_layer, lambda w: [
-        "--model-dir", f"{w}/resources/models/tiny", "--calibration-dir", f"{w}/results/tiny/calib/c4-standin-n8-t64-s0-fp",
-        "--layer", "model.layers.0.mlp.up_proj", "--output", f"{w}/out.safetensors", "--metrics", f"{w}/out.json",
-        "--device", "cpu", "--quiet"]),
-    "layer safetensors": (f"{VARIANT}/layers/model.layers.0.self_attn.q_proj.safetensors", stitch, lambda w: [
-        "--model-dir", f"{w}/resources/models/tiny", "--layers-dir", f"{w}/{VARIANT}/layers", "--output-dir", f"{w}/out",
-        "--num-codebooks", "2", "--nbits", "6", "--dtype", "float32"]),
-    "layer metrics json": (f"{VARIANT}/layers/model.layers.0.self_attn.q_proj.json", stitch, lambda w: [
-        "--model-dir", f"{w}/resources/models/tiny", "--layers-dir", f"{w}/{VARIANT}/layers", "--output-dir", f"{w}/out",
-        "--num-codebooks", "2", "--nbits", "6", "--dtype", "float32"]),
-    "checkpoint folder": (f"{VARIANT}/model/model.safetensors", pvtune, lambda w: [
-        "--model-dir", f"{w}/resources/models/tiny", "--checkpoint-dir", f"{w}/{VARIANT}/model",
-        "--corpus", f"{w}/resources/data/c4-standin.parquet", "--output-dir", f"{w}/out", "--train-log", f"{w}/log.parquet",
-        "--metrics", f"{w}/out.json", "--device", "cpu", "--quiet"]),
-    "PV-tuned folder": (f"{VARIANT}/pv/model/config.json", evaluate, lambda w: [
-        "--model-dir", f"{w}/{VARIANT}/pv/model", "--output", f"{w}/out.json", "--data-dir", f"{w}/resources/data",
-        "--device", "cpu"]),
-    "PV-tuning log parquet": (f"{VARIANT}/pv/train_log.parquet", report, lambda w: [
-        f"{w}/{VARIANT}/eval.json", "--csv", f"{w}/s.csv", "--parquet", f"{w}/s.parquet", "--pareto", f"{w}/p.png",
-        "--layers", f"{w}/l.png", "--pv-curves", f"{w}/c.png", "--pv-logs", f"{w}/{VARIANT}/pv/train_log.parquet"]),
-    "eval json": (f"{VARIANT}/eval.json", report, lambda w: [
-        f"{w}/{VARIANT}/eval.json", "--csv", f"{w}/s.csv", "--parquet", f"{w}/s.parquet", "--pareto", f"{w}/p.png",
-        "--layers", f"{w}/l.png"]),
+CALIB = "results/tiny/calib/c4-standin-n8-t64-s0-fp"
+
+
+def _calibrate(w):
+    return (calibrate.CalibrateSettings(num_windows=8, window_tokens=64, device="cpu"),
+            calibrate.CalibratePaths(model_dir=w / "resources/models/tiny", corpus=w / "resources/data/c4-standin.parquet",
+                                     output_dir=w / "out"))
+
+
+def _quantize(w):
+    return (quantize_layer.QuantizeLayerSettings(device="cpu", quiet=True),
+            quantize_layer.QuantizeLayerPaths(model_dir=w / "resources/models/tiny", calibration_dir=w / CALIB,
+                                              layer="model.layers.0.mlp.up_proj", output=w / "out.safetensors",
+                                              metrics=w / "out.json"))
+
+
+def _stitch(w):
+    return (stitch.StitchSettings(num_codebooks=2, nbits=6, dtype="float32"),
+            stitch.StitchPaths(model_dir=w / "resources/models/tiny", layers_dir=(w / VARIANT / "layers",),
+                               output_dir=w / "out"))
+
+
+def _report(w, pv_logs=()):
+    return (report.ReportSettings(),
+            report.ReportPaths(evals=(w / VARIANT / "eval.json",), csv=w / "s.csv", parquet=w / "s.parquet",
+                               pareto=w / "p.png", layers=w / "l.png", pv_curves=w / "c.png" if pv_logs else None,
+                               pv_logs=pv_logs))
+
+
+STAGE_READS = {  # artifact (relative to the run) -> the stage and the settings and paths it reads it with
+    "corpus parquet": ("resources/data/c4-standin.parquet", calibrate, _calibrate),
+    "model safetensors": ("resources/models/tiny/model.safetensors", calibrate, _calibrate),
+    "XᵀX npz": (f"{CALIB}/block0.npz", quantize_layer, _quantize),
+    "XᵀX manifest parquet": (f"{CALIB}/manifest.parquet", quantize_layer, _quantize),
+    "layer safetensors": (f"{VARIANT}/layers/model.layers.0.self_attn.q_proj.safetensors", stitch, _stitch),
+    "layer metrics json": (f"{VARIANT}/layers/model.layers.0.self_attn.q_proj.json", stitch, _stitch),
+    "checkpoint folder": (f"{VARIANT}/model/model.safetensors", pvtune, lambda w: (
+        pvtune.PvtuneSettings(device="cpu", quiet=True),
+        pvtune.PvtunePaths(model_dir=w / "resources/models/tiny", checkpoint_dir=w / VARIANT / "model",
+                           corpus=w / "resources/data/c4-standin.parquet", output_dir=w / "out",
+                           train_log=w / "log.parquet", metrics=w / "out.json"))),
+    "PV-tuned folder": (f"{VARIANT}/pv/model/config.json", evaluate, lambda w: (
+        evaluate.EvaluateSettings(device="cpu"),
+        evaluate.EvaluatePaths(model_dir=w / VARIANT / "pv" / "model", output=w / "out.json",
+                               data_dir=w / "resources/data"))),
+    "PV-tuning log parquet": (f"{VARIANT}/pv/train_log.parquet", report,
+                              lambda w: _report(w, pv_logs=(w / VARIANT / "pv" / "train_log.parquet",))),
+    "eval json": (f"{VARIANT}/eval.json", report, _report),
 }
 
 
@@ -295,12 +311,12 @@ STAGE_READS = {  # artifact (relative to the run) -> the stage and arguments tha
 @pytest.mark.parametrize("fault", ["flip", "truncate"])
 @pytest.mark.parametrize("kind", list(STAGE_READS))
 def test_a_corrupt_or_truncated_artifact_is_an_error_naming_it(reference, tmp_path, capsys, kind, fault):
-    relative, stage, argv = STAGE_READS[kind]
+    relative, stage, request = STAGE_READS[kind]
     workdir = tmp_path / "run"
     subprocess.run(["cp", "-a", str(reference), str(workdir)], check=True)
     _corrupt(workdir / relative, fault)
     before = sorted(workdir.rglob("*"))
-    code = stage.main(argv(workdir))
+    code = run_stage_module(stage, *request(workdir))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert f"{workdir / relative}: corrupt: sha256" in err[0] and "rerun" in err[0]
@@ -320,23 +336,28 @@ def small_tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def _layer_inputs(folder: Path) -> list[str]:
-    generator = torch.Generator().manual_seed(0)
-    weight, x = torch.randn(64, 64, generator=generator), torch.randn(256, 64, generator=generator)
-    artifacts.save_safetensors(folder / "w.safetensors", {"w": weight})
-    artifacts.save_npz(folder / "xtx.npz", {"xtx": (x.T @ x).double().numpy()})
-    return ["--weight", str(folder / "w.safetensors"), "--xtx", str(folder / "xtx.npz"), "--num-codebooks", "1",
-            "--nbits", "4", "--max-epochs", "1", "--kmeans-max-iter", "5", "--device", "cpu", "--quiet"]
+def _quantize_layer(inputs: Path, out: Path, seed: int = 42) -> int:
+    """quantize-layer on a random 64x64 layer written to `inputs`, its result to `out`/l.*: its exit code."""
+    if not (inputs / "w.safetensors").exists():
+        generator = torch.Generator().manual_seed(0)
+        weight, x = torch.randn(64, 64, generator=generator), torch.randn(256, 64, generator=generator)
+        artifacts.save_safetensors(inputs / "w.safetensors", {"w": weight})
+        artifacts.save_npz(inputs / "xtx.npz", {"xtx": (x.T @ x).double().numpy()})
+    settings = quantize_layer.QuantizeLayerSettings(
+        quantizer=QuantizerSettings(num_codebooks=1, nbits=4, max_epochs=1, kmeans_max_iter=5, seed=seed),
+        device="cpu", quiet=True)
+    paths = quantize_layer.QuantizeLayerPaths(weight=inputs / "w.safetensors", xtx=inputs / "xtx.npz",
+                                              output=out / "l.safetensors", metrics=out / "l.json")
+    return run_stage_module(quantize_layer, settings, paths)
 
 
 def test_a_full_disk_is_one_line_naming_the_file_and_leaves_no_half_pair(small_tmpfs, tmp_path, capsys):
-    inputs = _layer_inputs(tmp_path)
     filler = small_tmpfs / "filler"
     out = small_tmpfs / "layers"
     out.mkdir()
     with open(filler, "wb") as handle:  # fill it
         handle.write(b"\0" * (os.statvfs(small_tmpfs).f_bavail * os.statvfs(small_tmpfs).f_frsize))
-    code = quantize_layer.main([*inputs, "--output", str(out / "l.safetensors"), "--metrics", str(out / "l.json")])
+    code = _quantize_layer(tmp_path, out)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "No space left on device" in err[0], err
     assert str(out / "l.") in err[0]
@@ -344,16 +365,14 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_no_half_pair(small_t
 
 
 def test_a_read_only_results_folder_is_one_line_and_keeps_the_finished_artifact(small_tmpfs, tmp_path, capsys):
-    inputs = _layer_inputs(tmp_path)
     out = small_tmpfs / "layers"
-    argv = [*inputs, "--output", str(out / "l.safetensors"), "--metrics", str(out / "l.json")]
-    assert quantize_layer.main(argv) == 0
+    assert _quantize_layer(tmp_path, out) == 0
     umask = os.umask(0)
     os.umask(umask)
     assert {path.stat().st_mode & 0o777 for path in out.iterdir()} == {0o666 & ~umask}  # not private 0600
     finished = {path.name: path.read_bytes() for path in out.iterdir()}
     subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
-    code = quantize_layer.main([*argv, "--seed", "7"])
+    code = _quantize_layer(tmp_path, out, seed=7)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "Read-only file system" in err[-1] and str(out / "l.json") in err[-1], err
     assert {path.name: path.read_bytes() for path in out.iterdir()} == finished
@@ -364,12 +383,10 @@ def test_a_half_pair_is_refused_by_stitch(tmp_path):
     file beside them. (Built here directly; the kill window is too short to hit by timing.)"""
     from aqflow.checkpoint import check_layer_pair
 
-    inputs = _layer_inputs(tmp_path)
     out = tmp_path / "layers"
-    argv = [*inputs, "--output", str(out / "l.safetensors"), "--metrics", str(out / "l.json")]
-    assert quantize_layer.main(argv) == 0
+    assert _quantize_layer(tmp_path, out) == 0
     old = {name: (out / name).read_bytes() for name in ("l.safetensors", "l.safetensors.sha256")}
-    assert quantize_layer.main([*argv, "--seed", "7"]) == 0
+    assert _quantize_layer(tmp_path, out, seed=7) == 0
     check_layer_pair(out / "l.safetensors")
     for name, data in old.items():  # the old tensors and their (valid) record, the new metrics
         (out / name).write_bytes(data)
@@ -379,8 +396,11 @@ def test_a_half_pair_is_refused_by_stitch(tmp_path):
 
 
 def test_a_bug_keeps_its_traceback_and_an_input_error_does_not(tmp_path, capsys, monkeypatch):
-    inputs = _layer_inputs(tmp_path)
-    argv = [*inputs, "--output", str(tmp_path / "l.safetensors"), "--metrics", str(tmp_path / "l.json")]
+    _quantize_layer(tmp_path, tmp_path / "first")  # writes the inputs
+    argv = ["--weight", str(tmp_path / "w.safetensors"), "--xtx", str(tmp_path / "xtx.npz"), "--num-codebooks", "1",
+            "--nbits", "4", "--max-epochs", "1", "--device", "cpu", "--quiet",
+            "--output", str(tmp_path / "l.safetensors"), "--metrics", str(tmp_path / "l.json")]  # from a shell
+    capsys.readouterr()
     monkeypatch.setattr(quantize_layer, "quantize_layer", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         quantize_layer.main(argv)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from aqflow.finite import NonFiniteMetricError, non_finite_metrics, require_finite
-from aqflow.models.entries import entry_problems, fetch_model_argv, parse_model_entry
+from aqflow.models.entries import entry_problems, fetch_model_request, parse_model_entry
 from aqflow.models.fetch import MARKER_FILE, config_dtype, model_compute_dtype, stored_dtypes
 from aqflow.models.hub import cached_config
 from aqflow.stages import fetch_model
@@ -159,10 +159,10 @@ def test_model_entries_parse_and_become_fetch_flags(tmp_path):
     assert parse_model_entry("m", {"hub_id": "org/name", "revision": "v1", "dtype": "bfloat16"}).kind == "hub"
     assert parse_model_entry("m", {"preset": "llama3b"}).hub_repo == "meta-llama/Llama-3.2-3B"
     assert parse_model_entry("m", {"preset": "smollm2"}).kind == "gguf"
-    assert fetch_model_argv(parse_model_entry("m", {"hub_id": "org/name", "revision": "v1"}), 8) == [
-        "--hub-id", "org/name", "--revision", "v1", "--group-size", "8"]
-    assert fetch_model_argv(parse_model_entry("m", {"path": str(tmp_path)}), 16) == [
-        "--path", str(tmp_path.resolve()), "--group-size", "16"]
+    assert fetch_model_request(parse_model_entry("m", {"hub_id": "org/name", "revision": "v1"}), 8) == {
+        "hub_id": "org/name", "revision": "v1", "group_size": 8}
+    assert fetch_model_request(parse_model_entry("m", {"path": str(tmp_path)}), 16) == {
+        "path": str(tmp_path.resolve()), "group_size": 16}
     for bad, words in [({"preset": "smollm2", "hub_id": "a/b"}, "exactly one"), ({}, "exactly one"),
                        ({"preset": "nope"}, "unknown preset"), ({"preset": "smollm2", "revision": "x"}, "hub models only"),
                        ({"hub_id": "no-slash"}, "ORG/NAME")]:

@@ -193,14 +193,17 @@ def test_a_user_corpus_is_an_evaluation_domain_with_its_own_perplexity_and_repor
     docs = [f"Paragraph {i} about river stones and winter gardens, told at some length." * 3 for i in range(8)]
     (tmp_path / "notes.txt").write_text("\n\n".join(docs))
     corpus = tmp_path / "notes.parquet"
+    from aqflow.stage_cli import run_stage_module
     from aqflow.stages import fetch_data
 
-    assert fetch_data.main(["--corpus", "notes", "--file", str(tmp_path / "notes.txt"), "--output", str(corpus)]) == 0
+    assert run_stage_module(fetch_data, fetch_data.FetchDataSettings(corpus="notes"),
+                            fetch_data.FetchDataPaths(output=corpus, file=tmp_path / "notes.txt")) == 0
     record = read_split_record(corpus)
     assert record["origin"]["kind"] == "user" and record["num_documents"] == {"calibration": 4, "evaluation": 4}
     output = tmp_path / "eval.json"
-    assert evaluate_stage.main(["--model-dir", str(tiny_dir), "--output", str(output), "--domain", "notes", "joined",
-                                str(corpus), "--context", "32", "--tasks", "--device", "cpu", "--quiet"]) == 0
+    assert run_stage_module(evaluate_stage, evaluate_stage.EvaluateSettings(context=32, tasks=(), device="cpu", quiet=True),
+                            evaluate_stage.EvaluatePaths(model_dir=tiny_dir, output=output,
+                                                         domain=(("notes", "joined", str(corpus)),))) == 0
     payload = json.loads(output.read_text())
     assert list(payload["metrics"]) == ["notes"] and payload["metrics"]["notes"]["perplexity"] > 1
     row = summary_table([output]).iloc[0]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -25,6 +26,7 @@ from aqflow.pvtune.loss import chunked_kl_sum, output_logits
 from aqflow.pvtune.student import PVLinear, load_student, pv_linears
 from aqflow.pvtune.vstep import group_squared_errors, groups_to_update, reencode_groups, v_step_layer
 from aqflow.quant.representation import dequantize_weight
+from aqflow.stage_cli import run_stage_module
 from aqflow.stages import evaluate, pvtune
 
 NBITS, NUM_CODEBOOKS = 6, 2
@@ -246,13 +248,13 @@ def test_stage_lowers_heldout_loss_changes_codes_and_writes_a_loadable_checkpoin
     root = setup["root"]
     out, log_path, metrics_path = root / "pv-model", root / "train_log.parquet", root / "pvtune.json"
     max_fraction = 0.02
-    code = pvtune.main([
-        "--model-dir", str(setup["model_dir"]), "--checkpoint-dir", str(setup["aqlm_dir"]), "--corpus", str(setup["corpus"]),
-        "--output-dir", str(out), "--train-log", str(log_path), "--metrics", str(metrics_path),
-        "--num-samples", "16", "--heldout-samples", "8", "--window-tokens", "48", "--heldout-fraction", "0.25",
-        "--epochs", "3", "--batch-size", "8", "--micro-batch-size", "4", "--eval-every-steps", "2", "--lr", "1e-4",
-        "--code-lr", "1e-3", "--max-code-change-fraction", str(max_fraction), "--device", "cpu", "--quiet"])
-    assert code == 0
+    settings = pvtune.PvtuneSettings(
+        num_samples=16, heldout_samples=8, window_tokens=48, heldout_fraction=0.25, device="cpu", quiet=True,
+        training=pvtrain.PVSettings(epochs=3, batch_size=8, micro_batch_size=4, eval_every_steps=2, lr=1e-4,
+                                    code_lr=1e-3, max_code_change_fraction=max_fraction))
+    paths = pvtune.PvtunePaths(model_dir=setup["model_dir"], checkpoint_dir=setup["aqlm_dir"], corpus=setup["corpus"],
+                               output_dir=out, train_log=log_path, metrics=metrics_path)
+    assert run_stage_module(pvtune, settings, paths) == 0
     metrics = json.loads(metrics_path.read_text())
     log = pd.read_parquet(log_path)
     assert metrics["best_heldout_kl"] < metrics["initial_heldout_kl"]
@@ -278,9 +280,10 @@ def test_stage_lowers_heldout_loss_changes_codes_and_writes_a_loadable_checkpoin
     assert again["kl"] == pytest.approx(metrics["best_heldout_kl"], rel=1e-3)
     eval_path = root / "eval.json"
     corpus = str(setup["corpus"])
-    assert evaluate.main(["--model-dir", str(out), "--output", str(eval_path), "--wikitext2-corpus", corpus,
-                          "--c4-corpus", corpus, "--perplexity", "wikitext2", "--context", "48", "--max-windows", "4",
-                          "--tasks", "--device", "cpu", "--quiet"]) == 0
+    assert run_stage_module(evaluate, evaluate.EvaluateSettings(perplexity=("wikitext2",), context=48, max_windows=4,
+                                                                tasks=(), device="cpu", quiet=True),
+                            evaluate.EvaluatePaths(model_dir=out, output=eval_path, wikitext2_corpus=Path(corpus),
+                                                   c4_corpus=Path(corpus))) == 0
     record = json.loads(eval_path.read_text())
     assert math.isfinite(record["metrics"]["wikitext2"]["perplexity"])
     assert record["storage"]["format"] == "aqlm"
@@ -341,23 +344,24 @@ def test_two_processes_average_gradients_like_one(setup, tmp_path, update_codes)
 
 
 def test_every_config_setting_reaches_the_stage_as_written():
-    """config.yaml's pvtune keys (as the rule passes them) are exactly flags of the stage, and
-    keys left out of the config fall back to the same values (the paper's)."""
+    """config.yaml's pvtune keys (as the rule passes them) are exactly fields of the stage's
+    settings, and keys left out of the config fall back to the same values (the paper's)."""
     from pathlib import Path
 
     import yaml
 
-    from aqflow.workflow_glue import flags_argv
+    from aqflow.stage_cli import from_dict
 
     section = yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text())["pvtune"]
     settings = {key: value for key, value in section.items() if key not in ("enabled", "corpus")}
-    required = ["--model-dir", "m", "--checkpoint-dir", "c", "--corpus", "x", "--output-dir", "o", "--train-log", "l",
-                "--metrics", "j"]
-    parsed = vars(pvtune.build_parser().parse_args(required + flags_argv(settings)))
-    defaults = vars(pvtune.build_parser().parse_args(required))
+    parsed, defaults = from_dict(pvtune.PvtuneSettings, settings), pvtune.PvtuneSettings()
+
+    def value_of(built, key):
+        return getattr(built.training, key) if hasattr(built.training, key) else getattr(built, key)
+
     for key, value in settings.items():
-        assert parsed[key] == value, key
-        assert defaults[key] == value, key
+        assert value_of(parsed, key) == value, key
+        assert value_of(defaults, key) == value, key
 
 
 def test_torchrun_runs_the_stage_on_two_processes(setup, tmp_path):

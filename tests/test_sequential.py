@@ -21,11 +21,14 @@ from aqflow.calibration.sequential import block_call_inputs, load_hidden_states,
 from aqflow.checkpoint import write_aqlm_checkpoint
 from aqflow.models import build_tiny_llama, find_decoder_blocks, find_linears, load_causal_lm
 from aqflow.quant.representation import dequantize_weight, unpack_codes
+from aqflow.quant.quantize import QuantizerSettings
+from aqflow.stage_cli import run_stage_module
 from aqflow.stages import calibrate_block, finetune_block as finetune_stage, quantize_layer
 
 NUM_WINDOWS, WINDOW_TOKENS, NUM_BLOCKS = 6, 16, 3
-QUANTIZE = ["--num-codebooks", "1", "--nbits", "4", "--init", "greedy", "--beam-size", "1", "--max-epochs", "0",
-            "--kmeans-max-iter", "10", "--device", "cpu", "--quiet"]
+QUANTIZE = quantize_layer.QuantizeLayerSettings(
+    quantizer=QuantizerSettings(num_codebooks=1, nbits=4, init="greedy", beam_size=1, max_epochs=0, kmeans_max_iter=10),
+    device="cpu", quiet=True)
 
 
 @pytest.fixture(scope="module")
@@ -50,20 +53,20 @@ def quantize_block(model_dir, calibration_dir, layers_dir, block: int) -> None:
     prefix, blocks = find_decoder_blocks(model)
     for name in find_linears(blocks[block]):
         layer = f"{prefix}.{block}.{name}"
-        code = quantize_layer.main(["--model-dir", str(model_dir), "--calibration-dir", str(calibration_dir),
-                                    "--layer", layer, "--output", str(layers_dir / f"{layer}.safetensors"),
-                                    "--metrics", str(layers_dir / f"{layer}.json"), *QUANTIZE])
-        assert code == 0
+        paths = quantize_layer.QuantizeLayerPaths(model_dir=model_dir, calibration_dir=calibration_dir, layer=layer,
+                                                  output=layers_dir / f"{layer}.safetensors",
+                                                  metrics=layers_dir / f"{layer}.json")
+        assert run_stage_module(quantize_layer, QUANTIZE, paths) == 0
 
 
-def calibrate_next(model_dir, shared, root, layers_dir, block: int, extra=(), previous_inputs=None) -> None:
-    argv = ["--model-dir", str(model_dir), "--calibration-dir", str(shared), "--block", str(block),
-            "--previous-layers-dir", str(layers_dir), "--output-dir", str(root / f"block{block}"),
-            "--inputs-output", str(root / f"block{block}.inputs.safetensors"), "--batch-size", "4", "--quiet",
-            *extra]
-    if block >= 2:
-        argv += ["--previous-inputs", str(previous_inputs or root / f"block{block - 1}.inputs.safetensors")]
-    assert calibrate_block.main(argv) == 0
+def calibrate_next(model_dir, shared, root, layers_dir, block: int, previous_block_tensors=None,
+                   previous_inputs=None) -> None:
+    settings = calibrate_block.CalibrateBlockSettings(block=block, batch_size=4, quiet=True)
+    paths = calibrate_block.CalibrateBlockPaths(
+        model_dir=model_dir, calibration_dir=shared, previous_layers_dir=layers_dir, output_dir=root / f"block{block}",
+        inputs_output=root / f"block{block}.inputs.safetensors", previous_block_tensors=previous_block_tensors,
+        previous_inputs=(previous_inputs or root / f"block{block - 1}.inputs.safetensors") if block >= 2 else None)
+    assert run_stage_module(calibrate_block, settings, paths) == 0
 
 
 @pytest.fixture(scope="module")
@@ -173,12 +176,13 @@ def test_finetune_lowers_the_block_output_error(setup, chain):
 def test_finetuned_block_is_what_propagates_and_what_is_stitched(setup, chain, tmp_path):
     root, model_dir, shared, windows, _ = setup
     tuned = tmp_path / "tuned1"
-    assert finetune_stage.main(["--model-dir", str(model_dir), "--calibration-dir", str(shared), "--block", "1",
-                                "--layers-dir", str(chain), "--inputs", str(root / "block1.inputs.safetensors"),
-                                "--output-dir", str(tuned), "--epochs", "2", "--lr", "1e-3", "--quiet"]) == 0
+    settings = finetune_stage.FinetuneBlockSettings(block=1, tuning=BlockFinetuneSettings(epochs=2, lr=1e-3), quiet=True)
+    paths = finetune_stage.FinetuneBlockPaths(model_dir=model_dir, calibration_dir=shared, layers_dir=chain,
+                                              inputs=root / "block1.inputs.safetensors", output_dir=tuned)
+    assert run_stage_module(finetune_stage, settings, paths) == 0
     report = json.loads((tuned / "finetune.json").read_text())
     assert report["relative_mse_after"] < report["relative_mse_before"]
-    calibrate_next(model_dir, shared, tmp_path, tuned, 2, ["--previous-block-tensors", str(tuned / "block.safetensors")],
+    calibrate_next(model_dir, shared, tmp_path, tuned, 2, previous_block_tensors=tuned / "block.safetensors",
                    previous_inputs=root / "block1.inputs.safetensors")
     # reference: the model with block 0 quantized and block 1 quantized and tuned (norms included)
     model = dequantized_model(model_dir, chain, [0])

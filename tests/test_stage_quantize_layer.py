@@ -79,4 +79,4 @@ def test_nan_weight_refused(inputs, capsys):
 
 def test_module_entry_point_lists_stages():
     result = subprocess.run([sys.executable, "-m", "aqflow", "--help"], capture_output=True, text=True)
-    assert result.returncode == 0 and "quantize-layer" in result.stderr
+    assert result.returncode == 0 and "quantize-layer" in result.stdout

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from aqflow import __version__
+
 STAGES = {
     "fetch-model": "aqflow.stages.fetch_model",
     "fetch-data": "aqflow.stages.fetch_data",
@@ -20,13 +22,22 @@ STAGES = {
     "clean": "aqflow.stages.clean",
 }
 
+USAGE = ("usage: python -m aqflow [--version] <stage> [options]   (`python -m aqflow <stage> --help`: its options)\n\n"
+         "stages:\n  " + "\n  ".join(sorted(STAGES)))
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in STAGES:
-        known = "\n  ".join(sorted(STAGES))
-        print(f"usage: python -m aqflow <stage> [options]\n\nstages:\n  {known}", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)  # asked for: stdout, exit 0
+        return 0
+    if argv and argv[0] == "--version":
+        print(f"aqflow {__version__}")
+        return 0
+    if not argv or argv[0] not in STAGES:
+        unknown = f"aqflow: error: unknown stage {argv[0]!r}\n" if argv else ""
+        print(f"{unknown}{USAGE}", file=sys.stderr)  # a usage error: stderr, exit 2
+        return 2
     return importlib.import_module(STAGES[argv[0]]).main(argv[1:])
 
 

@@ -28,7 +28,7 @@ from .artifacts import ArtifactError, atomic_dir, decoding, read_json, recorded_
 from .models import folder as model_folder
 from .models.fetch import load_causal_lm, torch_dtype as to_torch_dtype
 from .models.structure import find_decoder_blocks, find_linears, meta_model
-from .quant.representation import MAX_NBITS, aqlm_code_dtype, codebook_size, dequantize_weight, unpack_codes
+from .quant.representation import GROUP_SIZE, MAX_NBITS, aqlm_code_dtype, codebook_size, dequantize_weight, unpack_codes
 
 
 class CheckpointError(ValueError):
@@ -172,7 +172,7 @@ def _read_all_artifacts(model: nn.Module, names: list[str], layers_dir: list[Pat
 # --- the checkpoint ----------------------------------------------------------------------------
 
 def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.PathLike | Sequence[str | os.PathLike],
-                          output_dir: str | os.PathLike, num_codebooks: int, nbits: int, group_size: int = 8,
+                          output_dir: str | os.PathLike, num_codebooks: int, nbits: int, group_size: int = GROUP_SIZE,
                           dtype: str = "float16", replaced_tensors: Mapping[str, torch.Tensor] | None = None) -> Path:
     """Write a standard AQLM checkpoint folder at `output_dir` (atomically: staged, then renamed).
 
@@ -191,7 +191,7 @@ def write_aqlm_checkpoint(model_dir: str | os.PathLike, layers_dir: str | os.Pat
     layers_dirs = _as_dirs(layers_dir)
     torch_dtype = to_torch_dtype(dtype)
     if num_codebooks < 1 or not 1 <= nbits <= MAX_NBITS or group_size < 1:
-        raise ValueError(f"need num_codebooks >= 1, 1 <= nbits <= {MAX_NBITS} and group_size >= 1; "
+        raise CheckpointError(f"need num_codebooks >= 1, 1 <= nbits <= {MAX_NBITS} and group_size >= 1; "
                          f"got {num_codebooks}, {nbits}, {group_size}")
     if output_dir.exists():
         raise FileExistsError(f"{output_dir} already exists; remove it to stitch again")

@@ -1,6 +1,7 @@
 """One error path for every stage CLI: expected failures are one line, bugs keep their traceback.
 
-Expected: a bad or corrupt input (ArtifactError, the stage's own input errors) and what the
+Expected: a bad or corrupt input (ArtifactError, StageInputError, the library's typed input
+errors a stage lists in its INPUT_ERRORS) and what the
 machine does to a job (disk full, read-only folder, no permission, a missing file: every
 OSError). Each becomes `aqflow <stage>: error: <file>: <cause>` on stderr (a rule's log, when
 Snakemake runs the stage) and exit code 2. Anything else propagates: a bug, with its traceback.
@@ -12,7 +13,12 @@ import sys
 
 from aqflow.artifacts import ArtifactError
 
-EXPECTED_ERRORS: tuple[type[BaseException], ...] = (ArtifactError, OSError)
+
+class StageInputError(ValueError):
+    """A bad input or setting given to a stage; the message names it."""
+
+
+EXPECTED_ERRORS: tuple[type[BaseException], ...] = (ArtifactError, OSError, StageInputError)
 INPUT_EXIT_CODE = 2
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aqflow.artifacts import decoding, verified
+from aqflow.artifacts import ArtifactError, decoding, verified
 
 
 def load_tensor(path: str | Path, key: str | None = None, verify: bool = False) -> torch.Tensor:
@@ -30,14 +30,14 @@ def load_tensor(path: str | Path, key: str | None = None, verify: bool = False) 
         with decoding(path, "safetensors file"), safe_open(str(path), framework="pt") as handle:
             name = _pick(path, list(handle.keys()), key)
             return handle.get_tensor(name)
-    raise ValueError(f"{path}: unsupported tensor file type {path.suffix!r} (use .safetensors or .npz)")
+    raise ArtifactError(f"{path}: unsupported tensor file type {path.suffix!r} (use .safetensors or .npz)")
 
 
 def _pick(path: Path, names: list[str], key: str | None) -> str:
     if key is None:
         if len(names) != 1:
-            raise KeyError(f"{path} holds {len(names)} tensors ({', '.join(sorted(names)[:8])}...): name one with a key")
+            raise ArtifactError(f"{path} holds {len(names)} tensors ({', '.join(sorted(names)[:8])}...): name one with a key")
         return names[0]
     if key not in names:
-        raise KeyError(f"{path} has no tensor {key!r}; it has: {', '.join(sorted(names)[:20])}")
+        raise ArtifactError(f"{path} has no tensor {key!r}; it has: {', '.join(sorted(names)[:20])}")
     return key

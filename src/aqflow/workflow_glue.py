@@ -1,42 +1,24 @@
 """What the Snakemake rule scripts share: turn a rule's `snakemake` object into a stage call.
 
-A rule script builds the stage's argv from input/output/params and calls `run_stage`; the stage's
-stdout and stderr (progress bars included) go to the rule's log, and a failing stage fails the job
-with the log's path in the message.
+A rule script gathers the stage's settings and paths from the rule's params/input/output (plain
+values: the validated config's) and calls `run_stage`, which builds the stage's two dataclasses
+from them and calls its `run` in this process: no command line in between. The stage's stdout and
+stderr (progress bars included) go to the rule's log, headed by the equivalent `aqflow <stage>`
+command; a failing stage fails the job with the log's path in the message.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import shlex
 import traceback
 from typing import Any, Mapping
 
+from aqflow import stage_cli
 from aqflow.__main__ import STAGES
 from aqflow.artifacts import read_json
 from aqflow.gpu_pool import pin_job_gpus
-
-
-def settings_argv(settings: Mapping[str, Any]) -> list[str]:
-    """{"beam_size": 8, "init": "oaem"} -> ["--beam-size", "8", "--init", "oaem"]"""
-    argv: list[str] = []
-    for key, value in settings.items():
-        argv += ["--" + key.replace("_", "-"), str(value)]
-    return argv
-
-
-def flags_argv(settings: Mapping[str, Any]) -> list[str]:
-    """Like `settings_argv`, for stages with on/off switches and optional values:
-    {"update_codes": False, "max_steps": None, "lr": 3e-4} -> ["--no-update-codes", "--lr", "0.0003"]
-    (True -> --key, False -> --no-key, None -> left out: the stage's default)."""
-    argv: list[str] = []
-    for key, value in settings.items():
-        flag = key.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(f"--{flag}" if value else f"--no-{flag}")
-        elif value is not None:
-            argv += [f"--{flag}", str(value)]
-    return argv
 
 
 def job_gpus(snakemake) -> int:
@@ -44,23 +26,35 @@ def job_gpus(snakemake) -> int:
     return int(getattr(snakemake.resources, "gpu", 0) or 0)
 
 
-def run_stage(snakemake, stage: str, argv: list[str]) -> None:
-    """Run `python -m aqflow <stage> argv` in this process, logging to the rule's log.
-
-    A stage's one-line error (exit 2) is in the log and in the job's failure message; a bug's
-    traceback is written to the log too before it propagates. The stale temporaries of this job's
-    earlier, killed runs are removed first, and a GPU job is pinned to the least-busy card of the
-    node (`gpu_pool`)."""
-    pin_job_gpus(job_gpus(snakemake))
+def stage_call(stage: str, settings: Mapping[str, Any], paths: Mapping[str, Any]):
+    """(stage module, settings dataclass, paths dataclass) of `aqflow <stage>` from plain values."""
     module = importlib.import_module(STAGES[stage])
+    settings_class, paths_class = stage_cli.stage_classes(module.run)
+    return module, stage_cli.from_dict(settings_class, settings), stage_cli.from_dict(paths_class, paths)
+
+
+def run_stage(snakemake, stage: str, settings: Mapping[str, Any], paths: Mapping[str, Any]) -> None:
+    """Run stage `stage` (`run(settings, paths)`) in this process, logging to the rule's log.
+
+    A stage's one-line input error (exit 2) is in the log and in the job's failure message; a bug's
+    traceback is written to the log too before it propagates. A GPU job is pinned to the least-busy
+    card of the node (`gpu_pool`) before the stage (and torch) is imported, and the stale temporaries
+    of this job's earlier, killed runs are removed first."""
+    pin_job_gpus(job_gpus(snakemake))
     log_path = snakemake.log[0]
+    try:
+        module, settings_, paths_ = stage_call(stage, settings, paths)
+    except ValueError as error:  # a settings class refusing a combination of values (__post_init__)
+        with open(log_path, "w") as log:
+            print(f"aqflow {stage}: error: {error}", file=log)
+        raise SystemExit(f"aqflow {stage}: error: {error} (log: {log_path})") from None
     removed = remove_stale_outputs(getattr(snakemake, "output", []))
     with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        print("aqflow", stage, " ".join(argv), flush=True)
+        print("aqflow", stage, shlex.join(stage_cli.to_argv(settings_, paths_)), flush=True)
         for path in removed:
             print(f"removed {path} (left by an interrupted run)", flush=True)
         try:
-            code = module.main(argv)
+            code = stage_cli.run_stage_module(module, settings_, paths_)
         except BaseException:
             traceback.print_exc()
             raise
@@ -103,11 +97,13 @@ def block_finetune_summaries(tuned_block_dirs) -> list[dict]:
     return summaries
 
 
-def run_stage_on_gpus(snakemake, stage: str, argv: list[str], num_gpus: int) -> None:
+def run_stage_on_gpus(snakemake, stage: str, settings: Mapping[str, Any], paths: Mapping[str, Any],
+                      num_gpus: int) -> None:
     """`run_stage`, or with num_gpus > 1 the stage under torchrun with one process per GPU of the
-    job (each process joins the group torchrun describes), its output going to the rule's log."""
+    job (each process joins the group torchrun describes), its output going to the rule's log. The
+    processes get the stage's command line, written from its dataclasses (`stage_cli.to_argv`)."""
     if num_gpus <= 1:
-        run_stage(snakemake, stage, argv)
+        run_stage(snakemake, stage, settings, paths)
         return
     import subprocess
 
@@ -116,7 +112,8 @@ def run_stage_on_gpus(snakemake, stage: str, argv: list[str], num_gpus: int) -> 
     from aqflow.calibration.sharded import torchrun_command
     from aqflow.processes import die_with_parent
 
-    command = torchrun_command(num_gpus, "aqflow", [stage, *argv])
+    _, settings_, paths_ = stage_call(stage, settings, paths)
+    command = torchrun_command(num_gpus, "aqflow", [stage, *stage_cli.to_argv(settings_, paths_)])
     log_path = snakemake.log[0]
     with open(log_path, "w") as log:
         print(" ".join(command), file=log, flush=True)

@@ -16,11 +16,7 @@ checkpoint calibrate:
     resources:
         **rule_resources("calibrate"),
     params:
-        num_windows=CALIBRATION["num_windows"],
-        window_tokens=CALIBRATION["window_tokens"],
-        seed=CALIBRATION.get("seed", 0),
-        propagation=CALIBRATION.get("propagation", "fp"),
-        batch_size=CALIBRATION.get("batch_size", 4),
+        settings=CALIBRATE_SETTINGS,
     script:
         "../scripts/calibrate.py"
 
@@ -63,7 +59,7 @@ rule calibrate_block:
             if FINETUNE
             else ""
         ),
-        batch_size=CALIBRATION.get("batch_size", 4),
+        settings=CALIBRATE_BLOCK_SETTINGS,
     script:
         "../scripts/calibrate_block.py"
 
@@ -89,9 +85,6 @@ rule finetune_block:
         **rule_resources("finetune_block"),
     params:
         layers_dir=lambda w: f"{variant_dir(w)}/layers",
-        epochs=BLOCK_FINETUNE.get("epochs", 5),
-        lr=BLOCK_FINETUNE.get("lr", 1.0e-4),
-        batch_size=BLOCK_FINETUNE.get("batch_size", 4),
-        seed=BLOCK_FINETUNE.get("seed", 0),
+        settings=BLOCK_FINETUNE,
     script:
         "../scripts/finetune_block.py"

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 # the library's pure-Python helpers (no torch: model entries, module names), whether or not aqflow is installed here
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
-from aqflow.models.entries import entry_problems, fetch_model_argv, parse_model_entry
+from aqflow.models.entries import entry_problems, fetch_model_request, parse_model_entry
 from aqflow.models.folder import block_index
 from aqflow.corpus_catalog import (
     BUILTIN_CORPORA,
@@ -96,12 +96,12 @@ def calibration_id(model):
     """The calibration's folder name: every setting that changes its XᵀX, the corpus first."""
     return (
         f"{text_corpus(model, 'calibration')}-n{CALIBRATION['num_windows']}"
-        f"-t{CALIBRATION['window_tokens']}-s{CALIBRATION.get('seed', 0)}"
-        f"-{CALIBRATION.get('propagation', 'fp')}"
+        f"-t{CALIBRATION['window_tokens']}-s{CALIBRATION['seed']}"
+        f"-{CALIBRATION['propagation']}"
     )
 
 
-SEQUENTIAL = CALIBRATION.get("propagation", "fp") == "sequential"
+SEQUENTIAL = CALIBRATION["propagation"] == "sequential"
 BLOCK_FINETUNE = dict(CALIBRATION.get("block_finetune") or {})
 FINETUNE = bool(BLOCK_FINETUNE.pop("enabled", False))
 if FINETUNE and not SEQUENTIAL:
@@ -124,6 +124,20 @@ CALIBRATION_SETTINGS = canonical(
         key: canonical(value) if isinstance(value, dict) else value
         for key, value in CALIBRATION.items()
     }
+)
+
+
+# what the calibrate and calibrate-block stages take of config.yaml `calibration` (keys left out:
+# the stages' defaults)
+CALIBRATE_SETTINGS = canonical(
+    {
+        key: CALIBRATION[key]
+        for key in ("num_windows", "window_tokens", "seed", "propagation", "batch_size")
+        if key in CALIBRATION
+    }
+)
+CALIBRATE_BLOCK_SETTINGS = canonical(
+    {key: CALIBRATION[key] for key in ("batch_size",) if key in CALIBRATION}
 )
 
 
@@ -151,7 +165,7 @@ PVTUNE_SETTINGS = canonical(
 PRE_PV_EVAL = "eval_pre_pv.json" if PV_ENABLED else "eval.json"
 
 
-GROUP_SIZE = config["quantization"].get("group_size", 8)
+GROUP_SIZE = config["quantization"]["group_size"]
 # folders of results/ that are not models: published results (committed, written by hand only),
 # the report and the experiment tables
 RESERVED_RESULT_FOLDERS = ("published", "report", "paper")
@@ -218,8 +232,9 @@ def model_dir(wildcards):
     return output_path(rules.fetch_model.output[0], model=wildcards.model)
 
 
-def fetch_model_flags(wildcards):
-    return fetch_model_argv(checked_model(wildcards.model), GROUP_SIZE)
+def fetch_model_settings(wildcards):
+    """What fetch-model is asked for this model (its settings' values, and `path` for a folder)."""
+    return fetch_model_request(checked_model(wildcards.model), GROUP_SIZE)
 
 
 def corpus_path(name):
@@ -404,11 +419,11 @@ def variant_name(bpp, beam, epochs=None, seed=None, geometry=None):
     name = f"b{beam}"
     if epochs is not None:
         name += f"e{epochs}"
-    if seed is not None and seed != quantization.get("seed", 42):
+    if seed is not None and seed != quantization["seed"]:
         name += f"s{seed}"
     rate = {str(k): v for k, v in config["bitrates"].items()}.get(str(bpp), {})
     default = geometry_name(
-        quantization.get("group_size", 8),
+        quantization["group_size"],
         rate.get("num_codebooks"),
         rate.get("nbits", 0),
     )
@@ -637,7 +652,7 @@ def experiment_cells(name):
             f"no experiment grid {name!r} in config.yaml experiments ({sorted(grids)})"
         )
     grid, quantization = grids[name], config["quantization"]
-    default_epochs = quantization.get("max_epochs", 100)
+    default_epochs = quantization["max_epochs"]
     cells = {}
     for entry in grid["cells"]:
         for model, init, beam, epochs, seed, geometry in itertools.product(
@@ -645,7 +660,7 @@ def experiment_cells(name):
             entry["inits"],
             entry["beams"],
             entry.get("epochs", [default_epochs]),
-            entry.get("seeds", [quantization.get("seed", 42)]),
+            entry.get("seeds", [quantization["seed"]]),
             entry.get("geometries", [None]),
         ):
             target = {

@@ -13,7 +13,7 @@ rule fetch_model:
     resources:
         **rule_resources("fetch_model"),
     params:
-        flags=fetch_model_flags,
+        request=fetch_model_settings,
     script:
         "../scripts/fetch_model.py"
 
@@ -39,9 +39,9 @@ rule fetch_data:
         **rule_resources("fetch_data"),
     params:
         calibration_fraction=lambda w: user_corpus(w.corpus).get(
-            "calibration_fraction", config["data"].get("calibration_fraction", 0.5)
+            "calibration_fraction", config["data"]["calibration_fraction"]
         ),
-        seed=config["data"].get("split_seed", 0),
+        seed=config["data"]["split_seed"],
         user=lambda w: user_corpus(w.corpus),
     script:
         "../scripts/fetch_data.py"

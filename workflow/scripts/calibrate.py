@@ -1,10 +1,8 @@
 from aqflow.workflow_glue import run_stage
 
-p = snakemake.params
-run_stage(snakemake, "calibrate", [
-    "--model-dir", snakemake.input.model, "--corpus", snakemake.input.corpus, "--output-dir", snakemake.output[0],
-    "--num-windows", str(p.num_windows), "--window-tokens", str(p.window_tokens), "--seed", str(p.seed),
-    "--propagation", p.propagation, "--batch-size", str(p.batch_size), "--quiet",
-    # the job's GPUs (resources.gpu): more than one shards the windows over them (same XᵀX; fp only)
-    "--num-devices", str(max(1, snakemake.resources.gpu) if p.propagation == "fp" else 1),
-])
+settings = dict(snakemake.params.settings)  # config.yaml `calibration`: the stage's settings among it
+# the job's GPUs (resources.gpu): more than one shards the windows over them (same XᵀX; fp only)
+if settings["propagation"] == "fp":
+    settings["num_devices"] = max(1, snakemake.resources.gpu)
+run_stage(snakemake, "calibrate", settings={**settings, "quiet": True},
+          paths={"model_dir": snakemake.input.model, "corpus": snakemake.input.corpus, "output_dir": snakemake.output[0]})

@@ -1,15 +1,11 @@
 from aqflow.workflow_glue import run_stage
 
 p = snakemake.params
-argv = [
-    "--model-dir", snakemake.input.model, "--calibration-dir", snakemake.input.calibration,
-    "--block", snakemake.wildcards.block, "--previous-layers-dir", p.previous_layers_dir,
-    "--output-dir", snakemake.output.calibration, "--inputs-output", snakemake.output.inputs,
-    "--batch-size", str(p.batch_size), "--quiet",
-]
-# a named input of one file reads as that path, of none as an empty list (block 1: the embeddings)
-if snakemake.input.previous_inputs:
-    argv += ["--previous-inputs", str(snakemake.input.previous_inputs)]
-if p.previous_block_tensors:
-    argv += ["--previous-block-tensors", p.previous_block_tensors]
-run_stage(snakemake, "calibrate-block", argv)
+paths = {"model_dir": snakemake.input.model, "calibration_dir": snakemake.input.calibration,
+         "previous_layers_dir": p.previous_layers_dir, "output_dir": snakemake.output.calibration,
+         "inputs_output": snakemake.output.inputs,
+         # a named input of one file reads as that path, of none as an empty list (block 1: the embeddings)
+         "previous_inputs": str(snakemake.input.previous_inputs) if snakemake.input.previous_inputs else None,
+         "previous_block_tensors": p.previous_block_tensors or None}
+run_stage(snakemake, "calibrate-block", settings={**p.settings, "block": int(snakemake.wildcards.block), "quiet": True},
+          paths=paths)

@@ -1,13 +1,9 @@
 from aqflow.workflow_glue import run_stage
 
 p = snakemake.params
-argv = [
-    "--corpus", snakemake.wildcards.corpus, "--output", snakemake.output.corpus,
-    "--calibration-fraction", str(p.calibration_fraction), "--seed", str(p.seed),
-]
-if p.user:  # a user corpus: its file and how to read it (config.yaml `corpora`)
-    argv += ["--file", p.user["path"], "--text-column", p.user.get("text_column", "text")]
-    for key in ("format", "id_column", "separator"):
-        if p.user.get(key) is not None:
-            argv += ["--" + key.replace("_", "-"), str(p.user[key])]
-run_stage(snakemake, "fetch-data", argv)
+user = dict(p.user)  # a user corpus: its file and how to read it (config.yaml `corpora`); {} for built-ins
+settings = {"corpus": snakemake.wildcards.corpus, "calibration_fraction": p.calibration_fraction, "seed": p.seed}
+settings.update({key: user[key] for key in ("text_column", "id_column", "separator") if user.get(key) is not None})
+if user.get("format") is not None:
+    settings["file_format"] = user["format"]
+run_stage(snakemake, "fetch-data", settings=settings, paths={"output": snakemake.output.corpus, "file": user.get("path")})

@@ -1,3 +1,5 @@
 from aqflow.workflow_glue import run_stage
 
-run_stage(snakemake, "fetch-model", [*snakemake.params.flags, "--output-dir", snakemake.output[0]])
+request = dict(snakemake.params.request)
+path = request.pop("path", None)  # a local model folder is an input path; the rest are settings
+run_stage(snakemake, "fetch-model", settings=request, paths={"output_dir": snakemake.output[0], "path": path})

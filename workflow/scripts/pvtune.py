@@ -1,15 +1,18 @@
 from pathlib import Path
 
-from aqflow.workflow_glue import flags_argv, run_stage_on_gpus
+from aqflow.workflow_glue import run_stage_on_gpus
 
 out = snakemake.output
-# the job's GPUs (resources.gpu): more than one runs data-parallel under torchrun
-run_stage_on_gpus(snakemake, "pvtune", [
-    "--model-dir", snakemake.input.model, "--checkpoint-dir", snakemake.input.checkpoint, "--corpus", snakemake.input.corpus,
-    "--output-dir", out.model, "--train-log", out.train_log, "--metrics", out.metrics,
-    *flags_argv(snakemake.params.settings), "--quiet",
+# the PV-tuning settings of config.yaml, flat (the loop's and the data's; a key left out takes the
+# stage's default); how often the state is saved is no param (it changes no result)
+settings = {**snakemake.params.settings, "save_state_every": snakemake.config["pvtune"]["save_state_every"],
+            "quiet": True}
+paths = {
+    "model_dir": snakemake.input.model, "checkpoint_dir": snakemake.input.checkpoint, "corpus": snakemake.input.corpus,
+    "output_dir": out.model, "train_log": out.train_log, "metrics": out.metrics,
     # beside the outputs, not among them: Snakemake deletes a failed job's outputs, not this, so a
-    # rerun resumes (not a param either: how often it is saved changes no result)
-    "--state-dir", str(Path(out.metrics).parent / "state"),
-    "--save-state-every", str(snakemake.config["pvtune"].get("save_state_every", 25)),
-], snakemake.resources.gpu)
+    # rerun resumes
+    "state_dir": str(Path(out.metrics).parent / "state"),
+}
+# the job's GPUs (resources.gpu): more than one runs data-parallel under torchrun
+run_stage_on_gpus(snakemake, "pvtune", settings, paths, snakemake.resources.gpu)

@@ -1,7 +1,7 @@
-from aqflow.workflow_glue import run_stage, settings_argv
+from aqflow.workflow_glue import run_stage
 
-run_stage(snakemake, "quantize-layer", [
-    "--model-dir", snakemake.input.model, "--calibration-dir", snakemake.input.calibration,
-    "--layer", snakemake.wildcards.layer, "--output", snakemake.output.layer, "--metrics", snakemake.output.metrics,
-    *settings_argv(snakemake.params.settings),
-])
+run_stage(snakemake, "quantize-layer",
+          settings={"quantizer": snakemake.params.settings},
+          paths={"model_dir": snakemake.input.model, "calibration_dir": snakemake.input.calibration,
+                 "layer": snakemake.wildcards.layer, "output": snakemake.output.layer,
+                 "metrics": snakemake.output.metrics})

@@ -1,8 +1,7 @@
 from aqflow.workflow_glue import run_stage
 
 out = snakemake.output
-run_stage(snakemake, "report", [
-    *snakemake.input.evals, "--csv", out.table, "--parquet", out.parquet, "--pareto", out.pareto, "--layers", out.layers,
-    "--pv-curves", out.pv_curves, "--pv-logs", *snakemake.input.pv_logs,
-    "--stage-times", out.stage_times, "--benchmarks", *snakemake.input.benchmarks,
-])
+run_stage(snakemake, "report", settings={},
+          paths={"evals": snakemake.input.evals, "csv": out.table, "parquet": out.parquet, "pareto": out.pareto,
+                 "layers": out.layers, "pv_curves": out.pv_curves, "pv_logs": snakemake.input.pv_logs,
+                 "stage_times": out.stage_times, "benchmarks": snakemake.params.benchmarks})

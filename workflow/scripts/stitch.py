@@ -1,7 +1,7 @@
 from aqflow.workflow_glue import run_stage
 
 p = snakemake.params
-run_stage(snakemake, "stitch", [
-    "--model-dir", snakemake.input.model, "--layers-dir", *p.layers_dirs, "--output-dir", snakemake.output[0],
-    "--replace-tensors", *p.replace_tensors, "--num-codebooks", str(p.num_codebooks), "--nbits", str(p.nbits), "--group-size", str(p.group_size),
-])
+run_stage(snakemake, "stitch",
+          settings={"num_codebooks": p.num_codebooks, "nbits": p.nbits, "group_size": p.group_size},
+          paths={"model_dir": snakemake.input.model, "layers_dir": p.layers_dirs,
+                 "replace_tensors": p.replace_tensors, "output_dir": snakemake.output[0]})

@@ -36,6 +36,7 @@ from .hessians import (
     capture_block_inputs,
     discover_input_sites,
 )
+from ..artifacts import ArtifactError
 from ..models.structure import find_decoder_blocks, find_linears
 from ..quant.representation import dequantize_weight, unpack_codes
 
@@ -56,7 +57,7 @@ def load_quantized_weight(path: str | os.PathLike) -> torch.Tensor:
     tensors = load_file(str(path))
     missing = {"codes", "codebooks", "scales"} - set(tensors)
     if missing:
-        raise KeyError(f"{path}: layer artifact lacks {sorted(missing)}")
+        raise ArtifactError(f"{path}: layer artifact lacks {sorted(missing)}")
     nbits = tensors["codebooks"].shape[1].bit_length() - 1
     codes = unpack_codes(tensors["codes"], nbits)  # [out, in/g, M] int64
     return dequantize_weight(codes, tensors["codebooks"].float(), tensors["scales"].float())
@@ -81,18 +82,18 @@ def install_quantized_block(block: nn.Module, layer_files: Mapping[str, str | os
     linears = find_linears(block)
     missing = sorted(set(linears) - set(layer_files))
     if missing:
-        raise KeyError(f"no layer artifacts for linears {missing} of the block")
+        raise ArtifactError(f"no layer artifacts for linears {missing} of the block")
     for name, path in layer_files.items():
         weight = load_quantized_weight(path)
         linear = linears[name]
         if tuple(weight.shape) != tuple(linear.weight.shape):
-            raise ValueError(f"{path}: represents a weight {tuple(weight.shape)}, the linear {name!r} "
+            raise ArtifactError(f"{path}: represents a weight {tuple(weight.shape)}, the linear {name!r} "
                              f"is {tuple(linear.weight.shape)}")
         linear.weight.copy_(weight.to(linear.weight.dtype))
     params = dict(block.named_parameters())
     for name, tensor in (block_tensors or {}).items():
         if name not in params or params[name].shape != tensor.shape:
-            raise KeyError(f"block tensor {name!r} {tuple(tensor.shape)} matches no parameter of the block")
+            raise ArtifactError(f"block tensor {name!r} {tuple(tensor.shape)} matches no parameter of the block")
         params[name].copy_(tensor.to(params[name].dtype))
 
 
@@ -183,7 +184,7 @@ def load_hidden_states(path: str | os.PathLike, windows: torch.Tensor | None = N
 
     hidden = load_tensor(path, HIDDEN_KEY)
     if windows is not None and hidden.shape[:2] != windows.shape:
-        raise ValueError(f"{path}: hidden states {tuple(hidden.shape)} were not made from these "
+        raise ArtifactError(f"{path}: hidden states {tuple(hidden.shape)} were not made from these "
                          f"{tuple(windows.shape)} windows")
     return hidden
 
@@ -212,7 +213,7 @@ def load_block_tensors(path: str | os.PathLike | None, block_prefix: str) -> dic
     prefix = block_prefix + "."
     foreign = [key for key in tensors if not key.startswith(prefix)]
     if foreign:
-        raise KeyError(f"{path}: tensors {foreign[:3]} are not parameters of {block_prefix}")
+        raise ArtifactError(f"{path}: tensors {foreign[:3]} are not parameters of {block_prefix}")
     return {key[len(prefix):]: value for key, value in tensors.items()}
 
 

@@ -27,12 +27,16 @@ import torch.distributed as dist
 from .hessians import BlockXtx, collect_xtx_fp
 
 
+class ShardingError(ValueError):
+    """A sharded calibration that cannot run as asked (devices, windows); the message says why."""
+
+
 def shard_bounds(num_windows: int, world_size: int, rank: int) -> tuple[int, int]:
     """[start, stop) of rank's contiguous shard of `num_windows` windows; sizes differ by at most 1."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of size {world_size}")
     if num_windows < world_size:
-        raise ValueError(f"{num_windows} calibration windows cannot be shared by {world_size} devices; "
+        raise ShardingError(f"{num_windows} calibration windows cannot be shared by {world_size} devices; "
                          "use at least one window per device")
     base, extra = divmod(num_windows, world_size)
     start = rank * base + min(rank, extra)
@@ -72,17 +76,17 @@ def collect_xtx_fp_sharded(model: torch.nn.Module, windows: torch.Tensor, batch_
 def shard_devices(device: str, num_devices: int) -> list[str]:
     """The device of each rank: cuda:0..N-1 for a CUDA device type, N CPU processes for "cpu"."""
     if num_devices < 1:
-        raise ValueError(f"num_devices must be at least 1, got {num_devices}")
+        raise ShardingError(f"num_devices must be at least 1, got {num_devices}")
     kind = torch.device(device).type
     if kind == "cpu":
         return ["cpu"] * num_devices
     if kind != "cuda":
-        raise ValueError(f"sharded calibration runs on cuda or cpu devices, not {device!r}")
+        raise ShardingError(f"sharded calibration runs on cuda or cpu devices, not {device!r}")
     if num_devices == 1:
         return [device]
     available = torch.cuda.device_count()
     if available < num_devices:
-        raise ValueError(f"{num_devices} devices asked for, but {available} CUDA devices are visible "
+        raise ShardingError(f"{num_devices} devices asked for, but {available} CUDA devices are visible "
                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
     return [f"cuda:{i}" for i in range(num_devices)]
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..fetching import sha256_file
-from .offline_text import CALIBRATION, COLUMNS, EVALUATION, write_split_corpus
+from .offline_text import CALIBRATION, COLUMNS, EVALUATION, CorpusError, write_split_corpus
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def read_texts(path: Path, hub_file: HubFile) -> list[str]:
     if hub_file.file_format == "parquet":
         frame = pd.read_parquet(path)
         if "text" not in frame.columns:
-            raise ValueError(f"{where} has no 'text' column; it has {list(frame.columns)}")
+            raise CorpusError(f"{where} has no 'text' column; it has {list(frame.columns)}")
         texts = frame["text"].tolist()
     else:
         texts = []
@@ -97,10 +97,10 @@ def read_texts(path: Path, hub_file: HubFile) -> list[str]:
                 try:
                     texts.append(json.loads(line)["text"])
                 except (json.JSONDecodeError, KeyError, TypeError) as error:
-                    raise ValueError(f"{where} line {line_number} is not a JSON object with 'text' ({error})") from None
+                    raise CorpusError(f"{where} line {line_number} is not a JSON object with 'text' ({error})") from None
     bad = next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)
     if bad is not None:
-        raise ValueError(f"{where} row {bad}: text is {type(texts[bad]).__name__}, not a string")
+        raise CorpusError(f"{where} row {bad}: text is {type(texts[bad]).__name__}, not a string")
     return texts
 
 
@@ -128,7 +128,7 @@ def load_hub_corpus(name: str) -> tuple[pd.DataFrame, dict]:
         path = download_hub_file(hub_file)
         texts = read_texts(path, hub_file)
         if not texts:
-            raise ValueError(f"{hub_file.repo_id}/{hub_file.filename} ({path}) has no rows")
+            raise CorpusError(f"{hub_file.repo_id}/{hub_file.filename} ({path}) has no rows")
         frames.append(file_documents(texts, hub_file, name))
         files.append({"repo_id": hub_file.repo_id, "filename": hub_file.filename, "repo_type": "dataset",
                       "revision": snapshot_revision(path), "sha256": sha256_file(path), "role": hub_file.role,

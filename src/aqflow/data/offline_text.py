@@ -37,6 +37,11 @@ from ..corpus_catalog import BROWN_CORPORA
 from ..fetching import npm_pack_checked, pip_download_wheel, read_wheel_member
 from .wiki_markup import strip_wiki_markup
 
+
+class CorpusError(ValueError):
+    """A corpus (file, split, roles) or corpus setting that cannot be used; the message names it."""
+
+
 GENSIM_REQUIREMENT = "gensim==4.4.0"
 # gensim ships binary wheels only; the test data is the same in all of them, so one fixed wheel is
 # fetched on every machine (pip downloads, never installs, it).
@@ -107,11 +112,11 @@ def read_wikipedia_standin(gensim_wheel: str | os.PathLike) -> pd.DataFrame:
     compressed = read_wheel_member(gensim_wheel, ENWIKI_MEMBER)
     digest = hashlib.sha256(compressed).hexdigest()
     if digest != ENWIKI_SHA256:
-        raise ValueError(f"{ENWIKI_MEMBER} in {gensim_wheel} has sha256 {digest}, expected {ENWIKI_SHA256}")
+        raise CorpusError(f"{ENWIKI_MEMBER} in {gensim_wheel} has sha256 {digest}, expected {ENWIKI_SHA256}")
     xml_bytes = bz2.decompress(compressed)
     articles = parse_mediawiki_articles(xml_bytes)
     if not articles:
-        raise ValueError(f"no articles found in {ENWIKI_MEMBER} of {gensim_wheel}")
+        raise CorpusError(f"no articles found in {ENWIKI_MEMBER} of {gensim_wheel}")
     return pd.DataFrame(
         {
             "doc_id": [f"enwiki/{a['page_id']}/{a['title']}" for a in articles],
@@ -128,7 +133,7 @@ def read_nlp_corpus(tarball: str | os.PathLike, sentences_per_doc: int = 400) ->
     the sentences of a web paragraph are.
     """
     if sentences_per_doc < 1:
-        raise ValueError(f"sentences_per_doc must be >= 1, got {sentences_per_doc}")
+        raise CorpusError(f"sentences_per_doc must be >= 1, got {sentences_per_doc}")
     files: dict[int, list[str]] = {}
     with tarfile.open(tarball, "r:gz") as archive:
         for member in archive.getmembers():
@@ -137,10 +142,10 @@ def read_nlp_corpus(tarball: str | os.PathLike, sentences_per_doc: int = 400) ->
                 continue
             sentences = json.load(archive.extractfile(member))
             if not isinstance(sentences, list) or not all(isinstance(s, str) for s in sentences):
-                raise ValueError(f"{member.name} in {tarball} is not a JSON list of strings")
+                raise CorpusError(f"{member.name} in {tarball} is not a JSON list of strings")
             files[int(match.group(1))] = sentences
     if not files:
-        raise ValueError(f"no package/builds/doc-*.json files in {tarball}")
+        raise CorpusError(f"no package/builds/doc-*.json files in {tarball}")
     rows = []
     for file_index in sorted(files):
         sentences = [s.strip() for s in files[file_index] if s.strip()]
@@ -204,7 +209,7 @@ def split_documents(docs: pd.DataFrame, calibration_fraction: float = 0.5, seed:
     """
     _check_frame(docs)
     if not 0.0 < calibration_fraction < 1.0:
-        raise ValueError(f"calibration_fraction must lie strictly between 0 and 1, got {calibration_fraction}")
+        raise CorpusError(f"calibration_fraction must lie strictly between 0 and 1, got {calibration_fraction}")
     roles: dict[str, str] = {}
     rng = np.random.default_rng(seed)
     for source in sorted(docs["source"].unique()):
@@ -223,10 +228,10 @@ def split_documents(docs: pd.DataFrame, calibration_fraction: float = 0.5, seed:
 def _check_frame(docs: pd.DataFrame) -> None:
     missing = [c for c in COLUMNS if c not in docs.columns]
     if missing:
-        raise ValueError(f"document frame lacks columns {missing}; it has {list(docs.columns)}")
+        raise CorpusError(f"document frame lacks columns {missing}; it has {list(docs.columns)}")
     duplicated = docs["doc_id"][docs["doc_id"].duplicated()].unique()
     if len(duplicated):
-        raise ValueError(f"doc_id must be unique; repeated: {list(duplicated[:5])}")
+        raise CorpusError(f"doc_id must be unique; repeated: {list(duplicated[:5])}")
 
 
 def split_record_path(parquet_path: str | os.PathLike) -> Path:
@@ -246,7 +251,7 @@ def write_split_corpus(split: pd.DataFrame, parquet_path: str | os.PathLike, see
     _check_frame(split)
     bad_roles = set(split["role"].unique()) - set(ROLES) if "role" in split else {"<no role column>"}
     if bad_roles:
-        raise ValueError(f"roles must be {ROLES}; found {sorted(map(str, bad_roles))}")
+        raise CorpusError(f"roles must be {ROLES}; found {sorted(map(str, bad_roles))}")
     write_parquet(parquet_path, split[list(COLUMNS) + ["role"]].reset_index(drop=True))
     record = {
         "seed": seed,
@@ -289,17 +294,17 @@ def load_split_corpus(parquet_path: str | os.PathLike) -> pd.DataFrame:
             agrees = (sorted(ids) == record["doc_ids"][role] if "doc_ids" in record
                       else len(ids) == record["num_documents"][role])
             if not agrees:
-                raise ValueError(f"{parquet_path} disagrees with {split_record_path(parquet_path)} on the {role} documents")
+                raise CorpusError(f"{parquet_path} disagrees with {split_record_path(parquet_path)} on the {role} documents")
     return frame
 
 
 def role_texts(split: pd.DataFrame, role: str) -> tuple[list[str], list[str]]:
     """(doc_ids, texts) of one role, ordered by doc_id so that downstream sampling is reproducible."""
     if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        raise CorpusError(f"role must be one of {ROLES}, got {role!r}")
     if "role" not in split.columns:
-        raise ValueError("frame has no role column: run split_documents first")
+        raise CorpusError("frame has no role column: run split_documents first")
     subset = split[split["role"] == role].sort_values("doc_id")
     if subset.empty:
-        raise ValueError(f"no {role} documents in the frame")
+        raise CorpusError(f"no {role} documents in the frame")
     return list(subset["doc_id"]), list(subset["text"])

@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..fetching import sha256_file
-from .offline_text import COLUMNS, split_documents, write_split_corpus
+from .offline_text import COLUMNS, CorpusError, split_documents, write_split_corpus
 
 FORMATS = ("text", "jsonl", "parquet")
 SUFFIX_FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".json": "jsonl",
@@ -36,13 +36,13 @@ def file_format_of(path: Path, file_format: str | None = None) -> str:
     """The format of a user corpus file: `file_format` if given, else from its suffix (".gz" looked through)."""
     if file_format is not None:
         if file_format not in FORMATS:
-            raise ValueError(f"corpus file {path}: format {file_format!r} is not one of {list(FORMATS)}")
+            raise CorpusError(f"corpus file {path}: format {file_format!r} is not one of {list(FORMATS)}")
         return file_format
     suffixes = [s.lower() for s in path.suffixes]
     if suffixes and suffixes[-1] == ".gz":
         suffixes = suffixes[:-1]
     if not suffixes or suffixes[-1] not in SUFFIX_FORMATS:
-        raise ValueError(f"corpus file {path}: cannot tell its format from the name; name it .txt, .jsonl or "
+        raise CorpusError(f"corpus file {path}: cannot tell its format from the name; name it .txt, .jsonl or "
                          f".parquet, or give `format: {'|'.join(FORMATS)}`")
     return SUFFIX_FORMATS[suffixes[-1]]
 
@@ -69,13 +69,13 @@ def read_json_lines(path: Path, text_column: str, id_column: str | None) -> tupl
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"corpus file {path} line {line_number} is not JSON ({error})") from None
+                raise CorpusError(f"corpus file {path} line {line_number} is not JSON ({error})") from None
             if not isinstance(row, dict) or text_column not in row:
                 keys = list(row) if isinstance(row, dict) else type(row).__name__
-                raise ValueError(f"corpus file {path} line {line_number} has no text column {text_column!r} "
+                raise CorpusError(f"corpus file {path} line {line_number} has no text column {text_column!r} "
                                  f"(it has {keys}); set `text_column`")
             if id_column is not None and id_column not in row:
-                raise ValueError(f"corpus file {path} line {line_number} has no id column {id_column!r}")
+                raise CorpusError(f"corpus file {path} line {line_number} has no id column {id_column!r}")
             texts.append(row[text_column])
             ids.append(row[id_column] if id_column is not None else None)
     return texts, (ids if id_column is not None else None)
@@ -85,7 +85,7 @@ def read_parquet_texts(path: Path, text_column: str, id_column: str | None) -> t
     frame = pd.read_parquet(path)
     for role, column in (("text", text_column), ("id", id_column)):
         if column is not None and column not in frame.columns:
-            raise ValueError(f"corpus file {path} has no {role} column {column!r}; it has {list(frame.columns)}")
+            raise CorpusError(f"corpus file {path} has no {role} column {column!r}; it has {list(frame.columns)}")
     return frame[text_column].tolist(), (frame[id_column].tolist() if id_column is not None else None)
 
 
@@ -98,7 +98,7 @@ def read_user_corpus(name: str, path: str | os.PathLike, text_column: str = "tex
     file_format = file_format_of(path, file_format)
     if file_format == "text":
         if id_column is not None:
-            raise ValueError(f"corpus {name!r}: id_column applies to JSON lines and Parquet files, not plain text {path}")
+            raise CorpusError(f"corpus {name!r}: id_column applies to JSON lines and Parquet files, not plain text {path}")
         texts, ids = read_plain_text(path, separator), None
     elif file_format == "jsonl":
         texts, ids = read_json_lines(path, text_column, id_column)
@@ -106,19 +106,19 @@ def read_user_corpus(name: str, path: str | os.PathLike, text_column: str = "tex
         texts, ids = read_parquet_texts(path, text_column, id_column)
     bad = next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)
     if bad is not None:
-        raise ValueError(f"corpus file {path}: document {bad} in column {text_column!r} is "
+        raise CorpusError(f"corpus file {path}: document {bad} in column {text_column!r} is "
                          f"{type(texts[bad]).__name__}, not text")
     width = max(6, len(str(len(texts))))
     doc_ids = [f"{name}/{i:0{width}d}" if ids is None else f"{name}/{ids[i]}" for i in range(len(texts))]
     frame = pd.DataFrame({"doc_id": doc_ids, "text": texts, "source": name}, columns=list(COLUMNS))
     frame = frame[frame["text"].str.strip() != ""].reset_index(drop=True)
     if len(frame) < 2:
-        raise ValueError(f"corpus {name!r}: {path} holds {len(frame)} non-empty document(s); at least 2 are needed "
+        raise CorpusError(f"corpus {name!r}: {path} holds {len(frame)} non-empty document(s); at least 2 are needed "
                          "to give both calibration and evaluation documents (plain text: separate documents by "
                          "blank lines or set `separator`)")
     repeated = frame["doc_id"][frame["doc_id"].duplicated()].unique()
     if len(repeated):
-        raise ValueError(f"corpus file {path}: id column {id_column!r} repeats {list(repeated[:5])}")
+        raise CorpusError(f"corpus file {path}: id column {id_column!r} repeats {list(repeated[:5])}")
     origin = {"kind": "user", "corpus": name, "path": str(path), "format": file_format, "sha256": sha256_file(path),
               "text_column": text_column if file_format != "text" else None, "id_column": id_column,
               "separator": separator if file_format == "text" else None, "documents": len(frame)}

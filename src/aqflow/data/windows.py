@@ -16,6 +16,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from .offline_text import CorpusError
+
 PERPLEXITY_JOINER = "\n\n"
 TOKENIZE_CHUNK = 1024  # documents tokenised per call when sampling calibration windows
 
@@ -36,15 +38,15 @@ def perplexity_windows(texts: Sequence[str], tokenizer, context_tokens: int,
     `max_windows` keeps only the first windows (for quick checks).
     """
     if context_tokens < 2:
-        raise ValueError(f"context_tokens must be >= 2 to predict anything, got {context_tokens}")
+        raise CorpusError(f"context_tokens must be >= 2 to predict anything, got {context_tokens}")
     if not texts:
-        raise ValueError("no evaluation texts given")
+        raise CorpusError("no evaluation texts given")
     ids = torch.tensor(_encode(tokenizer, PERPLEXITY_JOINER.join(texts), add_special_tokens), dtype=torch.long)
     num_windows = ids.numel() // context_tokens
     if max_windows is not None:
         num_windows = min(num_windows, max_windows)
     if num_windows == 0:
-        raise ValueError(f"the evaluation text has {ids.numel()} tokens, fewer than one window of {context_tokens}")
+        raise CorpusError(f"the evaluation text has {ids.numel()} tokens, fewer than one window of {context_tokens}")
     return ids[: num_windows * context_tokens].view(num_windows, context_tokens)
 
 
@@ -88,9 +90,9 @@ def sample_calibration_windows(doc_ids: Sequence[str], texts: Sequence[str], tok
     which case every slot is returned (at least one must exist).
     """
     if len(doc_ids) != len(texts):
-        raise ValueError(f"{len(doc_ids)} doc_ids but {len(texts)} texts")
+        raise CorpusError(f"{len(doc_ids)} doc_ids but {len(texts)} texts")
     if num_windows < 1 or window_tokens < 1:
-        raise ValueError(f"num_windows and window_tokens must be >= 1, got {num_windows}, {window_tokens}")
+        raise CorpusError(f"num_windows and window_tokens must be >= 1, got {num_windows}, {window_tokens}")
     rng = np.random.default_rng(seed)
     order = sorted(range(len(doc_ids)), key=lambda i: doc_ids[i])
     # Only documents holding a window are kept, as int32 arrays (not Python int lists): the hub's C4
@@ -115,7 +117,7 @@ def sample_calibration_windows(doc_ids: Sequence[str], texts: Sequence[str], tok
     if allow_fewer and 0 < len(slots) < num_windows:
         num_windows = len(slots)
     if len(slots) < num_windows:
-        raise ValueError(
+        raise CorpusError(
             f"asked for {num_windows} calibration windows of {window_tokens} tokens but the "
             f"{len(doc_ids)} calibration documents hold only {len(slots)} such windows "
             f"(longest document: {longest} tokens); use shorter or fewer windows, or more documents"

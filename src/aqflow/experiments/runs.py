@@ -30,11 +30,11 @@ def run_row(path: str | Path) -> dict:
     layers = settings.get("layers") or []
     rhos = [layer["rho"] for layer in layers if layer.get("rho") is not None]
     row["seed"] = quantizer.get("seed")
-    row["geometry"] = (geometry_name(quantizer.get("group_size", 8), quantizer["num_codebooks"], quantizer["nbits"])
+    row["geometry"] = (geometry_name(quantizer["group_size"], quantizer["num_codebooks"], quantizer["nbits"])
                        if "num_codebooks" in quantizer and "nbits" in quantizer else None)
     row["rho"] = statistics.median(rhos) if rhos else None
     # code bits per weight of the geometry (scales and codebooks aside): M * log2 K / g
-    row["nominal_bits"] = (quantizer["num_codebooks"] * quantizer["nbits"] / quantizer.get("group_size", 8)
+    row["nominal_bits"] = (quantizer["num_codebooks"] * quantizer["nbits"] / quantizer["group_size"]
                            if row["geometry"] else None)
     return row
 

@@ -89,18 +89,20 @@ def entry_problems(entry: ModelEntry, group_size: int, base_dir: str | os.PathLi
     return []
 
 
-def fetch_model_argv(entry: ModelEntry, group_size: int) -> list[str]:
-    """The `python -m aqflow fetch-model` flags (all but --output-dir) for this entry."""
+def fetch_model_request(entry: ModelEntry, group_size: int) -> dict:
+    """What `aqflow fetch-model` is asked for this entry: the values of its settings (source,
+    revision, dtype, tiny sizes, group size) and, for a local folder, its `path`. Keys left out take
+    the stage's defaults."""
     if entry.kind == "path":
-        argv = ["--path", str(Path(entry.path).resolve())]
+        request: dict = {"path": str(Path(entry.path).resolve())}
     elif entry.hub_id:
-        argv = ["--hub-id", entry.hub_id]
+        request = {"hub_id": entry.hub_id}
     else:
-        argv = ["--preset", entry.preset]
+        request = {"preset": entry.preset}
     if entry.revision:
-        argv += ["--revision", entry.revision]
+        request["revision"] = entry.revision
     if entry.dtype:
-        argv += ["--dtype", entry.dtype]
+        request["dtype"] = entry.dtype
     if entry.kind == TINY_PRESET:
-        argv += ["--tiny-layers", str(entry.tiny_layers), "--tiny-hidden", str(entry.tiny_hidden)]
-    return [*argv, "--group-size", str(group_size)]
+        request.update(tiny_layers=entry.tiny_layers, tiny_hidden=entry.tiny_hidden)
+    return request | {"group_size": group_size}

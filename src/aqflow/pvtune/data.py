@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..data.offline_text import CALIBRATION, load_split_corpus, role_texts
+from ..data.offline_text import CALIBRATION, CorpusError, load_split_corpus, role_texts
 from ..data.windows import CalibrationWindows, sample_calibration_windows
 
 
@@ -30,9 +30,9 @@ def split_heldout_documents(doc_ids: Sequence[str], heldout_fraction: float, see
     """Positions of the training and held-out documents among `doc_ids` (by a seeded permutation of
     the sorted ids; round(fraction * n) held out, at least one on each side)."""
     if len(doc_ids) < 2:
-        raise ValueError(f"a held-out split needs at least 2 calibration documents, got {len(doc_ids)}")
+        raise CorpusError(f"a held-out split needs at least 2 calibration documents, got {len(doc_ids)}")
     if not 0.0 < heldout_fraction < 1.0:
-        raise ValueError(f"heldout_fraction must lie strictly between 0 and 1, got {heldout_fraction}")
+        raise CorpusError(f"heldout_fraction must lie strictly between 0 and 1, got {heldout_fraction}")
     order = sorted(range(len(doc_ids)), key=lambda i: doc_ids[i])
     permuted = [order[i] for i in np.random.default_rng(seed).permutation(len(order))]
     num_heldout = min(max(int(round(heldout_fraction * len(doc_ids))), 1), len(doc_ids) - 1)
@@ -56,7 +56,7 @@ def pv_windows(corpus: str | os.PathLike, tokenizer, num_samples: int, heldout_s
             parts[name] = sample_calibration_windows([doc_ids[i] for i in positions], [texts[i] for i in positions],
                                                      tokenizer, count, window_tokens, seed=seed, allow_fewer=True)
         except ValueError as error:
-            raise ValueError(f"{corpus}: {name} windows: {error}") from None
+            raise CorpusError(f"{corpus}: {name} windows: {error}") from None
     record = {
         "corpus": str(corpus), "role": CALIBRATION, "window_tokens": window_tokens, "seed": seed,
         "heldout_fraction": heldout_fraction,

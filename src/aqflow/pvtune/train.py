@@ -67,9 +67,12 @@ class PVSettings:
     max_steps: int | None = None  # stop early (CPU budgets); None: every epoch
     kl_chunk_tokens: int = 1024
     gradient_checkpointing: bool = True
-    amp_dtype: str | None = None  # autocast dtype on the accelerator ("bfloat16"), None: float32
+    # autocast dtype on the accelerator ("bfloat16"), None: float32 (the pvtune stage resolves it
+    # from its own --amp-dtype, so it is no command-line option of its own)
+    amp_dtype: str | None = field(default=None, metadata={"cli": False})
     seed: int = 0
-    selection_metric: str = "kl"  # held-out metric that picks the state written out
+    selection_metric: str = field(default="kl", metadata={"choices": SELECTION_METRICS,
+                                                          "help": "held-out metric that selects the state written out"})
     beam_memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
     v_step_graph: bool = True  # on a GPU, replay the V-step of all layers as one CUDA graph
 

@@ -19,6 +19,7 @@ import torch
 
 from aqflow.quant.cuda_graphs import capture_graph
 from aqflow.quant.kmeans import fit_kmeans, nearest_mahalanobis, reseed_empty_clusters
+from aqflow.quant.representation import GROUP_SIZE
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class InitSettings:
 
     num_codebooks: int
     nbits: int
-    group_size: int = 8
+    group_size: int = GROUP_SIZE
     kmeans_max_iter: int = 1000
     kmeans_tolerance: float = 2e-4
     oaem_rounds: int = 3

@@ -27,7 +27,7 @@ from aqflow.quant.beam_search import BeamSearcher
 from aqflow.quant.codebook_update import CodebookAdam
 from aqflow.quant.init import INITIALISERS, InitSettings
 from aqflow.quant.objective import damped_diagonal_blocks, relative_output_mse
-from aqflow.quant.representation import bits_per_parameter, dequantize_weight, layer_rho
+from aqflow.quant.representation import GROUP_SIZE, bits_per_parameter, dequantize_weight, layer_rho
 from aqflow.quant.validation import validate_layer_inputs
 
 
@@ -41,8 +41,8 @@ class QuantizerSettings:
 
     num_codebooks: int = 2
     nbits: int = 8
-    group_size: int = 8
-    init: str = "oaem"
+    group_size: int = GROUP_SIZE
+    init: str = field(default="oaem", metadata={"choices": tuple(INITIALISERS), "help": "codebook initialisation"})
     beam_size: int = 8
     max_epochs: int = 100
     steps_per_epoch: int = 100
@@ -63,7 +63,7 @@ class QuantizerSettings:
     use_cuda_graphs: bool = True
     # torch float32 matmul precision of the Adam phase's gradient product on CUDA ("high": TF32,
     # "highest": fp32); the objective that decides each epoch is always computed in fp32
-    adam_matmul_precision: str = "high"
+    adam_matmul_precision: str = field(default="high", metadata={"choices": ("high", "highest")})
 
     def init_settings(self) -> InitSettings:
         names = {f.name for f in dataclasses.fields(InitSettings)}

@@ -22,6 +22,9 @@ import torch
 import torch.nn.functional as F
 
 MAX_NBITS = 16
+# input weights per group when none is given: AQLM's layout (2 codebooks of 8 bits over 8 weights
+# store 2 bits per weight); QuantizerSettings, stitch and fetch-model take their default from here
+GROUP_SIZE = 8
 
 
 def codebook_size(nbits: int) -> int:
@@ -81,7 +84,7 @@ def bits_per_parameter(
     in_features: int,
     num_codebooks: int,
     nbits: int,
-    group_size: int = 8,
+    group_size: int = GROUP_SIZE,
     codebook_value_bits: int = 16,
     scale_bits: int = 16,
 ) -> float:
@@ -92,14 +95,14 @@ def bits_per_parameter(
     return (code_bits + codebook_bits + out_features * scale_bits) / num_weights
 
 
-def layer_rho(out_features: int, in_features: int, num_codebooks: int, nbits: int, group_size: int = 8) -> float:
+def layer_rho(out_features: int, in_features: int, num_codebooks: int, nbits: int, group_size: int = GROUP_SIZE) -> float:
     """Representational ratio rho = N / K^M with N = out * in / g weight groups (paper, Definition 1)."""
     num_groups = out_features * in_features // group_size
     return num_groups / float(codebook_size(nbits)) ** num_codebooks
 
 
 def model_rho(
-    layer_shapes: Iterable[tuple[int, int]], num_codebooks: int, nbits: int, group_size: int = 8
+    layer_shapes: Iterable[tuple[int, int]], num_codebooks: int, nbits: int, group_size: int = GROUP_SIZE
 ) -> dict[str, float]:
     """rho over a model's quantized linears, given their (out, in) shapes.
 

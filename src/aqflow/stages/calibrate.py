@@ -18,18 +18,18 @@ about 1/N of the time.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from aqflow import artifacts
+from aqflow import artifacts, stage_cli
 from aqflow.calibration.hessians import (
     PROBE_TOKENS,
     collect_xtx_fp,
@@ -38,6 +38,7 @@ from aqflow.calibration.hessians import (
 )
 from aqflow.models.structure import find_decoder_blocks
 from aqflow.calibration.sharded import (
+    ShardingError,
     collect_xtx_fp_sharded,
     join_process_group,
     launched_world_size,
@@ -46,77 +47,85 @@ from aqflow.calibration.sharded import (
     torchrun_command,
 )
 from aqflow.calibration.sequential import WINDOWS_FILE, save_windows
-from aqflow.data.offline_text import load_split_corpus, role_texts
+from aqflow.data.offline_text import CorpusError, load_split_corpus, role_texts
 from aqflow.data.windows import sample_calibration_windows
-from aqflow.models.fetch import load_causal_lm, load_tokenizer, model_compute_dtype
+from aqflow.models.fetch import ModelInputError, load_causal_lm, load_tokenizer, model_compute_dtype
 from aqflow.artifacts import verify_inputs
 from aqflow.processes import die_with_parent
-from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
+from aqflow.stage_cli import option
+from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
 
+STAGE = "calibrate"
+INPUT_ERRORS = (*EXPECTED_ERRORS, CorpusError, ModelInputError, ShardingError)
 PROPAGATION_MODES = ("fp", "sequential")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aqflow calibrate", description=__doc__)
-    parser.add_argument("--model-dir", required=True, type=Path)
-    parser.add_argument("--corpus", required=True, type=Path, help="corpus .parquet (from fetch-data)")
-    parser.add_argument("--output-dir", required=True, type=Path)
-    parser.add_argument("--num-windows", type=int, default=128)
-    parser.add_argument("--window-tokens", type=int, default=4096)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--propagation", default="fp", choices=PROPAGATION_MODES)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--num-devices", type=int, default=1,
-                        help="shard the windows over this many devices of --device's type (summed XᵀX)")
-    parser.add_argument("--quiet", action="store_true")
-    return parser
+@dataclass(frozen=True)
+class CalibrateSettings:
+    num_windows: int = field(default=128, metadata=option("calibration windows"))
+    window_tokens: int = field(default=4096, metadata=option("tokens per window"))
+    seed: int = field(default=0, metadata=option("seed of the window sampling"))
+    propagation: str = field(default="fp", metadata=option(
+        "fp: every block from the full-precision model; sequential: block 0 only", choices=PROPAGATION_MODES))
+    batch_size: int = field(default=4, metadata=option("windows per forward pass"))
+    device: str = field(default_factory=stage_cli.default_device)
+    num_devices: int = field(default=1, metadata=option(
+        "shard the windows over this many devices of --device's type (summed XᵀX)"))
+    quiet: bool = field(default=False, metadata=option("no progress bar"))
 
 
-def calibrate(args: argparse.Namespace) -> dict:
+@dataclass(frozen=True)
+class CalibratePaths:
+    model_dir: Path
+    corpus: Path = field(metadata=option("corpus .parquet (from fetch-data)"))
+    output_dir: Path
+
+
+def calibrate(settings: CalibrateSettings, paths: CalibratePaths) -> dict:
     started = time.perf_counter()
-    tokenizer = load_tokenizer(args.model_dir)
-    doc_ids, texts = role_texts(load_split_corpus(args.corpus), "calibration")
-    windows = sample_calibration_windows(doc_ids, texts, tokenizer, args.num_windows, args.window_tokens, seed=args.seed)
-    source = f"{args.corpus.stem}/calibration/seed{args.seed}/{args.num_windows}x{args.window_tokens}"
+    tokenizer = load_tokenizer(paths.model_dir)
+    doc_ids, texts = role_texts(load_split_corpus(paths.corpus), "calibration")
+    windows = sample_calibration_windows(doc_ids, texts, tokenizer, settings.num_windows, settings.window_tokens, seed=settings.seed)
+    source = f"{paths.corpus.stem}/calibration/seed{settings.seed}/{settings.num_windows}x{settings.window_tokens}"
     if launched_world_size() > 1:
-        return _calibrate_one_shard(args, windows, source, started)
-    model = load_causal_lm(args.model_dir, dtype=model_compute_dtype(args.model_dir, args.device), device=args.device)
+        return _calibrate_one_shard(settings, paths, windows, source, started)
+    model = load_causal_lm(paths.model_dir, dtype=model_compute_dtype(paths.model_dir, settings.device), device=settings.device)
     # sequential: only block 0 sees the full-precision model; the others are calibrated per variant
-    blocks = [0] if args.propagation == "sequential" else None
-    stats = collect_xtx_fp(model, windows.input_ids, block_indices=blocks, batch_size=args.batch_size,
-                           progress=not args.quiet)
-    write_calibration(model, stats, windows, args, source, started, [args.device])
-    return json.loads((args.output_dir / "calibration.json").read_text())
+    blocks = [0] if settings.propagation == "sequential" else None
+    stats = collect_xtx_fp(model, windows.input_ids, block_indices=blocks, batch_size=settings.batch_size,
+                           progress=not settings.quiet)
+    write_calibration(model, stats, windows, settings, paths, source, started, [settings.device])
+    return json.loads((paths.output_dir / "calibration.json").read_text())
 
 
-def _calibrate_one_shard(args: argparse.Namespace, windows, source: str, started: float) -> dict | None:
+def _calibrate_one_shard(settings: CalibrateSettings, paths: CalibratePaths, windows, source: str,
+                         started: float) -> dict | None:
     """One process of a sharded calibration: its shard's XᵀX, summed over processes; rank 0 writes."""
-    if launched_world_size() != args.num_devices:
-        raise ValueError(f"--num-devices {args.num_devices} but this process is one of {launched_world_size()} "
+    if launched_world_size() != settings.num_devices:
+        raise StageInputError(f"--num-devices {settings.num_devices} but this process is one of {launched_world_size()} "
                          "(WORLD_SIZE); launch one process per device")
-    device = join_process_group(args.device)
+    device = join_process_group(settings.device)
     try:
-        model = load_causal_lm(args.model_dir, dtype=model_compute_dtype(args.model_dir, device), device=device)
+        model = load_causal_lm(paths.model_dir, dtype=model_compute_dtype(paths.model_dir, device), device=device)
         rank = dist.get_rank()
-        stats = collect_xtx_fp_sharded(model, windows.input_ids, batch_size=args.batch_size,
-                                       progress=rank == 0 and not args.quiet)
+        stats = collect_xtx_fp_sharded(model, windows.input_ids, batch_size=settings.batch_size,
+                                       progress=rank == 0 and not settings.quiet)
         if rank == 0:
-            devices = [f"cuda:{r}" for r in range(args.num_devices)] if device != "cpu" else ["cpu"] * args.num_devices
-            write_calibration(model, stats, windows, args, source, started, devices)
+            devices = [f"cuda:{r}" for r in range(settings.num_devices)] if device != "cpu" else ["cpu"] * settings.num_devices
+            write_calibration(model, stats, windows, settings, paths, source, started, devices)
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    return json.loads((args.output_dir / "calibration.json").read_text()) if rank == 0 else None
+    return json.loads((paths.output_dir / "calibration.json").read_text()) if rank == 0 else None
 
 
-def launch_sharded(args: argparse.Namespace, argv: list[str]) -> int:
+def launch_sharded(settings: CalibrateSettings, paths: CalibratePaths) -> int:
     """Run this stage under torchrun with one process per device; the exit code of the group."""
-    if args.propagation != "fp":  # other modes calibrate block after block from quantized outputs
-        raise ValueError(f"--num-devices {args.num_devices} shards fp propagation only, not {args.propagation!r}")
-    shard_devices(args.device, args.num_devices)  # names what is missing before anything starts
-    shard_bounds(args.num_windows, args.num_devices, 0)
-    command = torchrun_command(args.num_devices, "aqflow", ["calibrate", *argv])
+    if settings.propagation != "fp":  # other modes calibrate block after block from quantized outputs
+        raise StageInputError(f"--num-devices {settings.num_devices} shards fp propagation only, not {settings.propagation!r}")
+    shard_devices(settings.device, settings.num_devices)  # names what is missing before anything starts
+    shard_bounds(settings.num_windows, settings.num_devices, 0)
+    command = torchrun_command(settings.num_devices, "aqflow", ["calibrate", *stage_cli.to_argv(settings, paths)])
     print(" ".join(command), flush=True)
     stdout, stderr = _real_stream(sys.stdout), _real_stream(sys.stderr)
     result = subprocess.run(command, stdout=stdout or subprocess.PIPE, stderr=stderr or subprocess.PIPE, text=True,
@@ -136,15 +145,15 @@ def _real_stream(stream):
     return stream
 
 
-def write_calibration(model, stats, windows, args: argparse.Namespace, source: str, started: float,
-                      devices: list[str]) -> None:
+def write_calibration(model, stats, windows, settings: CalibrateSettings, paths: CalibratePaths, source: str,
+                      started: float, devices: list[str]) -> None:
     """block{i}.npz, manifest.parquet, windows.parquet and calibration.json, atomically."""
-    with artifacts.atomic_dir(args.output_dir) as staging:
+    with artifacts.atomic_dir(paths.output_dir) as staging:
         manifest = save_block_xtx(staging, stats, source)
         artifacts.write_parquet(staging / "windows.parquet", windows.to_frame())
         save_windows(staging / WINDOWS_FILE, windows.input_ids)
         layers = quantized_layer_names(model, windows.input_ids)
-        summary = calibration_summary(model, manifest, layers, args, source, started) | {"devices": devices}
+        summary = calibration_summary(model, manifest, layers, settings, source, started) | {"devices": devices}
         artifacts.write_json(staging / "calibration.json", summary)
 
 
@@ -156,7 +165,7 @@ def quantized_layer_names(model, windows) -> list[str]:
     return [f"{prefix}.{block}.{linear}" for block in sorted(sites) for site in sites[block] for linear in site.linears]
 
 
-def calibration_summary(model, manifest, layers: list[str], args: argparse.Namespace, source: str,
+def calibration_summary(model, manifest, layers: list[str], settings: CalibrateSettings, source: str,
                         started: float) -> dict:
     """What calibration.json records, with the module names of every linear to quantize."""
     _, blocks = find_decoder_blocks(model)
@@ -168,29 +177,35 @@ def calibration_summary(model, manifest, layers: list[str], args: argparse.Names
         "tokens": int(manifest["tokens"].iloc[0]),
         "seconds": time.perf_counter() - started,
         "source": source,
-        "propagation": args.propagation,
-        "device": args.device,
+        "propagation": settings.propagation,
+        "device": settings.device,
     }
 
 
+def run(settings: CalibrateSettings, paths: CalibratePaths) -> dict | None:
+    """The calibration folder at paths.output_dir; its calibration.json (None on a process other than
+    rank 0 of a sharded calibration: rank 0 reports). With num_devices > 1 the stage runs again under
+    torchrun, one process per device."""
+    verify_inputs(paths.model_dir, paths.corpus)
+    if settings.num_devices > 1 and launched_world_size() == 1:
+        code = launch_sharded(settings, paths)
+        if code:
+            raise StageInputError(f"the {settings.num_devices} calibration processes failed (exit code {code})")
+        return json.loads((paths.output_dir / "calibration.json").read_text())
+    return calibrate(settings, paths)
+
+
+def summary(record: dict | None) -> str | None:
+    if record is None:
+        return None
+    return (f"calibrated {len(record['blocks_calibrated'])} of {record['blocks']} blocks ({record['propagation']}), "
+            f"{record['sites']} input sites, {record['tokens']} tokens in {record['seconds']:.1f} s")
+
+
+def build_parser():
+    return stage_cli.build_parser(STAGE, __doc__, CalibrateSettings, CalibratePaths)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    try:
-        verify_inputs(args.model_dir, args.corpus)
-        if args.num_devices > 1 and launched_world_size() == 1:
-            code = launch_sharded(args, argv)
-            if code:
-                print(f"aqflow calibrate: error: the {args.num_devices} calibration processes failed "
-                      f"(exit code {code})", file=sys.stderr)
-                return code
-            summary = json.loads((args.output_dir / "calibration.json").read_text())
-        else:
-            summary = calibrate(args)
-    except (*EXPECTED_ERRORS, KeyError, ValueError) as error:
-        return report_error("calibrate", error)
-    if summary is None:  # a rank other than 0 of a sharded calibration: rank 0 reports
-        return 0
-    print(f"calibrated {len(summary['blocks_calibrated'])} of {summary['blocks']} blocks ({args.propagation}), {summary['sites']} input sites, {summary['tokens']} tokens "
-          f"in {summary['seconds']:.1f} s -> {args.output_dir}")
-    return 0
+    settings, paths = stage_cli.parse(build_parser(), (CalibrateSettings, CalibratePaths), argv)
+    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)

@@ -16,16 +16,17 @@ The windows are those of the shared calibration folder (--calibration-dir, from 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from aqflow import artifacts
+from aqflow import artifacts, stage_cli
 from aqflow.calibration.hessians import save_block_xtx
 from aqflow.models.structure import find_decoder_blocks
+from aqflow.stages.calibrate import CalibrateSettings
 from aqflow.calibration.sequential import (
     WINDOWS_FILE,
     block_layer_files,
@@ -37,92 +38,104 @@ from aqflow.calibration.sequential import (
     save_hidden_states,
     sequential_block_xtx,
 )
-from aqflow.models.fetch import load_causal_lm, model_compute_dtype
 from aqflow.artifacts import verify_inputs
-from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
+from aqflow.checkpoint import CheckpointError
+from aqflow.models.fetch import ModelInputError, load_causal_lm, model_compute_dtype
+from aqflow.stage_cli import option
+from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
+
+STAGE = "calibrate-block"
+INPUT_ERRORS = (*EXPECTED_ERRORS, CheckpointError, ModelInputError)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aqflow calibrate-block", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", required=True, type=Path, help="full-precision model folder")
-    parser.add_argument("--calibration-dir", required=True, type=Path,
-                        help="shared calibration folder (windows.safetensors, calibration.json)")
-    parser.add_argument("--block", required=True, type=int, help="block to calibrate (>= 1)")
-    parser.add_argument("--previous-layers-dir", required=True, type=Path,
-                        help="folder with the quantized linears of block-1 (<module>.safetensors)")
-    parser.add_argument("--previous-block-tensors", type=Path, default=None,
-                        help="tuned non-quantized parameters of block-1 (block fine-tuning's block.safetensors)")
-    parser.add_argument("--previous-inputs", type=Path, default=None,
-                        help="inputs of block-1 (from the step for block-1); not for --block 1")
-    parser.add_argument("--output-dir", required=True, type=Path)
-    parser.add_argument("--inputs-output", required=True, type=Path, help="where to write the inputs of --block")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quiet", action="store_true")
-    return parser
+@dataclass(frozen=True)
+class CalibrateBlockSettings:
+    block: int = field(metadata=option("block to calibrate (>= 1)"))
+    batch_size: int = field(default=CalibrateSettings.batch_size, metadata=option("windows per forward pass"))
+    device: str = field(default_factory=stage_cli.default_device)
+    quiet: bool = field(default=False, metadata=option("no progress bar"))
 
 
-def previous_inputs(args: argparse.Namespace, model, windows: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class CalibrateBlockPaths:
+    model_dir: Path = field(metadata=option("full-precision model folder"))
+    calibration_dir: Path = field(metadata=option("shared calibration folder (windows.safetensors, calibration.json)"))
+    previous_layers_dir: Path = field(metadata=option(
+        "folder with the quantized linears of block-1 (<module>.safetensors)"))
+    output_dir: Path
+    inputs_output: Path = field(metadata=option("where to write the inputs of --block"))
+    previous_block_tensors: Path | None = field(default=None, metadata=option(
+        "tuned non-quantized parameters of block-1 (block fine-tuning's block.safetensors)"))
+    previous_inputs: Path | None = field(default=None, metadata=option(
+        "inputs of block-1 (from the step for block-1); not for --block 1"))
+
+
+def previous_inputs(settings: CalibrateBlockSettings, paths: CalibrateBlockPaths, model,
+                    windows: torch.Tensor) -> torch.Tensor:
     """Inputs of block --block - 1 in the quantized model: [num_windows, T, hidden]."""
-    if args.block == 1:
-        if args.previous_inputs is not None:
-            raise ValueError("--block 1 takes no --previous-inputs: block 0's inputs are the embeddings")
-        return embedded_inputs(model, windows, args.batch_size, progress=not args.quiet)
-    if args.previous_inputs is None:
-        raise ValueError(f"--block {args.block} needs --previous-inputs (the inputs of block {args.block - 1})")
-    hidden = load_hidden_states(args.previous_inputs, windows)
-    return hidden.to(device=args.device, dtype=next(model.parameters()).dtype)
+    if settings.block == 1:
+        if paths.previous_inputs is not None:
+            raise StageInputError("--block 1 takes no --previous-inputs: block 0's inputs are the embeddings")
+        return embedded_inputs(model, windows, settings.batch_size, progress=not settings.quiet)
+    if paths.previous_inputs is None:
+        raise StageInputError(f"--block {settings.block} needs --previous-inputs (the inputs of block {settings.block - 1})")
+    hidden = load_hidden_states(paths.previous_inputs, windows)
+    return hidden.to(device=settings.device, dtype=next(model.parameters()).dtype)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(settings: CalibrateBlockSettings, paths: CalibrateBlockPaths) -> dict:
+    """Block `settings.block`'s calibration folder and inputs written; its calibration.json."""
+    verify_inputs(paths.model_dir, paths.calibration_dir, paths.previous_layers_dir, paths.previous_block_tensors,
+                  paths.previous_inputs)
     started = time.perf_counter()
-    shared = json.loads((args.calibration_dir / "calibration.json").read_text())
+    shared = json.loads((paths.calibration_dir / "calibration.json").read_text())
     if shared.get("propagation") != "sequential":
-        raise ValueError(f"{args.calibration_dir} was calibrated with propagation {shared.get('propagation')!r}; "
+        raise StageInputError(f"{paths.calibration_dir} was calibrated with propagation {shared.get('propagation')!r}; "
                          "sequential steps need `calibrate --propagation sequential`")
-    windows = load_windows(args.calibration_dir / WINDOWS_FILE)
-    model = load_causal_lm(args.model_dir, dtype=model_compute_dtype(args.model_dir, args.device), device=args.device)
+    windows = load_windows(paths.calibration_dir / WINDOWS_FILE)
+    model = load_causal_lm(paths.model_dir, dtype=model_compute_dtype(paths.model_dir, settings.device), device=settings.device)
     _, blocks = find_decoder_blocks(model)
-    if not 1 <= args.block < len(blocks):
-        raise ValueError(f"--block {args.block}: the model has blocks 0..{len(blocks) - 1}; block 0 is calibrated by `calibrate`")
-    previous = args.block - 1
+    if not 1 <= settings.block < len(blocks):
+        raise StageInputError(f"--block {settings.block}: the model has blocks 0..{len(blocks) - 1}; block 0 is calibrated by `calibrate`")
+    previous = settings.block - 1
     prefix = block_prefix_of(model, previous)
-    layer_files = block_layer_files(args.previous_layers_dir, prefix, blocks[previous])
+    layer_files = block_layer_files(paths.previous_layers_dir, prefix, blocks[previous])
     missing = [str(path) for path in layer_files.values() if not path.is_file()]
     if missing:
         raise FileNotFoundError(f"block {previous} is not fully quantized: missing {missing}")
-    tensors = load_block_tensors(args.previous_block_tensors, prefix)
-    hidden_in = previous_inputs(args, model, windows)
-    stats, hidden_out = sequential_block_xtx(model, windows, args.block, hidden_in, layer_files, tensors,
-                                             batch_size=args.batch_size, progress=not args.quiet)
-    with artifacts.atomic_dir(args.output_dir) as staging:
-        manifest = save_block_xtx(staging, {args.block: stats}, shared["source"])
+    tensors = load_block_tensors(paths.previous_block_tensors, prefix)
+    hidden_in = previous_inputs(settings, paths, model, windows)
+    stats, hidden_out = sequential_block_xtx(model, windows, settings.block, hidden_in, layer_files, tensors,
+                                             batch_size=settings.batch_size, progress=not settings.quiet)
+    with artifacts.atomic_dir(paths.output_dir) as staging:
+        manifest = save_block_xtx(staging, {settings.block: stats}, shared["source"])
         artifacts.write_json(staging / "calibration.json", {
             "propagation": "sequential",
-            "block": args.block,
+            "block": settings.block,
             "blocks": len(blocks),
-            "blocks_calibrated": [args.block],
+            "blocks_calibrated": [settings.block],
             "sites": len(manifest),
             "tokens": int(manifest["tokens"].iloc[0]),
             "source": shared["source"],
-            "previous_layers_dir": str(args.previous_layers_dir),
-            "previous_block_tensors": str(args.previous_block_tensors) if args.previous_block_tensors else None,
-            "block_finetuned": args.previous_block_tensors is not None,
+            "previous_layers_dir": str(paths.previous_layers_dir),
+            "previous_block_tensors": str(paths.previous_block_tensors) if paths.previous_block_tensors else None,
+            "block_finetuned": paths.previous_block_tensors is not None,
             "seconds": time.perf_counter() - started,
-            "device": args.device,
+            "device": settings.device,
         })
-    save_hidden_states(args.inputs_output, hidden_out, args.block)
-    return json.loads((args.output_dir / "calibration.json").read_text())
+    save_hidden_states(paths.inputs_output, hidden_out, settings.block)
+    return json.loads((paths.output_dir / "calibration.json").read_text())
+
+
+def summary(record: dict) -> str:
+    return (f"block {record['block']}: {record['sites']} input sites, {record['tokens']} tokens through the "
+            f"quantized block {record['block'] - 1} in {record['seconds']:.1f} s")
+
+
+def build_parser():
+    return stage_cli.build_parser(STAGE, __doc__, CalibrateBlockSettings, CalibrateBlockPaths)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        verify_inputs(args.model_dir, args.calibration_dir, args.previous_layers_dir, args.previous_block_tensors, args.previous_inputs)
-        summary = run(args)
-    except (*EXPECTED_ERRORS, KeyError, ValueError) as error:
-        return report_error("calibrate-block", error)
-    print(f"block {summary['block']}: {summary['sites']} input sites, {summary['tokens']} tokens through the "
-          f"quantized block {summary['block'] - 1} in {summary['seconds']:.1f} s -> {args.output_dir}")
-    return 0
+    settings, paths = stage_cli.parse(build_parser(), (CalibrateBlockSettings, CalibrateBlockPaths), argv)
+    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)

@@ -10,33 +10,54 @@ the working directory makes it refuse (unless --force).
 
 from __future__ import annotations
 
-import argparse
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from aqflow import stage_cli
 from aqflow.artifacts import stale_temporaries
-from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
+from aqflow.stage_cli import option
+from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
+
+STAGE = "clean"
+INPUT_ERRORS = EXPECTED_ERRORS
+
+
+@dataclass(frozen=True)
+class CleanSettings:
+    force: bool = field(default=False, metadata=option("even while .snakemake/locks holds a lock"))
+    dry_run: bool = field(default=False, metadata=option("list, remove nothing", aliases=("-n",)))
+
+
+@dataclass(frozen=True)
+class CleanPaths:
+    folders: tuple[Path, ...] = field(default=(Path("results"), Path("resources")),
+                                      metadata=option("folders to clean", positional=True))
+
+
+def run(settings: CleanSettings, paths: CleanPaths) -> dict:
+    """Remove (or with dry_run list) the temporaries under the folders; what was found where."""
+    locks = Path(".snakemake") / "locks"
+    if not settings.force and locks.is_dir() and any(locks.iterdir()):
+        raise StageInputError(f"{locks} holds a lock: a Snakemake run may be writing here "
+                              "(if none is, `snakemake --unlock` first, or pass --force)")
+    found = [path for folder in paths.folders if folder.is_dir() for path in stale_temporaries(folder)]
+    for path in found:
+        print(("would remove " if settings.dry_run else "removed ") + str(path))
+        if not settings.dry_run:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return {"found": found, "dry_run": settings.dry_run, "folders": list(paths.folders)}
+
+
+def summary(result: dict) -> str:
+    return (f"{'found' if result['dry_run'] else 'removed'} {len(result['found'])} temporaries under "
+            f"{', '.join(map(str, result['folders']))}")
+
+
+def build_parser():
+    return stage_cli.build_parser(STAGE, __doc__, CleanSettings, CleanPaths)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="aqflow clean", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("folders", nargs="*", type=Path, default=[Path("results"), Path("resources")])
-    parser.add_argument("--force", action="store_true", help="even while .snakemake/locks holds a lock")
-    parser.add_argument("--dry-run", "-n", action="store_true", help="list, remove nothing")
-    args = parser.parse_args(argv)
-    locks = Path(".snakemake") / "locks"
-    if not args.force and locks.is_dir() and any(locks.iterdir()):
-        print(f"aqflow clean: error: {locks} holds a lock: a Snakemake run may be writing here "
-              "(if none is, `snakemake --unlock` first, or pass --force)", flush=True)
-        return 2
-    try:
-        found = [path for folder in args.folders if folder.is_dir() for path in stale_temporaries(folder)]
-        for path in found:
-            print(("would remove " if args.dry_run else "removed ") + str(path))
-            if not args.dry_run:
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-    except EXPECTED_ERRORS as error:
-        return report_error("clean", error)
-    print(f"{'found' if args.dry_run else 'removed'} {len(found)} temporaries under {', '.join(map(str, args.folders))}")
-    return 0
+    settings, paths = stage_cli.parse(build_parser(), (CleanSettings, CleanPaths), argv)
+    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)

@@ -23,19 +23,21 @@ on a bad input the stage exits with status 2 and writes nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from aqflow import artifacts
-from aqflow.data.zero_shot import ZERO_SHOT_TASKS, prepare_zero_shot_data, read_manifest, task_data_files
+from aqflow import artifacts, stage_cli
+from aqflow.data.zero_shot import ZERO_SHOT_TASKS, TaskDataError, prepare_zero_shot_data, read_manifest, task_data_files
 from aqflow.evaluation.dense_aqlm import dequantize_aqlm_linears
 from aqflow.models.folder import quantization_config, stored_bits_per_parameter
 from aqflow.evaluation.perplexity import perplexity
@@ -45,64 +47,93 @@ from aqflow.evaluation.protocol import (
 )
 from aqflow.evaluation.zero_shot import DEFAULT_BOOTSTRAP_ITERS, average_accuracy, run_zero_shot
 from aqflow.fetching import default_cache_dir
-from aqflow.finite import require_finite
+from aqflow.finite import NonFiniteMetricError, require_finite
 from aqflow.models.fetch import load_causal_lm, load_tokenizer, model_compute_dtype
 from aqflow.artifacts import verify_inputs
-from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
+from aqflow.data.offline_text import CorpusError
+from aqflow.models.fetch import ModelInputError
+from aqflow.stage_cli import option
+from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
+from aqflow.models.folder import ModelFolderError
 
 PERPLEXITY_SETS = ("wikitext2", "c4")
 STANDIN_FILES = {"wikitext2": "wikitext2-standin.parquet", "c4": "c4-standin.parquet"}
 EVALUATION_ROLE = "evaluation"
 
 
-class EvaluationInputError(ValueError):
+class EvaluationInputError(StageInputError):
     """A bad input to the evaluate stage; the message names it."""
+
+
+STAGE = "evaluate"
+INPUT_ERRORS = (*EXPECTED_ERRORS, NonFiniteMetricError, CorpusError, ModelInputError, TaskDataError, ModelFolderError)
 
 
 # --- arguments -----------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class EvaluateSettings:
+    label: str | None = field(default=None, metadata=option("what this evaluation is, e.g. 'pre-pv'"))
+    # perplexity
+    perplexity: tuple[str, ...] | None = field(default=None, metadata=option(
+        f"without --domain: sets among {list(PERPLEXITY_SETS)} (default both; none: skip perplexity)", metavar="SET"))
+    context: int = field(default=4096, metadata=option("tokens per perplexity window"))
+    max_windows: int | None = field(default=None, metadata=option("keep only the first WikiText-2 windows"))
+    c4_windows: int = DEFAULT_C4_WINDOWS
+    c4_seed: int = DEFAULT_C4_SEED
+    # zero-shot
+    tasks: tuple[str, ...] = field(default=tuple(ZERO_SHOT_TASKS), metadata=option(
+        f"among {list(ZERO_SHOT_TASKS)} (none: skip zero-shot)", metavar="TASK"))
+    task_limit: int | None = field(default=None, metadata=option("at most this many examples per task"))
+    bootstrap_iters: int = field(default=DEFAULT_BOOTSTRAP_ITERS, metadata=option(
+        "lm-eval bootstrap draws (lambada perplexity stderr)"))
+    # run
+    batch_size: int = 1
+    device: str = field(default_factory=stage_cli.default_device)
+    dtype: str = field(default="auto", metadata=option(
+        "compute dtype (auto: float32 on CPU, the model folder's dtype on GPU)",
+        choices=("auto", "float16", "bfloat16", "float32")))
+    cpu_kernel: str = field(default="dense", metadata=option(
+        "AQLM layers on a CPU: dense (dequantized once after loading, multi-threaded) or aqlm (aqlm's numba "
+        "kernel, one thread, 5-14x slower per layer); on a GPU aqlm's kernels always run", choices=("dense", "aqlm")))
+    quiet: bool = field(default=False, metadata=option("no progress bars"))
+    # the upstream settings to embed (a rule's: quantizer, calibration, layers...); from the command
+    # line, --settings names a JSON file of them instead
+    upstream: dict | None = field(default=None, metadata={"cli": False})
+
+
+@dataclass(frozen=True)
+class EvaluatePaths:
+    model_dir: Path = field(metadata=option("HF model folder (plain or AQLM)"))
+    output: Path = field(metadata=option("eval.json to write"))
+    settings: Path | None = field(default=None, metadata=option("JSON file of upstream settings to embed"))
+    pre_pv: Path | None = field(default=None, metadata=option(
+        "eval.json of the same model before PV-tuning, embedded whole as 'pre_pv'"))
+    domain: tuple[tuple[str, str, str], ...] | None = field(default=None, metadata=option(
+        f"an evaluation domain: its name in eval.json, protocol ({' or '.join(PROTOCOLS)}) and corpus .parquet "
+        "(fetch-data); repeatable", append=3, metavar=("NAME", "PROTOCOL", "CORPUS")))
+    data_dir: Path | None = field(default=None, metadata=option(
+        f"folder holding {STANDIN_FILES['wikitext2']} and {STANDIN_FILES['c4']} (fetch-data outputs)"))
+    wikitext2_corpus: Path | None = field(default=None, metadata=option("WikiText-2 stand-in .parquet (overrides --data-dir)"))
+    c4_corpus: Path | None = field(default=None, metadata=option("C4 stand-in .parquet (overrides --data-dir)"))
+    task_data_dir: Path | None = field(default=None, metadata=option(
+        "prepared task JSONL folder (default: <cache>/zero-shot, prepared on first use)"))
+    work_dir: Path | None = field(default=None, metadata=option("keep task configs here (default: a temporary folder)"))
+    cache_dir: Path | None = field(default=None, metadata=option("download cache (default: $AQFLOW_CACHE or resources/cache)"))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aqflow evaluate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", required=True, type=Path, help="HF model folder (plain or AQLM)")
-    parser.add_argument("--output", required=True, type=Path, help="eval.json to write")
-    parser.add_argument("--label", default=None, help="what this evaluation is, e.g. 'pre-pv'")
-    parser.add_argument("--settings", type=Path, default=None, help="JSON file of upstream settings to embed")
-    parser.add_argument("--pre-pv", type=Path, default=None,
-                        help="eval.json of the same model before PV-tuning, embedded whole as 'pre_pv'")
-    data = parser.add_argument_group("perplexity")
-    data.add_argument("--domain", nargs=3, action="append", default=None, metavar=("NAME", "PROTOCOL", "CORPUS"),
-                      help=f"an evaluation domain: its name in eval.json, protocol ({' or '.join(PROTOCOLS)}) and "
-                           "corpus .parquet (fetch-data); repeatable")
-    data.add_argument("--data-dir", type=Path, default=None,
-                      help=f"folder holding {STANDIN_FILES['wikitext2']} and {STANDIN_FILES['c4']} (fetch-data outputs)")
-    data.add_argument("--wikitext2-corpus", type=Path, default=None, help="WikiText-2 stand-in .parquet (overrides --data-dir)")
-    data.add_argument("--c4-corpus", type=Path, default=None, help="C4 stand-in .parquet (overrides --data-dir)")
-    data.add_argument("--perplexity", nargs="*", default=None, metavar="SET",
-                      help=f"without --domain: sets among {list(PERPLEXITY_SETS)} (default both; none: skip perplexity)")
-    data.add_argument("--context", type=int, default=4096, help="tokens per perplexity window")
-    data.add_argument("--max-windows", type=int, default=None, help="keep only the first WikiText-2 windows")
-    data.add_argument("--c4-windows", type=int, default=DEFAULT_C4_WINDOWS)
-    data.add_argument("--c4-seed", type=int, default=DEFAULT_C4_SEED)
-    tasks = parser.add_argument_group("zero-shot")
-    tasks.add_argument("--tasks", nargs="*", default=list(ZERO_SHOT_TASKS), metavar="TASK",
-                       help=f"among {list(ZERO_SHOT_TASKS)} (none: skip zero-shot)")
-    tasks.add_argument("--task-limit", type=int, default=None, help="at most this many examples per task")
-    tasks.add_argument("--task-data-dir", type=Path, default=None,
-                       help="prepared task JSONL folder (default: <cache>/zero-shot, prepared on first use)")
-    tasks.add_argument("--bootstrap-iters", type=int, default=DEFAULT_BOOTSTRAP_ITERS, help="lm-eval bootstrap draws (lambada perplexity stderr)")
-    tasks.add_argument("--work-dir", type=Path, default=None, help="keep task configs here (default: a temporary folder)")
-    run = parser.add_argument_group("run")
-    run.add_argument("--batch-size", type=int, default=1)
-    run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    run.add_argument("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
-                     help="compute dtype (auto: float32 on CPU, the model folder's dtype on GPU)")
-    run.add_argument("--cpu-kernel", choices=("dense", "aqlm"), default="dense",
-                     help="AQLM layers on a CPU: dense (dequantized once after loading, multi-threaded) or aqlm "
-                          "(aqlm's numba kernel, one thread, 5-14x slower per layer); on a GPU aqlm's kernels always run")
-    run.add_argument("--cache-dir", type=Path, default=None, help="download cache (default: $AQFLOW_CACHE or resources/cache)")
-    run.add_argument("--quiet", action="store_true", help="no progress bars")
-    return parser
+    return stage_cli.build_parser(STAGE, __doc__, EvaluateSettings, EvaluatePaths)
+
+
+def request(settings: EvaluateSettings, paths: EvaluatePaths) -> argparse.Namespace:
+    """Settings and paths as the one namespace the functions below read (`args.<field>`)."""
+    fields = {spec.name: getattr(settings, spec.name) for spec in dataclasses.fields(settings)}
+    fields.update({spec.name: getattr(paths, spec.name) for spec in dataclasses.fields(paths)})
+    fields["tasks"] = list(settings.tasks)
+    fields["perplexity"] = None if settings.perplexity is None else list(settings.perplexity)
+    fields["domain"] = None if paths.domain is None else [list(entry) for entry in paths.domain]
+    return argparse.Namespace(**fields)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -276,14 +307,21 @@ def run_tasks(args: argparse.Namespace, model, tokenizer, data_dir: Path) -> tup
     return {"tasks": metrics, **average_accuracy(metrics)}, record
 
 
+def upstream_settings(args: argparse.Namespace) -> dict | None:
+    """The upstream settings to embed: given directly, or read from the --settings file."""
+    if args.upstream is not None:
+        return args.upstream
+    return json.loads(args.settings.read_text()) if args.settings else None
+
+
 def settings_record(args: argparse.Namespace) -> dict:
     import transformers
 
     settings = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
-                if key not in ("output", "settings", "quiet", "pre_pv")}
+                if key not in ("output", "settings", "quiet", "pre_pv", "upstream")}
     settings["dtype"] = compute_dtype(args)
     settings["num_fewshot"] = 0
-    settings["upstream"] = json.loads(args.settings.read_text()) if args.settings else None
+    settings["upstream"] = upstream_settings(args)
     try:
         from importlib.metadata import version
 
@@ -353,14 +391,19 @@ def summary_line(payload: dict) -> str:
     return f"{payload['label'] or payload['model_dir']}: " + ", ".join(parts) + f" ({payload['timings']['total_seconds']:.1f} s)"
 
 
+summary = summary_line  # the stage's report line, under the name every stage gives it
+
+
+def run(settings: EvaluateSettings, paths: EvaluatePaths) -> dict:
+    """Evaluate and write eval.json; its payload."""
+    args = request(settings, paths)
+    verify_inputs(args.model_dir, args.settings, args.pre_pv, args.data_dir, args.wikitext2_corpus, args.c4_corpus,
+                  args.task_data_dir, *(Path(corpus) for _, _, corpus in args.domain or []))
+    payload = evaluate(args)
+    artifacts.write_json(args.output, payload)
+    return payload
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        verify_inputs(args.model_dir, args.settings, args.pre_pv, args.data_dir, args.wikitext2_corpus, args.c4_corpus,
-                      args.task_data_dir, *(Path(corpus) for _, _, corpus in args.domain or []))
-        payload = evaluate(args)
-        artifacts.write_json(args.output, payload)
-    except (*EXPECTED_ERRORS, KeyError, ValueError) as error:
-        return report_error("evaluate", error)
-    print(summary_line(payload))
-    return 0
+    settings, paths = stage_cli.parse(build_parser(), (EvaluateSettings, EvaluatePaths), argv)
+    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)

@@ -13,61 +13,74 @@ to it records the roles and where the text came from), so later stages do not ca
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from aqflow import stage_cli
 from aqflow.corpus_catalog import HUB_CORPORA, STANDIN_CORPORA
-from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
+from aqflow.data.offline_text import CorpusError
+from aqflow.stage_cli import option
+from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
+
+STAGE = "fetch-data"
+INPUT_ERRORS = (*EXPECTED_ERRORS, CorpusError)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aqflow fetch-data", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", required=True,
-                        help=f"one of {sorted(HUB_CORPORA + STANDIN_CORPORA)}, or a user corpus name with --file")
-    parser.add_argument("--output", required=True, type=Path, help="corpus .parquet")
-    parser.add_argument("--calibration-fraction", type=float, default=0.5, help="stand-ins and user files")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the split by document (stand-ins and user files)")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="registry download cache (stand-ins)")
-    user = parser.add_argument_group("user corpus (a local file)")
-    user.add_argument("--file", type=Path, default=None, help="plain text, JSON lines or Parquet")
-    user.add_argument("--format", dest="file_format", choices=("text", "jsonl", "parquet"), default=None,
-                      help="default: from the file name")
-    user.add_argument("--text-column", default="text", help="JSON lines / Parquet: the column holding the text")
-    user.add_argument("--id-column", default=None, help="JSON lines / Parquet: a column of unique document ids")
-    user.add_argument("--separator", default=None, help="plain text: the string between documents (default: blank lines)")
-    return parser
+@dataclass(frozen=True)
+class FetchDataSettings:
+    corpus: str = field(metadata=option(
+        f"one of {sorted(HUB_CORPORA + STANDIN_CORPORA)}, or a user corpus name with --file"))
+    calibration_fraction: float = field(default=0.5, metadata=option("stand-ins and user files"))
+    seed: int = field(default=0, metadata=option("seed of the split by document (stand-ins and user files)"))
+    # a user corpus (a local file): how to read it
+    file_format: str | None = field(default=None, metadata=option(
+        "user file: text, jsonl or parquet (default: from the file name)", flag="--format",
+        choices=("text", "jsonl", "parquet")))
+    text_column: str = field(default="text", metadata=option("user JSON lines / Parquet: the column holding the text"))
+    id_column: str | None = field(default=None, metadata=option("user JSON lines / Parquet: a column of unique document ids"))
+    separator: str | None = field(default=None, metadata=option(
+        "user plain text: the string between documents (default: blank lines)"))
 
 
-def fetch(args: argparse.Namespace):
+@dataclass(frozen=True)
+class FetchDataPaths:
+    output: Path = field(metadata=option("corpus .parquet"))
+    file: Path | None = field(default=None, metadata=option("a user corpus: plain text, JSON lines or Parquet"))
+    cache_dir: Path | None = field(default=None, metadata=option("registry download cache (stand-ins)"))
+
+
+def run(settings: FetchDataSettings, paths: FetchDataPaths):
     """Read, split and write the corpus; the split frame."""
-    if args.file is not None:
-        if args.corpus in HUB_CORPORA + STANDIN_CORPORA:
-            raise ValueError(f"--corpus {args.corpus} is a built-in corpus; give a user corpus another name")
+    if paths.file is not None:
+        if settings.corpus in HUB_CORPORA + STANDIN_CORPORA:
+            raise StageInputError(f"--corpus {settings.corpus} is a built-in corpus; give a user corpus another name")
         from aqflow.data.user_text import prepare_user_corpus
 
-        return prepare_user_corpus(args.corpus, args.file, args.output, args.calibration_fraction, args.seed,
-                                   args.text_column, args.id_column, args.separator, args.file_format)
-    if args.corpus in HUB_CORPORA:
+        return prepare_user_corpus(settings.corpus, paths.file, paths.output, settings.calibration_fraction,
+                                   settings.seed, settings.text_column, settings.id_column, settings.separator,
+                                   settings.file_format)
+    if settings.corpus in HUB_CORPORA:
         from aqflow.data.hub_text import prepare_hub_corpus
 
-        return prepare_hub_corpus(args.corpus, args.output)
-    if args.corpus in STANDIN_CORPORA:
+        return prepare_hub_corpus(settings.corpus, paths.output)
+    if settings.corpus in STANDIN_CORPORA:
         from aqflow.data.offline_text import prepare_corpus
         from aqflow.fetching import default_cache_dir
 
-        return prepare_corpus(args.corpus, args.cache_dir or default_cache_dir(), args.output,
-                              args.calibration_fraction, args.seed)
-    raise ValueError(f"unknown corpus {args.corpus!r}; known: {sorted(HUB_CORPORA + STANDIN_CORPORA)}, "
-                     "or a user corpus with --file")
+        return prepare_corpus(settings.corpus, paths.cache_dir or default_cache_dir(), paths.output,
+                              settings.calibration_fraction, settings.seed)
+    raise StageInputError(f"unknown corpus {settings.corpus!r}; known: {sorted(HUB_CORPORA + STANDIN_CORPORA)}, "
+                          "or a user corpus with --file")
+
+
+def summary(split) -> str:
+    return f"{len(split)} documents {split['role'].value_counts().to_dict()}"
+
+
+def build_parser():
+    return stage_cli.build_parser(STAGE, __doc__, FetchDataSettings, FetchDataPaths)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        split = fetch(args)
-    except (*EXPECTED_ERRORS, KeyError, ValueError) as error:
-        return report_error("fetch-data", error)
-    counts = split["role"].value_counts().to_dict()
-    print(f"{args.corpus}: {len(split)} documents {counts} -> {args.output}")
-    return 0
+    settings, paths = stage_cli.parse(build_parser(), (FetchDataSettings, FetchDataPaths), argv)
+    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)

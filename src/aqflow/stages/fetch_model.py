@@ -14,61 +14,80 @@ name before anything is written.
 
 from __future__ import annotations
 
-import argparse
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from aqflow import artifacts
-from aqflow.models.fetch import MARKER_FILE, prepare_hub_model, prepare_local_model, prepare_model
+from aqflow import artifacts, stage_cli
+from aqflow.models.fetch import MARKER_FILE, ModelInputError, prepare_hub_model, prepare_local_model, prepare_model
 from aqflow.models.hub import HubModelError
+from aqflow.models.presets import PRESETS, TINY_PRESET
+from aqflow.models.support import UnsupportedModelError
 from aqflow.models.tiny import build_tiny_llama
-from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
+from aqflow.quant.quantize import QuantizerSettings
+from aqflow.stage_cli import option
+from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
 
-DTYPES = ["float16", "bfloat16", "float32"]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aqflow fetch-model", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--preset")
-    source.add_argument("--hub-id", help="hub model id ORG/NAME")
-    source.add_argument("--path", type=Path, help="local Hugging Face model folder")
-    parser.add_argument("--revision", default=None, help="hub branch, tag or commit (default: main)")
-    parser.add_argument("--output-dir", required=True, type=Path)
-    parser.add_argument("--dtype", default=None, choices=DTYPES, help="default: the model's own")
-    parser.add_argument("--group-size", type=int, default=8, help="quantization group size the model must admit")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="download cache (default: $AQFLOW_CACHE or resources/cache)")
-    parser.add_argument("--tiny-layers", type=int, default=2, help="blocks of the `tiny` preset")
-    parser.add_argument("--tiny-hidden", type=int, default=64, help="hidden size of the `tiny` preset")
-    return parser
+STAGE = "fetch-model"
+INPUT_ERRORS = (*EXPECTED_ERRORS, HubModelError, ModelInputError, UnsupportedModelError)
+DTYPES = ("float16", "bfloat16", "float32")
 
 
-def fetch(args: argparse.Namespace) -> Path:
-    if args.preset == "tiny":
-        dtype = args.dtype or "float32"
-        with artifacts.atomic_dir(args.output_dir) as staging:
-            build_tiny_llama(staging, hidden_size=args.tiny_hidden, num_layers=args.tiny_layers,
-                             intermediate_size=2 * args.tiny_hidden, dtype=dtype)
-            artifacts.write_json(staging / MARKER_FILE, {"preset": "tiny", "dtype": dtype, "layers": args.tiny_layers})
-        return args.output_dir
-    if (args.output_dir / MARKER_FILE).exists():
-        return args.output_dir
-    shutil.rmtree(args.output_dir, ignore_errors=True)  # an unfinished earlier attempt
-    if args.hub_id:
-        return prepare_hub_model(args.hub_id, args.output_dir, dtype=args.dtype, revision=args.revision,
-                                 group_size=args.group_size)
-    if args.path:
-        return prepare_local_model(args.path, args.output_dir, dtype=args.dtype, group_size=args.group_size)
-    return prepare_model(args.preset, cache_dir=args.cache_dir, out_dir=args.output_dir, dtype=args.dtype,
-                         revision=args.revision, group_size=args.group_size)
+@dataclass(frozen=True)
+class FetchModelSettings:
+    preset: str | None = field(default=None, metadata=option(
+        f"a preset: {', '.join(sorted([*PRESETS, TINY_PRESET]))}", choices=tuple(sorted([*PRESETS, TINY_PRESET]))))
+    hub_id: str | None = field(default=None, metadata=option("hub model id ORG/NAME"))
+    revision: str | None = field(default=None, metadata=option("hub branch, tag or commit (default: main)"))
+    dtype: str | None = field(default=None, metadata=option("default: the model's own", choices=DTYPES))
+    group_size: int = field(default=QuantizerSettings.group_size,
+                            metadata=option("quantization group size the model must admit"))
+    tiny_layers: int = field(default=2, metadata=option("blocks of the `tiny` preset"))
+    tiny_hidden: int = field(default=64, metadata=option("hidden size of the `tiny` preset"))
+
+
+@dataclass(frozen=True)
+class FetchModelPaths:
+    output_dir: Path
+    path: Path | None = field(default=None, metadata=option("local Hugging Face model folder (the source)"))
+    cache_dir: Path | None = field(default=None, metadata=option(
+        "download cache (default: $AQFLOW_CACHE or resources/cache)"))
+
+
+def run(settings: FetchModelSettings, paths: FetchModelPaths) -> Path:
+    """The model folder, written (or found finished) at paths.output_dir."""
+    sources = [flag for flag, value in (("--preset", settings.preset), ("--hub-id", settings.hub_id),
+                                        ("--path", paths.path)) if value is not None]
+    if len(sources) != 1:
+        raise StageInputError(f"give exactly one of --preset, --hub-id, --path (got {sources or 'none'})")
+    output_dir = paths.output_dir
+    if settings.preset == TINY_PRESET:
+        dtype = settings.dtype or "float32"
+        with artifacts.atomic_dir(output_dir) as staging:
+            build_tiny_llama(staging, hidden_size=settings.tiny_hidden, num_layers=settings.tiny_layers,
+                             intermediate_size=2 * settings.tiny_hidden, dtype=dtype)
+            artifacts.write_json(staging / MARKER_FILE, {"preset": "tiny", "dtype": dtype, "layers": settings.tiny_layers})
+        return output_dir
+    if (output_dir / MARKER_FILE).exists():
+        return output_dir
+    shutil.rmtree(output_dir, ignore_errors=True)  # an unfinished earlier attempt
+    if settings.hub_id:
+        return prepare_hub_model(settings.hub_id, output_dir, dtype=settings.dtype, revision=settings.revision,
+                                 group_size=settings.group_size)
+    if paths.path:
+        return prepare_local_model(paths.path, output_dir, dtype=settings.dtype, group_size=settings.group_size)
+    return prepare_model(settings.preset, cache_dir=paths.cache_dir, out_dir=output_dir, dtype=settings.dtype,
+                         revision=settings.revision, group_size=settings.group_size)
+
+
+def summary(folder: Path) -> str:
+    return f"model folder: {folder}"
+
+
+def build_parser():
+    return stage_cli.build_parser(STAGE, __doc__, FetchModelSettings, FetchModelPaths)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        folder = fetch(args)
-    except (*EXPECTED_ERRORS, HubModelError, KeyError, ValueError) as error:
-        return report_error("fetch-model", error)
-    print(f"{args.preset or args.hub_id or args.path}: {folder}")
-    return 0
+    settings, paths = stage_cli.parse(build_parser(), (FetchModelSettings, FetchModelPaths), argv)
+    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)

@@ -13,14 +13,13 @@ those inputs as targets, and tunes codebooks, scales, norms and biases with Adam
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from aqflow import artifacts
+from aqflow import artifacts, stage_cli
 from aqflow.calibration.block_finetune import BlockFinetuneSettings, QuantizedLinearParams, cast_floats, finetune_block
 from aqflow.calibration.hessians import block_forward
 from aqflow.models.structure import find_decoder_blocks
@@ -34,29 +33,31 @@ from aqflow.calibration.sequential import (
     load_hidden_states,
     load_windows,
 )
-from aqflow.models.fetch import load_causal_lm, model_compute_dtype
-from aqflow.quant.representation import pack_codes, unpack_codes
 from aqflow.artifacts import load_safetensors, verify_inputs
-from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
+from aqflow.models.fetch import ModelInputError, load_causal_lm, model_compute_dtype
+from aqflow.quant.representation import pack_codes, unpack_codes
+from aqflow.stage_cli import option
+from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
+
+STAGE = "finetune-block"
+INPUT_ERRORS = (*EXPECTED_ERRORS, ModelInputError)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aqflow finetune-block", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", required=True, type=Path, help="full-precision model folder")
-    parser.add_argument("--calibration-dir", required=True, type=Path, help="shared calibration folder (windows)")
-    parser.add_argument("--block", required=True, type=int)
-    parser.add_argument("--layers-dir", required=True, type=Path, help="folder with the block's quantized linears")
-    parser.add_argument("--inputs", type=Path, default=None, help="the block's inputs (from calibrate-block); not for block 0")
-    parser.add_argument("--output-dir", required=True, type=Path)
-    defaults = BlockFinetuneSettings()
-    parser.add_argument("--epochs", type=int, default=defaults.epochs)
-    parser.add_argument("--lr", type=float, default=defaults.lr)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quiet", action="store_true")
-    return parser
+@dataclass(frozen=True)
+class FinetuneBlockSettings:
+    block: int = field(metadata=option("block to tune"))
+    tuning: BlockFinetuneSettings = field(default_factory=BlockFinetuneSettings)
+    device: str = field(default_factory=stage_cli.default_device)
+    quiet: bool = field(default=False, metadata=option("no progress bar"))
+
+
+@dataclass(frozen=True)
+class FinetuneBlockPaths:
+    model_dir: Path = field(metadata=option("full-precision model folder"))
+    calibration_dir: Path = field(metadata=option("shared calibration folder (windows)"))
+    layers_dir: Path = field(metadata=option("folder with the block's quantized linears"))
+    output_dir: Path
+    inputs: Path | None = field(default=None, metadata=option("the block's inputs (from calibrate-block); not for block 0"))
 
 
 def read_quantized(path: Path) -> tuple[QuantizedLinearParams, int]:
@@ -66,46 +67,48 @@ def read_quantized(path: Path) -> tuple[QuantizedLinearParams, int]:
     return QuantizedLinearParams(unpack_codes(tensors["codes"], nbits), tensors["codebooks"], tensors["scales"]), nbits
 
 
-def run(args: argparse.Namespace) -> dict:
-    settings = BlockFinetuneSettings(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
-    windows = load_windows(args.calibration_dir / WINDOWS_FILE)
+def run(settings: FinetuneBlockSettings, paths: FinetuneBlockPaths) -> dict:
+    """The tuned block folder at paths.output_dir; its finetune.json record."""
+    verify_inputs(paths.model_dir, paths.calibration_dir, paths.layers_dir, paths.inputs)
+    tuning = settings.tuning
+    windows = load_windows(paths.calibration_dir / WINDOWS_FILE)
     # the model in its compute dtype (its own on a GPU, float32 on a CPU); only the tuned block goes to float32
-    model = load_causal_lm(args.model_dir, dtype=model_compute_dtype(args.model_dir, args.device), device=args.device)
+    model = load_causal_lm(paths.model_dir, dtype=model_compute_dtype(paths.model_dir, settings.device), device=settings.device)
     _, blocks = find_decoder_blocks(model)
-    if not 0 <= args.block < len(blocks):
-        raise ValueError(f"--block {args.block}: the model has blocks 0..{len(blocks) - 1}")
-    if (args.block == 0) != (args.inputs is None):
-        raise ValueError("give --inputs for every block but block 0 (whose inputs are the embeddings)")
-    block, prefix = blocks[args.block], block_prefix_of(model, args.block)
-    files = block_layer_files(args.layers_dir, prefix, block)
+    if not 0 <= settings.block < len(blocks):
+        raise StageInputError(f"--block {settings.block}: the model has blocks 0..{len(blocks) - 1}")
+    if (settings.block == 0) != (paths.inputs is None):
+        raise StageInputError("give --inputs for every block but block 0 (whose inputs are the embeddings)")
+    block, prefix = blocks[settings.block], block_prefix_of(model, settings.block)
+    files = block_layer_files(paths.layers_dir, prefix, block)
     missing = [str(path) for path in files.values() if not path.is_file()]
     if missing:
-        raise FileNotFoundError(f"block {args.block} is not fully quantized: missing {missing}")
+        raise FileNotFoundError(f"block {settings.block} is not fully quantized: missing {missing}")
     quantized = {name: read_quantized(path) for name, path in files.items()}
-    call = cast_floats(block_call_inputs(model, windows, args.block), torch.float32)
-    if args.inputs is None:
-        hidden_in = embedded_inputs(model, windows, settings.batch_size, progress=not args.quiet)
+    call = cast_floats(block_call_inputs(model, windows, settings.block), torch.float32)
+    if paths.inputs is None:
+        hidden_in = embedded_inputs(model, windows, tuning.batch_size, progress=not settings.quiet)
     else:
-        hidden_in = load_hidden_states(args.inputs, windows).to(args.device)
+        hidden_in = load_hidden_states(paths.inputs, windows).to(settings.device)
     hidden_in = hidden_in.float()
     block.float()  # targets and tuning in float32
     with torch.no_grad():  # targets: the full-precision block on the same inputs
-        targets = torch.cat([block_forward(block, call, hidden_in[s:s + settings.batch_size])
-                             for s in range(0, hidden_in.shape[0], settings.batch_size)])
-    result = finetune_block(block, call, hidden_in, targets, {n: q for n, (q, _) in quantized.items()}, settings,
-                            progress=not args.quiet)
+        targets = torch.cat([block_forward(block, call, hidden_in[s:s + tuning.batch_size])
+                             for s in range(0, hidden_in.shape[0], tuning.batch_size)])
+    result = finetune_block(block, call, hidden_in, targets, {n: q for n, (q, _) in quantized.items()}, tuning,
+                            progress=not settings.quiet)
     summary = {
-        "block": args.block,
+        "block": settings.block,
         "relative_mse_before": result.relative_mse_before,
         "relative_mse_after": result.relative_mse_after,
         "relative_mse_per_epoch": result.relative_mse_per_epoch,
         "best_epoch": result.best_epoch,
         "seconds": result.seconds,
-        "settings": dataclasses.asdict(settings),
+        "settings": dataclasses.asdict(tuning),
         "tuned_block_tensors": sorted(result.block_tensors),
-        "device": args.device,
+        "device": settings.device,
     }
-    with artifacts.atomic_dir(args.output_dir) as staging:
+    with artifacts.atomic_dir(paths.output_dir) as staging:
         for name, params in result.linears.items():
             nbits = quantized[name][1]
             artifacts.save_safetensors(staging / files[name].name, {
@@ -119,14 +122,15 @@ def run(args: argparse.Namespace) -> dict:
     return summary
 
 
+def summary(record: dict) -> str:
+    return (f"block {record['block']}: relative output MSE {record['relative_mse_before']:.5f} -> "
+            f"{record['relative_mse_after']:.5f} (best epoch {record['best_epoch']}, {record['seconds']:.1f} s)")
+
+
+def build_parser():
+    return stage_cli.build_parser(STAGE, __doc__, FinetuneBlockSettings, FinetuneBlockPaths)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        verify_inputs(args.model_dir, args.calibration_dir, args.layers_dir, args.inputs)
-        summary = run(args)
-    except (*EXPECTED_ERRORS, KeyError, ValueError) as error:
-        return report_error("finetune-block", error)
-    print(f"block {summary['block']}: relative output MSE {summary['relative_mse_before']:.5f} -> "
-          f"{summary['relative_mse_after']:.5f} (best epoch {summary['best_epoch']}, {summary['seconds']:.1f} s) "
-          f"-> {args.output_dir}")
-    return 0
+    settings, paths = stage_cli.parse(build_parser(), (FinetuneBlockSettings, FinetuneBlockPaths), argv)
+    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)

@@ -9,20 +9,23 @@ the list of expected cells that have no run yet.
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
-from aqflow import artifacts
+from aqflow import artifacts, stage_cli
 from aqflow.artifacts import read_json, verify_inputs
 from aqflow.experiments.claims import claims_table, paper_claims
 from aqflow.experiments.paper_numbers import PAPER_DOMAIN_RATIOS, paper_cells
 from aqflow.experiments.plots import plot_against_beam, plot_against_domain, plot_against_rho, plot_pre_to_post_pv
 from aqflow.experiments.runs import grid_evals, missing_cells, runs_table
 from aqflow.experiments.tables import frame_markdown, markdown_table, seed_statistics, with_paper
-from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
+from aqflow.stage_cli import option
+from aqflow.stage_errors import EXPECTED_ERRORS
 
+STAGE = "paper-tables"
+INPUT_ERRORS = EXPECTED_ERRORS
 PLOTS = ("beam.png", "rho.png", "domains.png", "pv.png")
 
 
@@ -53,18 +56,20 @@ def headline_domain(domains: list[str]) -> str:
     return next((domain for domain in domains if paper_domain(domain) == "wikitext2"), domains[-1])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aqflow paper-tables", description=__doc__,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("evals", nargs="*", type=Path, help="eval.json files of the grid's runs")
-    parser.add_argument("--out-dir", required=True, type=Path)
-    parser.add_argument("--domains", nargs="+", default=["c4", "wikitext2"],
-                        help="evaluation domains (corpus names as in eval.json) ordered from the calibration "
-                             "text's own to the farthest")
-    parser.add_argument("--expected-cells", type=Path, default=None,
-                        help="JSON list of the grid's cells, each with its eval_json path (results/paper/grid.json): "
-                             "the ones that exist are read, the others listed as missing")
-    return parser
+@dataclass(frozen=True)
+class PaperTablesSettings:
+    domains: tuple[str, ...] = field(default=("c4", "wikitext2"), metadata=option(
+        "evaluation domains (corpus names as in eval.json) ordered from the calibration text's own to the farthest",
+        nargs="+"))
+
+
+@dataclass(frozen=True)
+class PaperTablesPaths:
+    out_dir: Path
+    evals: tuple[Path, ...] = field(default=(), metadata=option("eval.json files of the grid's runs", positional=True))
+    expected_cells: Path | None = field(default=None, metadata=option(
+        "JSON list of the grid's cells, each with its eval_json path (results/paper/grid.json): the ones that "
+        "exist are read, the others listed as missing"))
 
 
 def domain_table(runs: pd.DataFrame, domains: list[str], bpp: int = 2, beam: int = 8, max_epochs: int = 100) -> pd.DataFrame:
@@ -134,16 +139,27 @@ def write_tables(runs: pd.DataFrame, out_dir: Path, domains: list[str], expected
     return {"runs": len(runs), "missing": missing}
 
 
+def run(settings: PaperTablesSettings, paths: PaperTablesPaths) -> dict:
+    """Every table, plot and the README into paths.out_dir; what was written and what is missing."""
+    absent = [str(path) for path in paths.evals if not path.is_file()]
+    if absent:
+        raise FileNotFoundError(f"eval.json files not found: {absent}")
+    verify_inputs(*paths.evals, paths.expected_cells)
+    expected = read_json(paths.expected_cells, required=False) if paths.expected_cells else []
+    result = write_tables(runs_table(grid_evals(list(paths.evals), expected)), paths.out_dir, list(settings.domains),
+                          expected)
+    return result | {"out_dir": str(paths.out_dir)}
+
+
+def summary(result: dict) -> str:
+    return (f"paper tables from {result['runs']} runs -> {result['out_dir']} "
+            f"({len(result['missing'])} expected cells missing)")
+
+
+def build_parser():
+    return stage_cli.build_parser(STAGE, __doc__, PaperTablesSettings, PaperTablesPaths)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        absent = [str(path) for path in args.evals if not path.is_file()]
-        if absent:
-            raise FileNotFoundError(f"eval.json files not found: {absent}")
-        verify_inputs(*args.evals, args.expected_cells)
-        expected = read_json(args.expected_cells, required=False) if args.expected_cells else []
-        result = write_tables(runs_table(grid_evals(args.evals, expected)), args.out_dir, args.domains, expected)
-    except (*EXPECTED_ERRORS, KeyError, ValueError) as error:
-        return report_error("paper-tables", error)
-    print(f"paper tables from {result['runs']} runs -> {args.out_dir} ({len(result['missing'])} expected cells missing)")
-    return 0
+    settings, paths = stage_cli.parse(build_parser(), (PaperTablesSettings, PaperTablesPaths), argv)
+    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)

@@ -13,56 +13,48 @@ input nothing is written.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
 import platform
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from aqflow import artifacts
-from aqflow.finite import require_finite
-from aqflow.models.folder import split_module_name
+from aqflow import artifacts, stage_cli
+from aqflow.finite import NonFiniteMetricError, require_finite
+from aqflow.models.folder import ModelFolderError, split_module_name
 from aqflow.quant.quantize import QuantizerSettings, layer_summary, quantize_layer
 from aqflow.quant.representation import pack_codes
 from aqflow.quant.validation import QuantizationInputError
+from aqflow.stage_cli import option
+from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
 from aqflow.tensor_files import load_tensor
-from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
+
+STAGE = "quantize-layer"
+INPUT_ERRORS = (*EXPECTED_ERRORS, NonFiniteMetricError, QuantizationInputError, ModelFolderError)
 
 
-def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """One --option per QuantizerSettings field, defaults from the dataclass."""
-    for field in dataclasses.fields(QuantizerSettings):
-        flag = "--" + field.name.replace("_", "-")
-        if field.type in ("bool", bool):
-            parser.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=field.default, metavar="BOOL")
-        else:
-            kind = {"int": int, "float": float, "str": str}[str(field.type)]
-            parser.add_argument(flag, type=kind, default=field.default)
+@dataclass(frozen=True)
+class QuantizeLayerSettings:
+    quantizer: QuantizerSettings = field(default_factory=QuantizerSettings)
+    device: str = field(default_factory=stage_cli.default_device, metadata=option("cpu, cuda or cuda:N"))
+    name: str | None = field(default=None, metadata=option("layer name recorded in the metrics (default: --layer, or the weight file's stem)"))
+    quiet: bool = field(default=False, metadata=option("no progress bar"))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aqflow quantize-layer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weight", type=Path, help="weight file (.safetensors or .npz)")
-    parser.add_argument("--weight-key", default=None, help="tensor name in the weight file (default: its only tensor)")
-    parser.add_argument("--xtx", type=Path, help="XᵀX file (.safetensors or .npz)")
-    parser.add_argument("--xtx-key", default=None, help="tensor name in the XᵀX file (default: its only tensor)")
-    parser.add_argument("--model-dir", type=Path, help="model folder (instead of --weight)")
-    parser.add_argument("--calibration-dir", type=Path, help="calibration folder (instead of --xtx)")
-    parser.add_argument("--layer", help="module name of the linear, with --model-dir and --calibration-dir")
-    parser.add_argument("--output", required=True, type=Path, help="result .safetensors (codes, codebooks, scales)")
-    parser.add_argument("--metrics", required=True, type=Path, help="metrics .json")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--name", default=None, help="layer name recorded in the metrics")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_settings_arguments(parser)
-    return parser
-
-
-def settings_from_args(args: argparse.Namespace) -> QuantizerSettings:
-    return QuantizerSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(QuantizerSettings)})
+@dataclass(frozen=True)
+class QuantizeLayerPaths:
+    output: Path = field(metadata=option("result .safetensors (codes, codebooks, scales)"))
+    metrics: Path = field(metadata=option("metrics .json"))
+    weight: Path | None = field(default=None, metadata=option("weight file (.safetensors or .npz)"))
+    weight_key: str | None = field(default=None, metadata=option("tensor name in the weight file (default: its only tensor)"))
+    xtx: Path | None = field(default=None, metadata=option("XᵀX file (.safetensors or .npz)"))
+    xtx_key: str | None = field(default=None, metadata=option("tensor name in the XᵀX file (default: its only tensor)"))
+    model_dir: Path | None = field(default=None, metadata=option("model folder (instead of --weight)"))
+    calibration_dir: Path | None = field(default=None, metadata=option("calibration folder (instead of --xtx)"))
+    layer: str | None = field(default=None, metadata=option("module name of the linear, with --model-dir and --calibration-dir"))
 
 
 def calibration_site(calibration_dir: Path, layer: str) -> tuple[Path, str]:
@@ -73,29 +65,30 @@ def calibration_site(calibration_dir: Path, layer: str) -> tuple[Path, str]:
     manifest = load_manifest(calibration_dir, verify=True, blocks=[block])
     rows = manifest[(manifest["block"] == block) & manifest["linears"].apply(lambda names: linear in list(names))]
     if rows.empty:
-        raise KeyError(f"{calibration_dir}: the manifest has no input site for block {block} linear {linear!r}")
+        raise StageInputError(f"{calibration_dir}: the manifest has no input site for block {block} linear {linear!r}")
     return calibration_dir / rows.iloc[0]["file"], f"xtx/{rows.iloc[0]['site']}"
 
 
-def load_inputs(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, str]:
+def load_inputs(paths: QuantizeLayerPaths) -> tuple[torch.Tensor, torch.Tensor, str]:
     """(weight [out, in], XᵀX [in, in], layer name) from files or from model + calibration folders."""
-    if args.layer is not None:
-        if args.model_dir is None or args.calibration_dir is None:
-            raise ValueError("--layer needs --model-dir and --calibration-dir")
+    if paths.layer is not None:
+        if paths.model_dir is None or paths.calibration_dir is None:
+            raise StageInputError("--layer needs --model-dir and --calibration-dir")
         from aqflow.models.folder import read_tensor
 
-        block_file, key = calibration_site(args.calibration_dir, args.layer)
-        return read_tensor(args.model_dir, f"{args.layer}.weight"), load_tensor(block_file, key, verify=True), args.layer
-    if args.weight is None or args.xtx is None:
-        raise ValueError("give --weight and --xtx, or --model-dir, --calibration-dir and --layer")
-    return load_tensor(args.weight, args.weight_key), load_tensor(args.xtx, args.xtx_key), args.weight.stem
+        block_file, key = calibration_site(paths.calibration_dir, paths.layer)
+        return read_tensor(paths.model_dir, f"{paths.layer}.weight"), load_tensor(block_file, key, verify=True), paths.layer
+    if paths.weight is None or paths.xtx is None:
+        raise StageInputError("give --weight and --xtx, or --model-dir, --calibration-dir and --layer")
+    return load_tensor(paths.weight, paths.weight_key), load_tensor(paths.xtx, paths.xtx_key), paths.weight.stem
 
 
-def run(args: argparse.Namespace) -> dict:
-    weight, xtx, default_name = load_inputs(args)
-    inputs = {k: str(getattr(args, k)) for k in ("weight", "xtx", "model_dir", "calibration_dir") if getattr(args, k)}
-    return quantize_and_write(weight, xtx, settings_from_args(args), args.name or default_name, args.output,
-                              args.metrics, args.device, progress=not args.quiet, inputs=inputs)
+def run(settings: QuantizeLayerSettings, paths: QuantizeLayerPaths) -> dict:
+    """Quantize the layer and write its tensors and metrics; the metrics."""
+    weight, xtx, default_name = load_inputs(paths)
+    inputs = {k: str(getattr(paths, k)) for k in ("weight", "xtx", "model_dir", "calibration_dir") if getattr(paths, k)}
+    return quantize_and_write(weight, xtx, settings.quantizer, settings.name or default_name, paths.output,
+                              paths.metrics, settings.device, progress=not settings.quiet, inputs=inputs)
 
 
 def quantize_and_write(weight: torch.Tensor, xtx: torch.Tensor, settings: QuantizerSettings, name: str,
@@ -132,7 +125,7 @@ def quantize_and_write(weight: torch.Tensor, xtx: torch.Tensor, settings: Quanti
 
 
 def quantize_every_linear(model_dir: str | Path, layers_dir: str | Path, nbits: int, num_codebooks: int = 2,
-                          group_size: int = 8) -> list[str]:
+                          group_size: int = QuantizerSettings.group_size) -> list[str]:
     """A quick, rough quantization of every decoder linear of a (tiny) model folder, for tests and
     dry runs: XᵀX = I, beam 2 and one 5-step epoch. Writes each layer's tensors where the pipeline
     does (`checkpoint.layer_artifact_path`) and its metrics under `<layers_dir>-inputs/` (so tests
@@ -172,15 +165,16 @@ def write_layer_pair(output: Path, metrics_path: Path, tensors: dict, meta: dict
         raise
 
 
+def summary(metrics: dict) -> str:
+    return (f"{metrics['layer']}: relative MSE {metrics['init_relative_mse']:.5f} after init -> "
+            f"{metrics['final_relative_mse']:.5f} after {len(metrics['epochs'])} epochs "
+            f"({metrics['total_seconds']:.1f} s, rho {metrics['rho']:.3g})")
+
+
+def build_parser():
+    return stage_cli.build_parser(STAGE, __doc__, QuantizeLayerSettings, QuantizeLayerPaths)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        metrics = run(args)
-    except (*EXPECTED_ERRORS, QuantizationInputError, KeyError, ValueError) as error:
-        return report_error("quantize-layer", error)
-    print(
-        f"{metrics['layer']}: relative MSE {metrics['init_relative_mse']:.5f} after init -> "
-        f"{metrics['final_relative_mse']:.5f} after {len(metrics['epochs'])} epochs "
-        f"({metrics['total_seconds']:.1f} s, rho {metrics['rho']:.3g})"
-    )
-    return 0
+    settings, paths = stage_cli.parse(build_parser(), (QuantizeLayerSettings, QuantizeLayerPaths), argv)
+    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)

@@ -1,57 +1,72 @@
-"""`python -m aqflow report`: summary table (CSV + Parquet) and plots from eval.json files, and
-what each rule's jobs cost from their Snakemake benchmark files."""
+"""`python -m aqflow report`: summary table (CSV + Parquet) and plots from eval.json files."""
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from aqflow import artifacts, job_benchmarks
-from aqflow.reporting import plot_layers, plot_pareto, plot_pv_curves, summary_table
+from aqflow import artifacts, job_benchmarks, stage_cli
 from aqflow.artifacts import verify_inputs
-from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
+from aqflow.reporting import plot_layers, plot_pareto, plot_pv_curves, summary_table
+from aqflow.stage_cli import option
+from aqflow.stage_errors import EXPECTED_ERRORS
+
+STAGE = "report"
+INPUT_ERRORS = EXPECTED_ERRORS
+
+
+@dataclass(frozen=True)
+class ReportSettings:
+    """The report has no knobs: what it shows follows from the eval.json files."""
+
+
+@dataclass(frozen=True)
+class ReportPaths:
+    evals: tuple[Path, ...] = field(metadata=option("eval.json files", positional=True, nargs="+"))
+    csv: Path = field(metadata=option("summary table .csv to write"))
+    parquet: Path = field(metadata=option("summary table .parquet to write"))
+    pareto: Path = field(metadata=option("perplexity against bits plot .png to write"))
+    layers: Path = field(metadata=option("per-layer plot .png to write"))
+    pv_curves: Path | None = field(default=None, metadata=option("PV-tuning curves .png to write"))
+    pv_logs: tuple[Path, ...] = field(default=(), metadata=option("PV-tuning train_log.parquet files"))
+    stage_times: Path | None = field(default=None, metadata=option(
+        "per-rule costs .csv to write, from the jobs' benchmark files"))
+    benchmarks: tuple[Path, ...] = field(default=(), metadata=option(
+        "Snakemake benchmark .tsv files of the jobs, under --benchmark-root (those missing are left out: "
+        "a job run before benchmark files existed, or whose logs were cleaned)"))
+    benchmark_root: Path = field(default=job_benchmarks.BENCHMARK_ROOT, metadata=option(
+        "the folder whose first level names the rule"))
+
+
+def run(settings: ReportSettings, paths: ReportPaths):
+    """Every output of the report from the eval.json files; the summary table."""
+    verify_inputs(*paths.evals, *paths.pv_logs)
+    table = summary_table(list(paths.evals))
+    artifacts.write_parquet(paths.parquet, table)
+    with artifacts.atomic_path(paths.csv) as tmp:
+        table.to_csv(tmp, index=False)
+    with artifacts.atomic_path(paths.pareto) as tmp:
+        plot_pareto(table, tmp)
+    with artifacts.atomic_path(paths.layers) as tmp:
+        plot_layers(list(paths.evals), tmp)
+    if paths.pv_curves is not None:
+        with artifacts.atomic_path(paths.pv_curves) as tmp:
+            plot_pv_curves(list(paths.pv_logs), tmp)
+    if paths.stage_times is not None:
+        jobs = job_benchmarks.job_table([path for path in paths.benchmarks if Path(path).is_file()], paths.benchmark_root)
+        with artifacts.atomic_path(paths.stage_times) as tmp:
+            job_benchmarks.rule_table(jobs).to_csv(tmp, index=False)
+    return table
+
+
+def summary(table) -> str:
+    return table.to_string(index=False)
+
+
+def build_parser():
+    return stage_cli.build_parser(STAGE, __doc__, ReportSettings, ReportPaths)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="aqflow report", description=__doc__)
-    parser.add_argument("evals", nargs="+", type=Path, help="eval.json files")
-    parser.add_argument("--csv", required=True, type=Path)
-    parser.add_argument("--parquet", required=True, type=Path)
-    parser.add_argument("--pareto", required=True, type=Path)
-    parser.add_argument("--layers", required=True, type=Path)
-    parser.add_argument("--pv-curves", type=Path, default=None, help="PV-tuning curves .png to write")
-    parser.add_argument("--pv-logs", nargs="*", type=Path, default=[], help="PV-tuning train_log.parquet files")
-    parser.add_argument("--stage-times", type=Path, default=None,
-                        help="per-rule costs .csv to write, from the --benchmarks files")
-    parser.add_argument("--benchmarks", nargs="*", type=Path, default=[],
-                        help="Snakemake benchmark .tsv files of the jobs, under --benchmark-root")
-    parser.add_argument("--benchmark-root", type=Path, default=job_benchmarks.BENCHMARK_ROOT,
-                        help="the folder whose first level names the rule (default: %(default)s)")
-    args = parser.parse_args(argv)
-    try:
-        verify_inputs(*args.evals, *args.pv_logs)
-        table = write_report(args)
-    except (*EXPECTED_ERRORS, KeyError, ValueError) as error:
-        return report_error("report", error)
-    print(table.to_string(index=False))
-    return 0
-
-
-def write_report(args: argparse.Namespace):
-    """Every output of the report from the eval.json files; the summary table."""
-    table = summary_table(args.evals)
-    artifacts.write_parquet(args.parquet, table)
-    with artifacts.atomic_path(args.csv) as tmp:
-        table.to_csv(tmp, index=False)
-    with artifacts.atomic_path(args.pareto) as tmp:
-        plot_pareto(table, tmp)
-    with artifacts.atomic_path(args.layers) as tmp:
-        plot_layers(args.evals, tmp)
-    if args.pv_curves is not None:
-        with artifacts.atomic_path(args.pv_curves) as tmp:
-            plot_pv_curves(args.pv_logs, tmp)
-    if args.stage_times is not None:
-        jobs = job_benchmarks.job_table(args.benchmarks, args.benchmark_root)
-        with artifacts.atomic_path(args.stage_times) as tmp:
-            job_benchmarks.rule_table(jobs).to_csv(tmp, index=False)
-    return table
+    settings, paths = stage_cli.parse(build_parser(), (ReportSettings, ReportPaths), argv)
+    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)

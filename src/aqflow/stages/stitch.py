@@ -8,45 +8,63 @@ artifact is checked before anything is written; on a bad input nothing is writte
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from aqflow.checkpoint import CheckpointError, write_aqlm_checkpoint
-from aqflow.models.folder import stored_bits_per_parameter
-from aqflow.models.fetch import config_dtype
+from aqflow import stage_cli
 from aqflow.artifacts import load_safetensors, verify_inputs
-from aqflow.stage_errors import EXPECTED_ERRORS, report as report_error
+from aqflow.checkpoint import CheckpointError, write_aqlm_checkpoint
+from aqflow.models.fetch import config_dtype
+from aqflow.models.folder import ModelFolderError, stored_bits_per_parameter
+from aqflow.quant.quantize import QuantizerSettings
+from aqflow.stage_cli import option
+from aqflow.stage_errors import EXPECTED_ERRORS
+
+STAGE = "stitch"
+INPUT_ERRORS = (*EXPECTED_ERRORS, CheckpointError, ModelFolderError)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aqflow stitch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", required=True, type=Path, help="full-precision Hugging Face model folder")
-    parser.add_argument("--layers-dir", required=True, type=Path, nargs="+",
-                        help="folder(s) of <module name>.safetensors layer results; each layer in exactly one")
-    parser.add_argument("--replace-tensors", type=Path, nargs="*", default=[],
-                        help="safetensors files of tuned full-precision tensors (block fine-tuning's "
-                             "block.safetensors) stored instead of the model's")
-    parser.add_argument("--output-dir", required=True, type=Path, help="checkpoint folder to create (must not exist)")
-    parser.add_argument("--num-codebooks", required=True, type=int)
-    parser.add_argument("--nbits", required=True, type=int, help="bits per code (codebooks of 2^nbits codewords)")
-    parser.add_argument("--group-size", type=int, default=8, help="input weights per group")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"),
-                        help="dtype of codebooks, scales and the full-precision tensors (auto: the model folder's)")
-    return parser
+@dataclass(frozen=True)
+class StitchSettings:
+    num_codebooks: int = field(metadata=option("codebooks per group (as the layers were quantized)"))
+    nbits: int = field(metadata=option("bits per code (codebooks of 2^nbits codewords)"))
+    group_size: int = field(default=QuantizerSettings.group_size, metadata=option("input weights per group"))
+    dtype: str = field(default="auto", metadata=option(
+        "dtype of codebooks, scales and the full-precision tensors (auto: the model folder's)",
+        choices=("auto", "float16", "bfloat16", "float32")))
+
+
+@dataclass(frozen=True)
+class StitchPaths:
+    model_dir: Path = field(metadata=option("full-precision Hugging Face model folder"))
+    layers_dir: tuple[Path, ...] = field(metadata=option(
+        "folder(s) of <module name>.safetensors layer results; each layer in exactly one"))
+    output_dir: Path = field(metadata=option("checkpoint folder to create (must not exist)"))
+    replace_tensors: tuple[Path, ...] = field(default=(), metadata=option(
+        "safetensors files of tuned full-precision tensors (block fine-tuning's block.safetensors) "
+        "stored instead of the model's"))
+
+
+def run(settings: StitchSettings, paths: StitchPaths) -> Path:
+    """Write the AQLM checkpoint folder; its path."""
+    dtype = (config_dtype(paths.model_dir) or "float16") if settings.dtype == "auto" else settings.dtype
+    verify_inputs(paths.model_dir, *paths.layers_dir, *paths.replace_tensors)
+    replaced = {}
+    for path in paths.replace_tensors:
+        replaced.update(load_safetensors(path, verify=False))  # verified above
+    return write_aqlm_checkpoint(paths.model_dir, list(paths.layers_dir), paths.output_dir,
+                                 num_codebooks=settings.num_codebooks, nbits=settings.nbits,
+                                 group_size=settings.group_size, dtype=dtype, replaced_tensors=replaced)
+
+
+def summary(output_dir: Path) -> str:
+    return f"{output_dir}: AQLM checkpoint, {stored_bits_per_parameter(output_dir)['bits_per_parameter']:.3f} stored bits per quantized weight"
+
+
+def build_parser():
+    return stage_cli.build_parser(STAGE, __doc__, StitchSettings, StitchPaths)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        dtype = (config_dtype(args.model_dir) or "float16") if args.dtype == "auto" else args.dtype
-        verify_inputs(args.model_dir, *args.layers_dir, *args.replace_tensors)
-        replaced = {}
-        for path in args.replace_tensors:
-            replaced.update(load_safetensors(path, verify=False))  # verified above
-        output_dir = write_aqlm_checkpoint(args.model_dir, args.layers_dir, args.output_dir,
-                                           num_codebooks=args.num_codebooks, nbits=args.nbits,
-                                           group_size=args.group_size, dtype=dtype, replaced_tensors=replaced)
-    except (*EXPECTED_ERRORS, CheckpointError, ValueError, KeyError) as error:
-        return report_error("stitch", error)
-    print(f"{output_dir}: AQLM checkpoint, {stored_bits_per_parameter(output_dir)['bits_per_parameter']:.3f} stored bits per quantized weight")
-    return 0
+    settings, paths = stage_cli.parse(build_parser(), (StitchSettings, StitchPaths), argv)
+    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)
