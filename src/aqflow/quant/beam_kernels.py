@@ -29,6 +29,10 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
 MAX_REGISTER_CANDIDATES = 4096  # b·K held per program
+# Warps per row of the stage kernel. The stage is latency-bound (b dependent selection rounds per
+# row): fewer warps per row let more rows share an SM. One beam pass over 8192x3072 on an H100:
+# 0.136 s at 1 warp, 0.130 s at 2, 0.274 s at 4, 0.425 s at 8 (benchmarks/beam_pass.py --sweep).
+STAGE_NUM_WARPS = 2
 
 
 def next_power_of_two(n: int) -> int:
@@ -59,7 +63,7 @@ if triton is not None:
         scales_ptr,  # [R]
         block_ptr,  # XᵀX block (j, j) [g, g] contiguous
         codebook_ptr,  # codebook m [K, g] contiguous
-        energy_ptr,  # c_kᵀ H_jj c_k [K]
+        table_ptr,  # [c_kᵀ ; 1 ; c_kᵀ H_jj c_k] of (m, j) [g+2, K] contiguous (beam_search.candidate_table)
         out_sums_ptr, out_codes_ptr, out_origin_ptr, out_scores_ptr,  # contiguous [R, b, g], [R, b, M], [R, b], [R, b]
         BEAM: tl.constexpr,
         BLOCK_B: tl.constexpr,
@@ -105,20 +109,29 @@ if triton is not None:
         constant = loss0 + tl.sum(f * (hf - 2.0 * p), axis=1)  # [B]
         linear = 2.0 * s * (hf - p)  # [B, G]
 
-        codebook = tl.load(codebook_ptr + kk[:, None] * G + gi[None, :])  # [K, G]
-        energy = tl.load(energy_ptr + kk)  # [K]
-        scores = constant[:, None] + tl.sum(linear[:, None, :] * codebook[None, :, :], axis=2) + (s * s) * energy[None, :]
+        # scores as b·K accumulators, one codebook coordinate at a time: a [b, K, g] product
+        # in registers (and its reduction) would cost g times the registers and limit how many
+        # rows an SM works on at once; the stage is latency-bound, so occupancy is its speed.
+        energy = tl.load(table_ptr + (G + 1) * K + kk)  # [K]
+        scores = constant[:, None] + (s * s) * energy[None, :]
+        for i in tl.static_range(G):
+            linear_i = tl.sum(tl.where(gi[None, :] == i, linear, 0.0), axis=1)  # [B]
+            scores += linear_i[:, None] * tl.load(table_ptr + i * K + kk)[None, :]
         scores = tl.where(alive[:, None], scores, inf)
 
-        # the b best candidates: b rounds of one (min, argmin) reduction over registers; the
+        # the b best candidates: b rounds of (min, argmin) reductions over registers; the
         # survivors' gathers come after, all at once (one round of global-load latency, not b)
-        flat = tl.reshape(scores, (BLOCK_B * K,))
-        flat_index = tl.arange(0, BLOCK_B * K)
         picks = tl.zeros([BLOCK_B], tl.int32)
-        bests = tl.full([BLOCK_B], inf, flat.dtype)
+        bests = tl.full([BLOCK_B], inf, scores.dtype)
+        # per hypothesis first (lowest codeword index on ties), then over hypotheses (lowest slot
+        # on ties): the flat order's leftmost minimum, without reshaping the scores (a reshape
+        # moves them through shared memory; 2 % slower at 2 warps, 1.7x at 4, on an H100)
+        flat_index = h[:, None] * K + kk[None, :]
         for t in tl.static_range(BEAM):
-            best, pick = tl.min(flat, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            flat = tl.where(flat_index == pick, inf, flat)
+            row_best, row_pick = tl.min(scores, axis=1, return_indices=True, return_indices_tie_break_left=True)
+            best, slot = tl.min(row_best, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            pick = slot * K + tl.sum(tl.where(h == slot, row_pick, 0), axis=0)
+            scores = tl.where(flat_index == pick, inf, scores)
             picks = tl.where(h == t, pick, picks)
             bests = tl.where(h == t, best, bests)
         parent = tl.minimum(picks // K, BEAM - 1)  # an all-inf tail may point past the live slots
@@ -140,6 +153,59 @@ if triton is not None:
         tl.store(out_sums_ptr + out[:, None] * G + gi[None, :], new_sum, mask=slot_ok[:, None])
 
 
+    @triton.jit
+    def _block_columns_kernel(
+        p_ptr,  # the block's columns of residual·XᵀX, one per group-start hypothesis [R, b, W] contiguous
+        origin_ptr,  # group-start slot of each survivor [R, b] contiguous
+        sums_ptr,  # survivors' codeword sums of group j [R, b, g] contiguous
+        current_ptr, current_rs,  # reconstruction of group j at the pass start [R, g]
+        scales_ptr,  # [R]
+        rows_ptr, rows_rs,  # XᵀX rows of group j, the block's columns [g, W]
+        out_ptr,  # [R, b, W] contiguous; columns before start_col are left unwritten
+        start_col,
+        W,
+        BEAM: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        G: tl.constexpr,
+        TILE: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, BLOCK_B)
+        cols = start_col + tl.arange(0, TILE)
+        slot_ok = h < BEAM
+        col_ok = cols < W
+        both = slot_ok[:, None] & col_ok[None, :]
+        s = tl.load(scales_ptr + row)
+        origin = tl.load(origin_ptr + row * BEAM + h, mask=slot_ok, other=0)
+        acc = tl.load(p_ptr + (row * BEAM + origin[:, None]) * W + cols[None, :], mask=both, other=0.0)
+        for i in tl.static_range(G):
+            change = s * tl.load(sums_ptr + (row * BEAM + h) * G + i, mask=slot_ok, other=0.0) - tl.load(current_ptr + row * current_rs + i)
+            acc -= change[:, None] * tl.load(rows_ptr + i * rows_rs + cols, mask=col_ok, other=0.0)[None, :]
+        tl.store(out_ptr + (row * BEAM + h[:, None]) * W + cols[None, :], acc, mask=both)
+
+
+def advance_block_columns(
+    p_block: torch.Tensor, origin: torch.Tensor, sums: torch.Tensor, current: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, start_col: int
+) -> torch.Tensor:
+    """The block's columns of residual·XᵀX after group j, for its survivors: each one's
+    group-start row minus its change in group j times XᵀX[group j, block]. One pass over the
+    columns still to be read (from start_col on), where gather + addmm made four over all of them.
+
+    p_block [R, b, W] contiguous, origin [R, b], sums [R, b, g] (survivors' unscaled codeword sums),
+    current [R, g], scales [R], rows [g, W] -> [R, b, W], columns < start_col undefined
+    """
+    num_rows, beam, width = p_block.shape
+    group_size = sums.shape[-1]
+    if not (p_block.is_contiguous() and sums.is_contiguous() and current.stride(-1) == 1 and rows.stride(-1) == 1):
+        raise ValueError("advance_block_columns needs contiguous p_block and sums and contiguous last dimensions")
+    out = torch.empty_like(p_block)
+    _block_columns_kernel[(num_rows,)](
+        p_block, origin.contiguous(), sums, current, current.stride(0), scales.contiguous(), rows, rows.stride(0), out,
+        start_col, width, BEAM=beam, BLOCK_B=next_power_of_two(beam), G=group_size, TILE=next_power_of_two(width - start_col),
+    )
+    return out
+
+
 def beam_stage(
     sums: torch.Tensor,
     codes: torch.Tensor,
@@ -151,14 +217,15 @@ def beam_stage(
     scales: torch.Tensor,
     block: torch.Tensor,
     codebook: torch.Tensor,
-    energy: torch.Tensor,
+    table: torch.Tensor,
     stage: int,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One stage for all rows.
 
     sums [R, b, g], codes [R, b, M] int64, origin [R, b] int64, scores [R, b] (contiguous),
     p_start [R, b, g], loss [R, b] (contiguous), current [R, g], scales [R], block [g, g],
-    codebook [K, g], energy [K]  ->  new (codes [R, b, M], origin [R, b], sums [R, b, g], scores [R, b])
+    codebook [K, g], table [g+2, K] (the stage's `candidate_table` slice)  ->  new (codes [R, b, M], origin [R, b], sums [R, b, g], scores [R, b])
     Views with a zero slot stride (a broadcast group start) are read as they are.
     """
     num_rows, beam, group_size = sums.shape
@@ -179,8 +246,9 @@ def beam_stage(
         p_start, p_start.stride(0), p_start.stride(1),
         loss.contiguous(),
         current, current.stride(0),
-        scales.contiguous(), block.contiguous(), codebook.contiguous(), energy.contiguous(),
+        scales.contiguous(), block.contiguous(), codebook.contiguous(), table.contiguous(),
         out_sums, out_codes, out_origin, out_scores,
         BEAM=beam, BLOCK_B=next_power_of_two(beam), K=num_codewords, G=group_size, M=num_codebooks, STAGE=stage,
+        num_warps=num_warps or STAGE_NUM_WARPS,
     )
     return out_codes, out_origin, out_sums, out_scores

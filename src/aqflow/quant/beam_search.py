@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from aqflow.quant.beam_kernels import beam_stage, triton_stage_supported
+from aqflow.quant.beam_kernels import advance_block_columns, beam_stage, triton_stage_supported
 from aqflow.quant.cuda_graphs import capture_graph
 from aqflow.quant.gather_kernels import codeword_sums
 from aqflow.quant.objective import diagonal_blocks
@@ -167,7 +167,7 @@ def beam_search_rows(
                 if use_triton:
                     hypotheses, origin, hyp_sums, scores = beam_stage(
                         hyp_sums, hypotheses, origin, scores, p_start, loss, reconstruction[:, j], scales, block,
-                        codebook, table[m, j, group_size + 1], m,
+                        codebook, table[m, j], m,
                     )
                     continue
                 p = p_start.gather(1, origin[..., None].expand(num_rows, beam, group_size))  # [R, b, g]
@@ -191,7 +191,11 @@ def beam_search_rows(
             back_origin[j] = origin
             back_codes[j] = hypotheses
             loss = scores
-            if j + 1 < block_end:  # rank-g update of the block's columns only
+            if j + 1 < block_end and use_triton:  # the block's columns still to be read, in one kernel
+                p_block = advance_block_columns(
+                    p_block, origin, hyp_sums, reconstruction[:, j], scales, xtx_block[local], (j + 1 - block_start) * group_size
+                )
+            elif j + 1 < block_end:  # rank-g update of the block's columns only
                 change = (hyp_sums * scale_col - current).reshape(num_rows * beam, group_size)  # [R*b, g]
                 p_block = p_block.gather(1, origin[..., None].expand(num_rows, beam, width))
                 p_block.view(num_rows * beam, width).addmm_(change, xtx_block[local], alpha=-1)
