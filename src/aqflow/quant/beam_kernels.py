@@ -184,6 +184,55 @@ if triton is not None:
         tl.store(out_ptr + (row * BEAM + h[:, None]) * W + cols[None, :], acc, mask=both)
 
 
+    @triton.jit
+    def _follow_back_pointers_kernel(
+        back_codes_ptr,  # [n, R, b, M] contiguous
+        back_origin_ptr,  # [n, R, b] contiguous
+        start_ptr,  # slot after the last step [R, S] contiguous
+        out_codes_ptr,  # [R, S, n, M] contiguous
+        out_slot_ptr,  # slot before the first step [R, S] contiguous
+        num_rows,
+        num_starts,
+        NUM_STEPS: tl.constexpr,  # a loop bound (not unrolled); constexpr so the interpreter can run it
+        BEAM: tl.constexpr,
+        M: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        lineage = tl.program_id(0).to(tl.int64)  # row * S + start
+        row = lineage // num_starts
+        mi = tl.arange(0, BLOCK_M)
+        m_ok = mi < M
+        slot = tl.load(start_ptr + lineage)
+        for t in range(NUM_STEPS):
+            step = NUM_STEPS - 1 - t
+            entry = (step * num_rows + row) * BEAM + slot
+            codes = tl.load(back_codes_ptr + entry * M + mi, mask=m_ok, other=0)
+            tl.store(out_codes_ptr + (lineage * NUM_STEPS + step) * M + mi, codes, mask=m_ok)
+            slot = tl.load(back_origin_ptr + entry)
+        tl.store(out_slot_ptr + lineage, slot)
+
+
+def follow_back_pointers(back_codes: torch.Tensor, back_origin: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each lineage's codes over n steps of the search, read backwards from its slot after the
+    last step, one program per lineage (a chain of n dependent loads); the torch loop is two
+    small gathers per step, 2·n launches.
+
+    back_codes [n, R, b, M] int64, back_origin [n, R, b] int64, start [R, S] int64
+    -> (codes [R, S, n, M] int64, slot before the first step [R, S] int64)
+    """
+    num_steps, num_rows, beam, num_codebooks = back_codes.shape
+    num_starts = start.shape[1]
+    if not (back_codes.is_contiguous() and back_origin.is_contiguous()):
+        raise ValueError("follow_back_pointers needs contiguous back_codes and back_origin")
+    codes = torch.empty(num_rows, num_starts, num_steps, num_codebooks, dtype=torch.int64, device=back_codes.device)
+    first_slot = torch.empty(num_rows, num_starts, dtype=torch.int64, device=back_codes.device)
+    _follow_back_pointers_kernel[(num_rows * num_starts,)](
+        back_codes, back_origin, start.contiguous(), codes, first_slot, num_rows, num_starts,
+        NUM_STEPS=num_steps, BEAM=beam, M=num_codebooks, BLOCK_M=next_power_of_two(num_codebooks), num_warps=1,
+    )
+    return codes, first_slot
+
+
 def advance_block_columns(
     p_block: torch.Tensor, origin: torch.Tensor, sums: torch.Tensor, current: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, start_col: int
 ) -> torch.Tensor:

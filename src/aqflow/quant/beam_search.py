@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from aqflow.quant.beam_kernels import advance_block_columns, beam_stage, triton_stage_supported
+from aqflow.quant.beam_kernels import advance_block_columns, beam_stage, follow_back_pointers, triton_stage_supported
 from aqflow.quant.cuda_graphs import capture_graph
 from aqflow.quant.gather_kernels import codeword_sums
 from aqflow.quant.objective import diagonal_blocks
@@ -78,6 +78,7 @@ def _advance_past_block(
     codebooks: torch.Tensor,
     start_reconstruction: torch.Tensor,
     scale_col: torch.Tensor,
+    use_triton: bool = False,
 ) -> torch.Tensor:
     """residual·XᵀX of the columns after a block, for the hypotheses alive at its end: each one's
     block-start ancestor's row, minus (its changes in the block's groups) · XᵀX[block, after].
@@ -85,15 +86,18 @@ def _advance_past_block(
 
     rest [R, b, after] (block-start hypotheses), xtx_rows [width, after], back_codes [n, R, b, M],
     back_origin [n, R, b] (the block's n groups), codebooks [M, K, g], start_reconstruction [R, n, g],
-    scale_col [R, 1, 1] -> [R, b, after]
+    scale_col [R, 1, 1], use_triton: follow the back-pointers in one kernel -> [R, b, after]
     """
     num_block_groups, num_rows, beam, num_codebooks = back_codes.shape
     group_size = codebooks.shape[-1]
     slot = torch.arange(beam, device=rest.device).expand(num_rows, beam)
-    lineage = torch.empty(num_rows, beam, num_block_groups, num_codebooks, dtype=torch.int64, device=rest.device)
-    for t in reversed(range(num_block_groups)):  # follow each survivor back to the block start
-        lineage[:, :, t] = back_codes[t].gather(1, slot[..., None].expand(num_rows, beam, num_codebooks))
-        slot = back_origin[t].gather(1, slot)
+    if use_triton:
+        lineage, slot = follow_back_pointers(back_codes, back_origin, slot)
+    else:
+        lineage = torch.empty(num_rows, beam, num_block_groups, num_codebooks, dtype=torch.int64, device=rest.device)
+        for t in reversed(range(num_block_groups)):  # follow each survivor back to the block start
+            lineage[:, :, t] = back_codes[t].gather(1, slot[..., None].expand(num_rows, beam, num_codebooks))
+            slot = back_origin[t].gather(1, slot)
     new_groups = codeword_sums(lineage.view(num_rows, beam * num_block_groups, num_codebooks), codebooks)
     change = new_groups.view(num_rows, beam, num_block_groups, group_size) * scale_col[..., None] - start_reconstruction[:, None]
     after = rest.gather(1, slot[..., None].expand(num_rows, beam, rest.shape[-1]))  # [R, b, after], contiguous
@@ -202,11 +206,13 @@ def beam_search_rows(
         if block_end < num_groups:
             later = _advance_past_block(
                 later[:, :, width:], xtx[block_cols, block_end * group_size :], back_codes[block_start:block_end],
-                back_origin[block_start:block_end], codebooks, reconstruction[:, block_start:block_end], scale_col,
+                back_origin[block_start:block_end], codebooks, reconstruction[:, block_start:block_end], scale_col, use_triton,
             )
 
-    new_codes = torch.empty_like(codes)
     slot = loss.argmin(dim=-1)  # [R]
+    if use_triton:
+        return follow_back_pointers(back_codes, back_origin, slot[:, None])[0].view_as(codes)
+    new_codes = torch.empty_like(codes)
     for j in reversed(range(num_groups)):
         new_codes[:, j] = back_codes[j][rows, slot]
         slot = back_origin[j][rows, slot]
