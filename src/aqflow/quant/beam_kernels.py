@@ -269,13 +269,16 @@ def beam_stage(
     table: torch.Tensor,
     stage: int,
     num_warps: int | None = None,
+    out_codes: torch.Tensor | None = None,
+    out_origin: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One stage for all rows.
 
     sums [R, b, g], codes [R, b, M] int64, origin [R, b] int64, scores [R, b] (contiguous),
     p_start [R, b, g], loss [R, b] (contiguous), current [R, g], scales [R], block [g, g],
     codebook [K, g], table [g+2, K] (the stage's `candidate_table` slice)  ->  new (codes [R, b, M], origin [R, b], sums [R, b, g], scores [R, b])
-    Views with a zero slot stride (a broadcast group start) are read as they are.
+    Views with a zero slot stride (a broadcast group start) are read as they are. out_codes and
+    out_origin, contiguous, receive the new codes and origins (the back-pointers, without a copy).
     """
     num_rows, beam, group_size = sums.shape
     num_codebooks = codes.shape[-1]
@@ -284,8 +287,12 @@ def beam_stage(
         if tensor.stride(-1) != 1:
             raise ValueError(f"beam_stage needs a contiguous last dimension in {name}")
     out_sums = torch.empty(num_rows, beam, group_size, dtype=sums.dtype, device=sums.device)
-    out_codes = torch.empty(num_rows, beam, num_codebooks, dtype=torch.int64, device=sums.device)
-    out_origin = torch.empty(num_rows, beam, dtype=torch.int64, device=sums.device)
+    if out_codes is None:
+        out_codes = torch.empty(num_rows, beam, num_codebooks, dtype=torch.int64, device=sums.device)
+    if out_origin is None:
+        out_origin = torch.empty(num_rows, beam, dtype=torch.int64, device=sums.device)
+    if not (out_codes.is_contiguous() and out_origin.is_contiguous()):
+        raise ValueError("beam_stage writes only into contiguous out_codes and out_origin")
     out_scores = torch.empty(num_rows, beam, dtype=sums.dtype, device=sums.device)
     _beam_stage_kernel[(num_rows,)](
         sums, sums.stride(0), sums.stride(1),

@@ -168,10 +168,11 @@ def beam_search_rows(
             scores = loss
             for m in range(num_codebooks):
                 codebook = codebooks[m]  # [K, g]
-                if use_triton:
+                if use_triton:  # the last stage writes the group's back-pointers in place
+                    last = m == num_codebooks - 1
                     hypotheses, origin, hyp_sums, scores = beam_stage(
                         hyp_sums, hypotheses, origin, scores, p_start, loss, reconstruction[:, j], scales, block,
-                        codebook, table[m, j], m,
+                        codebook, table[m, j], m, out_codes=back_codes[j] if last else None, out_origin=back_origin[j] if last else None,
                     )
                     continue
                 p = p_start.gather(1, origin[..., None].expand(num_rows, beam, group_size))  # [R, b, g]
@@ -192,8 +193,9 @@ def beam_search_rows(
                 hypotheses = hypotheses.gather(1, parent[..., None].expand(num_rows, beam, num_codebooks)).clone()
                 hypotheses[..., m] = chosen
                 hyp_sums = rest.gather(1, parent[..., None].expand(num_rows, beam, group_size)) + codebook[chosen]
-            back_origin[j] = origin
-            back_codes[j] = hypotheses
+            if not use_triton:
+                back_origin[j] = origin
+                back_codes[j] = hypotheses
             loss = scores
             if j + 1 < block_end and use_triton:  # the block's columns still to be read, in one kernel
                 p_block = advance_block_columns(
