@@ -9,8 +9,8 @@ so a before/after comparison is two runs with different PYTHONPATH in one call:
     PYTHONPATH=old/src:. python3 benchmarks/beam_pass.py --label before --json $OUT/before.json
     PYTHONPATH=src:. python3 benchmarks/beam_pass.py --label after --sweep --json $OUT/after.json
 
---sweep also times the stage kernel's warps per row on the
-first shape, where the implementation has them, and runs the remaining shapes with the fastest.
+--sweep also times each shape's pass at every stage-kernel warp count (where the implementation
+has the setting) and reports the pass at the fastest.
 """
 
 from __future__ import annotations
@@ -107,26 +107,24 @@ def main() -> None:
     card = torch.cuda.get_device_name()
     peak = next((v for k, v in FP32_PEAK_FLOPS.items() if k in card), 67e12)
     result = {"label": args.label, "device": card, "fp32_peak_flops": peak, "sweep": [], "shapes": []}
-    chosen = None
-    if args.sweep and settings_grid():
-        out_features, in_features = SHAPES[args.shapes[0]]
-        inputs = pass_inputs(out_features, in_features)
-        for settings in settings_grid():
-            apply_settings(settings)
-            seconds = time_passes(inputs, args.repeats)
-            result["sweep"].append({**settings, "shape": args.shapes[0], "seconds_median": statistics.median(seconds)})
-            print(f"sweep {args.shapes[0]} {settings}: {statistics.median(seconds):.4f} s", flush=True)
-        chosen = min(result["sweep"], key=lambda r: r["seconds_median"])
-        apply_settings(chosen)
-        result["chosen"] = chosen
     for name in args.shapes:
         out_features, in_features = SHAPES[name]
         inputs = pass_inputs(out_features, in_features)
+        chosen = None
+        for settings in settings_grid() if args.sweep else []:
+            apply_settings(settings)
+            median = statistics.median(time_passes(inputs, args.repeats))
+            result["sweep"].append({**settings, "layer": name, "seconds_median": median})
+            print(f"sweep {name} {settings}: {median:.4f} s", flush=True)
+            if chosen is None or median < chosen[1]:
+                chosen = (settings, median)
+        if chosen is not None:
+            apply_settings(chosen[0])
         seconds = time_passes(inputs, args.repeats)
         floor = 2 * NUM_CODEBOOKS * BEAM * out_features * in_features**2
         median = statistics.median(seconds)
         row = {"layer": name, "shape": [out_features, in_features], "seconds": seconds, "seconds_median": median,
-               "flop_floor": floor, "x_fp32_floor": median / (floor / peak)}
+               "flop_floor": floor, "x_fp32_floor": median / (floor / peak), "settings": chosen[0] if chosen else None}
         if args.profile:
             try:
                 row["kernels"] = kernel_breakdown(inputs)
