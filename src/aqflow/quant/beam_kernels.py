@@ -14,6 +14,11 @@ of its time launching. Here one program per output row does the whole stage in r
 Duplicate rule, scores and tie order follow the torch stage, so both compute the same search.
 Used on CUDA when K·b is small enough for registers (K=256, b<=16 at 8-bit codebooks); the torch
 stage serves every other case. Tests run it on the CPU through Triton's interpreter.
+
+Beside it, the pass's two other per-group steps on the Triton path: the block's columns of
+residual·XᵀX advanced past a group (`advance_block_columns`), and the walk back along the
+back-pointers (`follow_back_pointers`), each one kernel where torch needed a gather and a product,
+or two gathers per group.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
 MAX_REGISTER_CANDIDATES = 4096  # b·K held per program
 # Warps per row of the stage kernel. The stage is latency-bound (b dependent selection rounds per
 # row): fewer warps per row let more rows share an SM. One beam pass over 8192x3072 on an H100:
-# 0.136 s at 1 warp, 0.130 s at 2, 0.274 s at 4, 0.425 s at 8 (benchmarks/beam_pass.py --sweep).
+# 0.115 s at 1 warp, 0.110 s at 2, 0.252 s at 4, 0.402 s at 8 (benchmarks/beam_pass.py --sweep).
 STAGE_NUM_WARPS = 2
 
 
