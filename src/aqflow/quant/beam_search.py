@@ -116,8 +116,9 @@ def beam_search_rows(
     block_groups: int = BLOCK_GROUPS,
 ) -> torch.Tensor:
     """One beam-search pass over all groups of a chunk of rows. Free of host synchronisation, so it
-    can be captured as a CUDA graph. use_triton: run each stage as one Triton kernel (default: on
-    CUDA where `triton_stage_supported`), else as torch operations; both search the same way.
+    can be captured as a CUDA graph. use_triton: run each stage, each group's in-block column
+    update and the back-pointer walks as Triton kernels (default: on CUDA where
+    `triton_stage_supported`), else as torch operations; both search the same way.
     block_groups: groups per block of deferred residual updates (see the module docstring); the
     search is the same for any value, only the order of floating-point sums differs.
 
