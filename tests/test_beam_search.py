@@ -5,6 +5,7 @@ import itertools
 import pytest
 import torch
 
+from aqflow.quant.beam_kernels import advance_block_columns, follow_back_pointers
 from aqflow.quant.beam_search import BeamSearcher, beam_search_rows
 from aqflow.quant.objective import output_error
 from aqflow.quant.representation import dequantize_weight
@@ -144,3 +145,35 @@ def test_shuffled_order_is_a_consistent_permutation(rng):
     found = BeamSearcher(xtx, 4, memory_budget_bytes=1 << 30)(weight, codebooks, scales, codes, order_seed=3)
     optimum = exhaustive_row_optimum(weight, xtx, codebooks, scales, 1, 4)
     torch.testing.assert_close(row_errors(weight, xtx, codebooks, scales, found), optimum, rtol=1e-10, atol=1e-10)
+
+
+def test_back_pointer_kernel_walks_like_per_step_gathers(rng):
+    """The one-kernel walk (Triton, interpreted) reads the same codes and ends at the same slots as
+    two gathers per step, for several lineages per row."""
+    steps, rows, beam, num_codebooks, starts = 5, 3, 4, 3, 2
+    back_codes = torch.randint(0, 16, (steps, rows, beam, num_codebooks), generator=rng)
+    back_origin = torch.randint(0, beam, (steps, rows, beam), generator=rng)
+    start = torch.randint(0, beam, (rows, starts), generator=rng)
+    codes, first_slot = follow_back_pointers(back_codes, back_origin, start)
+    slot = start
+    for t in reversed(range(steps)):
+        assert torch.equal(codes[:, :, t], back_codes[t].gather(1, slot[..., None].expand(rows, starts, num_codebooks))), t
+        slot = back_origin[t].gather(1, slot)
+    assert torch.equal(first_slot, slot)
+
+
+@pytest.mark.parametrize("start_col", [0, 8, 16])
+def test_block_columns_kernel_updates_like_gather_and_product(start_col, rng):
+    """Columns from start_col on equal each survivor's group-start row minus its change times the
+    group's XᵀX rows (the torch path's gather + addmm); a ragged last tile included."""
+    rows, beam, width = 3, 4, 40
+    p_block = torch.randn(rows, beam, width, generator=rng, dtype=torch.float64)
+    origin = torch.randint(0, beam, (rows, beam), generator=rng)
+    sums = torch.randn(rows, beam, G, generator=rng, dtype=torch.float64)
+    current = torch.randn(rows, G, generator=rng, dtype=torch.float64)
+    scales = torch.rand(rows, generator=rng, dtype=torch.float64) + 0.5
+    xtx_rows = torch.randn(G, width, generator=rng, dtype=torch.float64)
+    found = advance_block_columns(p_block, origin, sums, current, scales, xtx_rows, start_col)
+    change = sums * scales[:, None, None] - current[:, None, :]
+    expected = p_block.gather(1, origin[..., None].expand(rows, beam, width)) - change @ xtx_rows
+    torch.testing.assert_close(found[..., start_col:], expected[..., start_col:], rtol=1e-12, atol=1e-12)

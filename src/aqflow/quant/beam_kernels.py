@@ -14,6 +14,11 @@ of its time launching. Here one program per output row does the whole stage in r
 Duplicate rule, scores and tie order follow the torch stage, so both compute the same search.
 Used on CUDA when K·b is small enough for registers (K=256, b<=16 at 8-bit codebooks); the torch
 stage serves every other case. Tests run it on the CPU through Triton's interpreter.
+
+Beside it, the pass's two other per-group steps on the Triton path: the block's columns of
+residual·XᵀX advanced past a group (`advance_block_columns`), and the walk back along the
+back-pointers (`follow_back_pointers`), each one kernel where torch needed a gather and a product,
+or two gathers per group.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
 MAX_REGISTER_CANDIDATES = 4096  # b·K held per program
+# Warps per row of the stage kernel. The stage is latency-bound (b dependent selection rounds per
+# row): fewer warps per row let more rows share an SM. One beam pass over 8192x3072 on an H100:
+# 0.115 s at 1 warp, 0.110 s at 2, 0.252 s at 4, 0.402 s at 8 (benchmarks/beam_pass.py --sweep).
+STAGE_NUM_WARPS = 2
 
 
 def next_power_of_two(n: int) -> int:
@@ -59,7 +68,7 @@ if triton is not None:
         scales_ptr,  # [R]
         block_ptr,  # XᵀX block (j, j) [g, g] contiguous
         codebook_ptr,  # codebook m [K, g] contiguous
-        energy_ptr,  # c_kᵀ H_jj c_k [K]
+        table_ptr,  # [c_kᵀ ; 1 ; c_kᵀ H_jj c_k] of (m, j) [g+2, K] contiguous (beam_search.candidate_table)
         out_sums_ptr, out_codes_ptr, out_origin_ptr, out_scores_ptr,  # contiguous [R, b, g], [R, b, M], [R, b], [R, b]
         BEAM: tl.constexpr,
         BLOCK_B: tl.constexpr,
@@ -105,20 +114,29 @@ if triton is not None:
         constant = loss0 + tl.sum(f * (hf - 2.0 * p), axis=1)  # [B]
         linear = 2.0 * s * (hf - p)  # [B, G]
 
-        codebook = tl.load(codebook_ptr + kk[:, None] * G + gi[None, :])  # [K, G]
-        energy = tl.load(energy_ptr + kk)  # [K]
-        scores = constant[:, None] + tl.sum(linear[:, None, :] * codebook[None, :, :], axis=2) + (s * s) * energy[None, :]
+        # scores as b·K accumulators, one codebook coordinate at a time: a [b, K, g] product
+        # in registers (and its reduction) would cost g times the registers and limit how many
+        # rows an SM works on at once; the stage is latency-bound, so occupancy is its speed.
+        energy = tl.load(table_ptr + (G + 1) * K + kk)  # [K]
+        scores = constant[:, None] + (s * s) * energy[None, :]
+        for i in tl.static_range(G):
+            linear_i = tl.sum(tl.where(gi[None, :] == i, linear, 0.0), axis=1)  # [B]
+            scores += linear_i[:, None] * tl.load(table_ptr + i * K + kk)[None, :]
         scores = tl.where(alive[:, None], scores, inf)
 
-        # the b best candidates: b rounds of one (min, argmin) reduction over registers; the
+        # the b best candidates: b rounds of (min, argmin) reductions over registers; the
         # survivors' gathers come after, all at once (one round of global-load latency, not b)
-        flat = tl.reshape(scores, (BLOCK_B * K,))
-        flat_index = tl.arange(0, BLOCK_B * K)
         picks = tl.zeros([BLOCK_B], tl.int32)
-        bests = tl.full([BLOCK_B], inf, flat.dtype)
+        bests = tl.full([BLOCK_B], inf, scores.dtype)
+        # per hypothesis first (lowest codeword index on ties), then over hypotheses (lowest slot
+        # on ties): the flat order's leftmost minimum, without reshaping the scores (at 2 warps a
+        # row, the fastest setting, a flat selection over reshaped scores was 5 % slower, H100)
+        flat_index = h[:, None] * K + kk[None, :]
         for t in tl.static_range(BEAM):
-            best, pick = tl.min(flat, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            flat = tl.where(flat_index == pick, inf, flat)
+            row_best, row_pick = tl.min(scores, axis=1, return_indices=True, return_indices_tie_break_left=True)
+            best, slot = tl.min(row_best, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            pick = slot * K + tl.sum(tl.where(h == slot, row_pick, 0), axis=0)
+            scores = tl.where(flat_index == pick, inf, scores)
             picks = tl.where(h == t, pick, picks)
             bests = tl.where(h == t, best, bests)
         parent = tl.minimum(picks // K, BEAM - 1)  # an all-inf tail may point past the live slots
@@ -140,6 +158,108 @@ if triton is not None:
         tl.store(out_sums_ptr + out[:, None] * G + gi[None, :], new_sum, mask=slot_ok[:, None])
 
 
+    @triton.jit
+    def _block_columns_kernel(
+        p_ptr,  # the block's columns of residual·XᵀX, one per group-start hypothesis [R, b, W] contiguous
+        origin_ptr,  # group-start slot of each survivor [R, b] contiguous
+        sums_ptr,  # survivors' codeword sums of group j [R, b, g] contiguous
+        current_ptr, current_rs,  # reconstruction of group j at the pass start [R, g]
+        scales_ptr,  # [R]
+        rows_ptr, rows_rs,  # XᵀX rows of group j, the block's columns [g, W]
+        out_ptr,  # [R, b, W] contiguous; columns before start_col are left unwritten
+        start_col,
+        W,
+        BEAM: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        G: tl.constexpr,
+        TILE: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, BLOCK_B)
+        cols = start_col + tl.arange(0, TILE)
+        slot_ok = h < BEAM
+        col_ok = cols < W
+        both = slot_ok[:, None] & col_ok[None, :]
+        s = tl.load(scales_ptr + row)
+        origin = tl.load(origin_ptr + row * BEAM + h, mask=slot_ok, other=0)
+        acc = tl.load(p_ptr + (row * BEAM + origin[:, None]) * W + cols[None, :], mask=both, other=0.0)
+        for i in tl.static_range(G):
+            change = s * tl.load(sums_ptr + (row * BEAM + h) * G + i, mask=slot_ok, other=0.0) - tl.load(current_ptr + row * current_rs + i)
+            acc -= change[:, None] * tl.load(rows_ptr + i * rows_rs + cols, mask=col_ok, other=0.0)[None, :]
+        tl.store(out_ptr + (row * BEAM + h[:, None]) * W + cols[None, :], acc, mask=both)
+
+
+    @triton.jit
+    def _follow_back_pointers_kernel(
+        back_codes_ptr,  # [n, R, b, M] contiguous
+        back_origin_ptr,  # [n, R, b] contiguous
+        start_ptr,  # slot after the last step [R, S] contiguous
+        out_codes_ptr,  # [R, S, n, M] contiguous
+        out_slot_ptr,  # slot before the first step [R, S] contiguous
+        num_rows,
+        num_starts,
+        NUM_STEPS: tl.constexpr,  # a loop bound (not unrolled); constexpr so the interpreter can run it
+        BEAM: tl.constexpr,
+        M: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        lineage = tl.program_id(0).to(tl.int64)  # row * S + start
+        row = lineage // num_starts
+        mi = tl.arange(0, BLOCK_M)
+        m_ok = mi < M
+        slot = tl.load(start_ptr + lineage)
+        for t in range(NUM_STEPS):
+            step = NUM_STEPS - 1 - t
+            entry = (step * num_rows + row) * BEAM + slot
+            codes = tl.load(back_codes_ptr + entry * M + mi, mask=m_ok, other=0)
+            tl.store(out_codes_ptr + (lineage * NUM_STEPS + step) * M + mi, codes, mask=m_ok)
+            slot = tl.load(back_origin_ptr + entry)
+        tl.store(out_slot_ptr + lineage, slot)
+
+
+def follow_back_pointers(back_codes: torch.Tensor, back_origin: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each lineage's codes over n steps of the search, read backwards from its slot after the
+    last step, one program per lineage (a chain of n dependent loads); the torch loop is two
+    small gathers per step, 2·n launches.
+
+    back_codes [n, R, b, M] int64, back_origin [n, R, b] int64, start [R, S] int64
+    -> (codes [R, S, n, M] int64, slot before the first step [R, S] int64)
+    """
+    num_steps, num_rows, beam, num_codebooks = back_codes.shape
+    num_starts = start.shape[1]
+    if not (back_codes.is_contiguous() and back_origin.is_contiguous()):
+        raise ValueError("follow_back_pointers needs contiguous back_codes and back_origin")
+    codes = torch.empty(num_rows, num_starts, num_steps, num_codebooks, dtype=torch.int64, device=back_codes.device)
+    first_slot = torch.empty(num_rows, num_starts, dtype=torch.int64, device=back_codes.device)
+    _follow_back_pointers_kernel[(num_rows * num_starts,)](
+        back_codes, back_origin, start.contiguous(), codes, first_slot, num_rows, num_starts,
+        NUM_STEPS=num_steps, BEAM=beam, M=num_codebooks, BLOCK_M=next_power_of_two(num_codebooks), num_warps=1,
+    )
+    return codes, first_slot
+
+
+def advance_block_columns(
+    p_block: torch.Tensor, origin: torch.Tensor, sums: torch.Tensor, current: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, start_col: int
+) -> torch.Tensor:
+    """The block's columns of residual·XᵀX after group j, for its survivors: each one's
+    group-start row minus its change in group j times XᵀX[group j, block]. One pass over the
+    columns still to be read (from start_col on), where gather + addmm made four over all of them.
+
+    p_block [R, b, W] contiguous, origin [R, b], sums [R, b, g] (survivors' unscaled codeword sums),
+    current [R, g], scales [R], rows [g, W] -> [R, b, W], columns < start_col undefined
+    """
+    num_rows, beam, width = p_block.shape
+    group_size = sums.shape[-1]
+    if not (p_block.is_contiguous() and sums.is_contiguous() and current.stride(-1) == 1 and rows.stride(-1) == 1):
+        raise ValueError("advance_block_columns needs contiguous p_block and sums and contiguous last dimensions")
+    out = torch.empty_like(p_block)
+    _block_columns_kernel[(num_rows,)](
+        p_block, origin.contiguous(), sums, current, current.stride(0), scales.contiguous(), rows, rows.stride(0), out,
+        start_col, width, BEAM=beam, BLOCK_B=next_power_of_two(beam), G=group_size, TILE=next_power_of_two(width - start_col),
+    )
+    return out
+
+
 def beam_stage(
     sums: torch.Tensor,
     codes: torch.Tensor,
@@ -151,15 +271,19 @@ def beam_stage(
     scales: torch.Tensor,
     block: torch.Tensor,
     codebook: torch.Tensor,
-    energy: torch.Tensor,
+    table: torch.Tensor,
     stage: int,
+    num_warps: int | None = None,
+    out_codes: torch.Tensor | None = None,
+    out_origin: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One stage for all rows.
 
     sums [R, b, g], codes [R, b, M] int64, origin [R, b] int64, scores [R, b] (contiguous),
     p_start [R, b, g], loss [R, b] (contiguous), current [R, g], scales [R], block [g, g],
-    codebook [K, g], energy [K]  ->  new (codes [R, b, M], origin [R, b], sums [R, b, g], scores [R, b])
-    Views with a zero slot stride (a broadcast group start) are read as they are.
+    codebook [K, g], table [g+2, K] (the stage's `candidate_table` slice)  ->  new (codes [R, b, M], origin [R, b], sums [R, b, g], scores [R, b])
+    Views with a zero slot stride (a broadcast group start) are read as they are. out_codes and
+    out_origin, contiguous, receive the new codes and origins (the back-pointers, without a copy).
     """
     num_rows, beam, group_size = sums.shape
     num_codebooks = codes.shape[-1]
@@ -168,8 +292,12 @@ def beam_stage(
         if tensor.stride(-1) != 1:
             raise ValueError(f"beam_stage needs a contiguous last dimension in {name}")
     out_sums = torch.empty(num_rows, beam, group_size, dtype=sums.dtype, device=sums.device)
-    out_codes = torch.empty(num_rows, beam, num_codebooks, dtype=torch.int64, device=sums.device)
-    out_origin = torch.empty(num_rows, beam, dtype=torch.int64, device=sums.device)
+    if out_codes is None:
+        out_codes = torch.empty(num_rows, beam, num_codebooks, dtype=torch.int64, device=sums.device)
+    if out_origin is None:
+        out_origin = torch.empty(num_rows, beam, dtype=torch.int64, device=sums.device)
+    if not (out_codes.is_contiguous() and out_origin.is_contiguous()):
+        raise ValueError("beam_stage writes only into contiguous out_codes and out_origin")
     out_scores = torch.empty(num_rows, beam, dtype=sums.dtype, device=sums.device)
     _beam_stage_kernel[(num_rows,)](
         sums, sums.stride(0), sums.stride(1),
@@ -179,8 +307,9 @@ def beam_stage(
         p_start, p_start.stride(0), p_start.stride(1),
         loss.contiguous(),
         current, current.stride(0),
-        scales.contiguous(), block.contiguous(), codebook.contiguous(), energy.contiguous(),
+        scales.contiguous(), block.contiguous(), codebook.contiguous(), table.contiguous(),
         out_sums, out_codes, out_origin, out_scores,
         BEAM=beam, BLOCK_B=next_power_of_two(beam), K=num_codewords, G=group_size, M=num_codebooks, STAGE=stage,
+        num_warps=num_warps or STAGE_NUM_WARPS,
     )
     return out_codes, out_origin, out_sums, out_scores

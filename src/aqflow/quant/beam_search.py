@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from aqflow.quant.beam_kernels import beam_stage, triton_stage_supported
+from aqflow.quant.beam_kernels import advance_block_columns, beam_stage, follow_back_pointers, triton_stage_supported
 from aqflow.quant.cuda_graphs import capture_graph
 from aqflow.quant.gather_kernels import codeword_sums
 from aqflow.quant.objective import diagonal_blocks
@@ -78,6 +78,7 @@ def _advance_past_block(
     codebooks: torch.Tensor,
     start_reconstruction: torch.Tensor,
     scale_col: torch.Tensor,
+    use_triton: bool = False,
 ) -> torch.Tensor:
     """residual·XᵀX of the columns after a block, for the hypotheses alive at its end: each one's
     block-start ancestor's row, minus (its changes in the block's groups) · XᵀX[block, after].
@@ -85,15 +86,18 @@ def _advance_past_block(
 
     rest [R, b, after] (block-start hypotheses), xtx_rows [width, after], back_codes [n, R, b, M],
     back_origin [n, R, b] (the block's n groups), codebooks [M, K, g], start_reconstruction [R, n, g],
-    scale_col [R, 1, 1] -> [R, b, after]
+    scale_col [R, 1, 1], use_triton: follow the back-pointers in one kernel -> [R, b, after]
     """
     num_block_groups, num_rows, beam, num_codebooks = back_codes.shape
     group_size = codebooks.shape[-1]
     slot = torch.arange(beam, device=rest.device).expand(num_rows, beam)
-    lineage = torch.empty(num_rows, beam, num_block_groups, num_codebooks, dtype=torch.int64, device=rest.device)
-    for t in reversed(range(num_block_groups)):  # follow each survivor back to the block start
-        lineage[:, :, t] = back_codes[t].gather(1, slot[..., None].expand(num_rows, beam, num_codebooks))
-        slot = back_origin[t].gather(1, slot)
+    if use_triton:
+        lineage, slot = follow_back_pointers(back_codes, back_origin, slot)
+    else:
+        lineage = torch.empty(num_rows, beam, num_block_groups, num_codebooks, dtype=torch.int64, device=rest.device)
+        for t in reversed(range(num_block_groups)):  # follow each survivor back to the block start
+            lineage[:, :, t] = back_codes[t].gather(1, slot[..., None].expand(num_rows, beam, num_codebooks))
+            slot = back_origin[t].gather(1, slot)
     new_groups = codeword_sums(lineage.view(num_rows, beam * num_block_groups, num_codebooks), codebooks)
     change = new_groups.view(num_rows, beam, num_block_groups, group_size) * scale_col[..., None] - start_reconstruction[:, None]
     after = rest.gather(1, slot[..., None].expand(num_rows, beam, rest.shape[-1]))  # [R, b, after], contiguous
@@ -112,8 +116,9 @@ def beam_search_rows(
     block_groups: int = BLOCK_GROUPS,
 ) -> torch.Tensor:
     """One beam-search pass over all groups of a chunk of rows. Free of host synchronisation, so it
-    can be captured as a CUDA graph. use_triton: run each stage as one Triton kernel (default: on
-    CUDA where `triton_stage_supported`), else as torch operations; both search the same way.
+    can be captured as a CUDA graph. use_triton: run each stage, each group's in-block column
+    update and the back-pointer walks as Triton kernels (default: on CUDA where
+    `triton_stage_supported`), else as torch operations; both search the same way.
     block_groups: groups per block of deferred residual updates (see the module docstring); the
     search is the same for any value, only the order of floating-point sums differs.
 
@@ -164,10 +169,11 @@ def beam_search_rows(
             scores = loss
             for m in range(num_codebooks):
                 codebook = codebooks[m]  # [K, g]
-                if use_triton:
+                if use_triton:  # the last stage writes the group's back-pointers in place
+                    last = m == num_codebooks - 1
                     hypotheses, origin, hyp_sums, scores = beam_stage(
                         hyp_sums, hypotheses, origin, scores, p_start, loss, reconstruction[:, j], scales, block,
-                        codebook, table[m, j, group_size + 1], m,
+                        codebook, table[m, j], m, out_codes=back_codes[j] if last else None, out_origin=back_origin[j] if last else None,
                     )
                     continue
                 p = p_start.gather(1, origin[..., None].expand(num_rows, beam, group_size))  # [R, b, g]
@@ -188,21 +194,28 @@ def beam_search_rows(
                 hypotheses = hypotheses.gather(1, parent[..., None].expand(num_rows, beam, num_codebooks)).clone()
                 hypotheses[..., m] = chosen
                 hyp_sums = rest.gather(1, parent[..., None].expand(num_rows, beam, group_size)) + codebook[chosen]
-            back_origin[j] = origin
-            back_codes[j] = hypotheses
+            if not use_triton:
+                back_origin[j] = origin
+                back_codes[j] = hypotheses
             loss = scores
-            if j + 1 < block_end:  # rank-g update of the block's columns only
+            if j + 1 < block_end and use_triton:  # the block's columns still to be read, in one kernel
+                p_block = advance_block_columns(
+                    p_block, origin, hyp_sums, reconstruction[:, j], scales, xtx_block[local], (j + 1 - block_start) * group_size
+                )
+            elif j + 1 < block_end:  # rank-g update of the block's columns only
                 change = (hyp_sums * scale_col - current).reshape(num_rows * beam, group_size)  # [R*b, g]
                 p_block = p_block.gather(1, origin[..., None].expand(num_rows, beam, width))
                 p_block.view(num_rows * beam, width).addmm_(change, xtx_block[local], alpha=-1)
         if block_end < num_groups:
             later = _advance_past_block(
                 later[:, :, width:], xtx[block_cols, block_end * group_size :], back_codes[block_start:block_end],
-                back_origin[block_start:block_end], codebooks, reconstruction[:, block_start:block_end], scale_col,
+                back_origin[block_start:block_end], codebooks, reconstruction[:, block_start:block_end], scale_col, use_triton,
             )
 
-    new_codes = torch.empty_like(codes)
     slot = loss.argmin(dim=-1)  # [R]
+    if use_triton:
+        return follow_back_pointers(back_codes, back_origin, slot[:, None])[0].view_as(codes)
+    new_codes = torch.empty_like(codes)
     for j in reversed(range(num_groups)):
         new_codes[:, j] = back_codes[j][rows, slot]
         slot = back_origin[j][rows, slot]
