@@ -27,7 +27,8 @@ argv = [
     "--model-dir", snakemake.input.model, "--output", snakemake.output[0], "--label", p.label,
     "--settings", handle.name,
     "--context", str(ev["context"]), "--c4-windows", str(ev["c4_windows"]), "--batch-size", str(ev["batch_size"]),
-    "--tasks", *ev["tasks"], "--cpu-kernel", ev["cpu_kernel"], "--quiet",
+    "--tasks", *ev["tasks"], "--cpu-kernel", ev["cpu_kernel"],
+    "--gpu-kernel", ev["gpu_kernel"], "--quiet",
 ]
 # one perplexity per evaluation domain (config.yaml `text`): its name, protocol and corpus file
 corpora = snakemake.input.get("corpora", [])
@@ -40,6 +41,8 @@ if pvtune:
     argv += ["--pre-pv", snakemake.input.pre_pv]
 if ev.get("max_windows"):
     argv += ["--max-windows", str(ev["max_windows"])]
+if ev.get("task_batch_size"):
+    argv += ["--task-batch-size", str(ev["task_batch_size"])]
 if ev.get("task_limit"):
     argv += ["--task-limit", str(ev["task_limit"])]
 run_stage(snakemake, "evaluate", argv)

