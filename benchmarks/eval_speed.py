@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-PERPLEXITY_BATCH = 32  # profiles/gpu's evaluation.batch_size
+PERPLEXITY_BATCH = int(os.environ.get("EVAL_SPEED_PERPLEXITY_BATCH", 32))  # profiles/gpu's evaluation.batch_size
 
 
 def flat_metrics(metrics: dict) -> dict[str, float]:
@@ -126,7 +126,8 @@ def merge(args: argparse.Namespace) -> None:
         evaluation[label] = {"eval_seconds_before": entry["before"]["seconds"], "eval_seconds_after": after["seconds"],
                              "speedup": entry["before"]["seconds"] / after["seconds"], "task_batch_size_after": int(size),
                              **after["differences_from_before"]}
-    summary["evaluation"] = {"device": result["device"], "smollm2": evaluation}
+    summary["evaluation"] = {"device": result["device"], "task_limit": result["task_limit"],
+                             "perplexity_batch_size": result["perplexity_batch_size"], "smollm2": evaluation}
     args.into.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary["evaluation"], indent=2))
 
