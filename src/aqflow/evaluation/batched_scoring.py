@@ -1,0 +1,149 @@
+"""lm-eval's loglikelihood requests scored a batch at a time instead of a request at a time.
+
+lm-eval's `HFLM._loglikelihood_tokens` (0.4.x) runs the model on a padded batch, takes the
+log-softmax of every position of the batch, then, per request, copies its continuation tokens to
+the GPU, takes an argmax and a gather and reads both back with two host synchronisations. With
+the six zero-shot tasks' ~65k requests that per-request work, not the model, is most of an
+evaluation on a GPU.
+
+`BatchedScoringLM` keeps everything that fixes the numbers: lm-eval's own request order and
+batches (its `Collator`, sorted by length, one-token continuations of a shared context scored
+once), its inputs (left-truncated to the model's length, right-padded), the model call, the
+log-softmax in lm-eval's dtype and its per-request sum in that dtype. Only the bookkeeping moves:
+the inputs are built on the host and copied once a batch, the log-softmax is taken over the
+continuation positions only (it is row-wise, so these rows are the same numbers), and every
+request's sum and greedy match come back in one copy a batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils import Collator
+from tqdm.auto import tqdm
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where each scored token of a batch sits, for one gather over the model's logits.
+
+    input_ids:   [batch, padded_len] int64, right-padded with 0 (lm-eval's padding)
+    rows:        [num_rows, 2] int64, (batch index, position) of every distinct continuation
+                 position: the logits row that predicts a continuation token
+    token_rows:  [num_tokens] int64, index into `rows` of each scored token
+    targets:     [num_tokens] int64, the continuation token scored there
+    owners:      [num_tokens] int64, which request (0..num_requests-1) each scored token belongs to
+    num_requests: requests answered by this batch (one-token cache hits included)
+    """
+
+    input_ids: torch.Tensor
+    rows: torch.Tensor
+    token_rows: torch.Tensor
+    targets: torch.Tensor
+    owners: torch.Tensor
+    num_requests: int
+
+
+def model_input(context: list[int], continuation: list[int], max_length: int) -> list[int]:
+    """lm-eval's causal input: context + continuation, left-truncated to max_length + 1, last dropped."""
+    return (context + continuation)[-(max_length + 1):][:-1]
+
+
+def batch_layout(inputs: list[list[int]], scored: list[list[list[int]]]) -> BatchLayout:
+    """Lay out one batch: inputs[i] is request i's model input; scored[i] lists the continuations
+    answered from its logits (itself, plus one-token cache hits sharing its context), each scored
+    on the last len(continuation) positions of the input, as lm-eval's slicing does."""
+    padded_len = max(len(ids) for ids in inputs)
+    input_ids = torch.zeros(len(inputs), padded_len, dtype=torch.long)
+    rows, token_rows, targets, owners = [], [], [], []
+    owner = 0
+    for batch_index, (ids, continuations) in enumerate(zip(inputs, scored)):
+        input_ids[batch_index, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        longest = max(len(cont) for cont in continuations)
+        first_row = len(rows)
+        # the positions that predict the longest continuation; shorter ones use its last rows
+        rows.extend((batch_index, position) for position in range(len(ids) - longest, len(ids)))
+        for continuation in continuations:
+            offset = first_row + longest - len(continuation)
+            token_rows.extend(range(offset, offset + len(continuation)))
+            targets.extend(continuation)
+            owners.extend([owner] * len(continuation))
+            owner += 1
+    as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    return BatchLayout(input_ids, as_long(rows).reshape(-1, 2), as_long(token_rows), as_long(targets),
+                       as_long(owners), owner)
+
+
+def score_batch(logits: torch.Tensor, layout: BatchLayout, softmax_dtype: torch.dtype | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-likelihood and greedy match of every request of a batch, on the logits' device.
+
+    logits: [batch, padded_len, vocab] from the model on layout.input_ids (moved there).
+    Returns (loglikelihood [num_requests] float64, is_greedy [num_requests] bool): each request's
+    summed continuation log-probability, rounded to the log-softmax dtype as lm-eval's
+    `logits.sum()` is, and whether every continuation token is the argmax at its position.
+    """
+    device = logits.device
+    rows = layout.rows.to(device, non_blocking=True)
+    log_probs = F.log_softmax(logits[rows[:, 0], rows[:, 1]], dim=-1, dtype=softmax_dtype)  # [num_rows, vocab]
+    greedy = log_probs.argmax(dim=-1)  # [num_rows]
+    token_rows = layout.token_rows.to(device, non_blocking=True)
+    targets = layout.targets.to(device, non_blocking=True)
+    owners = layout.owners.to(device, non_blocking=True)
+    token_log_probs = log_probs[token_rows, targets]  # [num_tokens]
+    # lm-eval sums each request's log-probs in their own dtype (a half sum accumulates in float32
+    # and rounds once): the same here, per request, through a float32 segment sum.
+    sums = torch.zeros(layout.num_requests, dtype=torch.float32, device=device)
+    sums.index_add_(0, owners, token_log_probs.float())
+    loglikelihood = sums.to(log_probs.dtype).double()
+    mismatches = torch.zeros(layout.num_requests, dtype=torch.int32, device=device)
+    mismatches.index_add_(0, owners, (greedy[token_rows] != targets).int())
+    return loglikelihood, mismatches == 0
+
+
+class BatchedScoringLM(HFLM):
+    """lm-eval's HFLM with `_loglikelihood_tokens` scored a batch at a time (see the module doc);
+    causal models only, fixed batch size."""
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        if self.backend != "causal":
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        # lm-eval's own ordering and one-token-continuation grouping (HFLM._loglikelihood_tokens)
+        reorder = Collator(
+            requests,
+            sort_fn=lambda request: (-len(request[1] + request[2]), tuple(request[1] + request[2])),
+            group_by="contexts" if self.logits_cache else None,
+            group_fn=lambda request: request[-2] + request[-1][:-1],
+        )
+        batch_size = override_bs or (self.batch_size if self.batch_size != "auto" else 1)
+        placeholder = torch.empty(1, 1, 1)
+        results: list[tuple[float, bool]] = []
+        progress = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
+                        desc="Running loglikelihood requests (batched)")
+        for chunk in reorder.get_batched(n=int(batch_size)):
+            inputs, scored, request_strings = [], [], []
+            for request_string, context, continuation in chunk:
+                if not context or not continuation or len(continuation) > self.max_length:
+                    raise ValueError(f"lm-eval request {request_string!r}: empty context or continuation, or a "
+                                     f"continuation longer than the model's {self.max_length} tokens")
+                inputs.append(model_input(context, continuation, self.max_length))
+                # the requests answered by this one's logits, in the order lm-eval records them
+                answered = list(reorder.get_cache(req_str=request_string, cxt_toks=context,
+                                                  cont_toks=continuation, logits=placeholder))
+                scored.append([list(cont) for _, cont, _ in answered])
+                request_strings.extend(string for string, _, _ in answered)
+            layout = batch_layout(inputs, scored)
+            input_ids = layout.input_ids.pin_memory() if self.device.type == "cuda" else layout.input_ids
+            logits = self._model_call(input_ids.to(self.device, non_blocking=True))
+            loglikelihood, is_greedy = score_batch(logits, layout, self.softmax_dtype)
+            for request_string, value, greedy in zip(request_strings, loglikelihood.tolist(), is_greedy.tolist()):
+                answer = (value, greedy)
+                results.append(answer)
+                if request_string is not None:  # loglikelihood_rolling's requests carry None
+                    self.cache_hook.add_partial("loglikelihood", request_string, answer)
+            progress.update(len(request_strings))
+        progress.close()
+        return reorder.get_original(results)

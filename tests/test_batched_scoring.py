@@ -1,0 +1,96 @@
+"""Batched scoring of lm-eval requests gives lm-eval's own answers, request for request."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from aqflow.data.zero_shot import ZERO_SHOT_TASKS, task_data_files, write_task_files
+from aqflow.evaluation.batched_scoring import BatchedScoringLM, batch_layout, model_input
+from aqflow.evaluation.zero_shot import run_zero_shot
+from aqflow.models import build_tiny_llama, load_causal_lm, load_tokenizer
+
+from test_evaluation import HANDWRITTEN_TASKS
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+    return load_causal_lm(folder), load_tokenizer(folder)
+
+
+def _requests(rng: random.Random, vocab: int, count: int) -> list:
+    """(request key, context tokens, continuation tokens): multi-token continuations, groups of
+    one-token continuations sharing a context (lm-eval's cache hits), and over-long inputs."""
+    requests = []
+    for index in range(count):
+        context = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        kind = index % 3
+        if kind == 0:  # four one-token choices of one context, as a multiple-choice question
+            for choice in rng.sample(range(vocab), 4):
+                requests.append(((f"c{index}", str(choice)), context, [choice]))
+        else:
+            continuation = [rng.randrange(vocab) for _ in range(rng.randint(1, 6 if kind == 1 else 60))]
+            requests.append(((f"c{index}", "cont"), context, continuation))
+    return requests
+
+
+def test_layout_points_each_token_at_the_position_that_predicts_it():
+    inputs = [model_input([5, 6, 7], [8, 9], max_length=100), model_input([1], [2], max_length=100)]
+    layout = batch_layout(inputs, [[[8, 9]], [[2], [3]]])
+    assert layout.input_ids.tolist() == [[5, 6, 7, 8], [1, 0, 0, 0]]
+    # 8 is predicted at position 2 (token 7), 9 at position 3; both one-token choices at row 1, position 0
+    assert layout.rows.tolist() == [[0, 2], [0, 3], [1, 0]]
+    assert layout.token_rows.tolist() == [0, 1, 2, 2]
+    assert layout.targets.tolist() == [8, 9, 2, 3]
+    assert layout.owners.tolist() == [0, 0, 1, 2]
+    assert model_input(list(range(10)), [10, 11], max_length=5) == [6, 7, 8, 9, 10]
+
+
+@pytest.mark.parametrize("batch_size", [1, 7])
+def test_batched_answers_equal_lm_evals_request_for_request(tiny, batch_size):
+    from lm_eval.models.huggingface import HFLM
+
+    model, tokenizer = tiny
+    requests = _requests(random.Random(0), model.config.vocab_size, 30)
+    reference = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=64)
+    batched = BatchedScoringLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=64)
+    expected = reference._loglikelihood_tokens(requests, disable_tqdm=True)
+    answers = batched._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert len(answers) == len(requests) == len(expected)
+    assert [greedy for _, greedy in answers] == [greedy for _, greedy in expected]
+    assert [value for value, _ in answers] == pytest.approx([value for value, _ in expected], rel=1e-6, abs=1e-6)
+    # a request's answer does not depend on the batch it was scored in
+    alone = batched._loglikelihood_tokens(requests[:1], disable_tqdm=True)
+    assert alone[0][0] == pytest.approx(answers[0][0], rel=1e-5)
+
+
+def test_greedy_match_is_true_for_the_models_own_argmax_continuation(tiny):
+    model, tokenizer = tiny
+    context = [3, 17, 42, 9]
+    with torch.no_grad():
+        greedy = []
+        ids = list(context)
+        for _ in range(3):
+            next_token = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            greedy.append(next_token)
+            ids.append(next_token)
+    lm = BatchedScoringLM(pretrained=model, tokenizer=tokenizer, batch_size=4)
+    other = (greedy[0] + 1) % model.config.vocab_size
+    answers = lm._loglikelihood_tokens([(("a", "g"), context, greedy), (("a", "o"), context, [other, *greedy[1:]])],
+                                       disable_tqdm=True)
+    assert answers[0][1] is True and answers[1][1] is False
+    assert answers[0][0] > answers[1][0]
+
+
+def test_zero_shot_metrics_equal_with_either_scoring(tiny, tmp_path):
+    model, tokenizer = tiny
+    write_task_files(HANDWRITTEN_TASKS, tmp_path / "tasks", {"source": "handwritten"})
+    files = task_data_files(tmp_path / "tasks", ZERO_SHOT_TASKS)
+    shipped = run_zero_shot(model, tokenizer, files, tmp_path / "a", batch_size=3, scoring="lm-eval")
+    batched = run_zero_shot(model, tokenizer, files, tmp_path / "b", batch_size=3, scoring="batched")
+    assert shipped.keys() == batched.keys()
+    for task in shipped:
+        assert batched[task] == pytest.approx(shipped[task], rel=1e-5), task  # float32 sums in another order
