@@ -94,3 +94,65 @@ def test_zero_shot_metrics_equal_with_either_scoring(tiny, tmp_path):
     assert shipped.keys() == batched.keys()
     for task in shipped:
         assert batched[task] == pytest.approx(shipped[task], rel=1e-5), task  # float32 sums in another order
+
+
+class _Request:
+    """What lm-eval's loglikelihood reads of an Instance: its (context, continuation) args."""
+
+    def __init__(self, context: str, continuation: str):
+        self.args = (context, continuation)
+
+
+def _text_requests(tokenizer) -> list[_Request]:
+    """Contexts with and without trailing spaces, an empty context, one starting with the BOS
+    string, repeated contexts (multiple choice) and non-ASCII text."""
+    bos = tokenizer.decode([tokenizer.bos_token_id]) if tokenizer.bos_token_id is not None else ""
+    pairs = [("Question: what is two plus two?\nAnswer:", " four"), ("The cat sat on the ", "mat."),
+             ("", "An empty context."), (bos + "Starts with BOS", " then more"), ("Café au lait  ", "déjà vu")]
+    pairs += [("Which is heavier, a kilo of iron or a kilo of feathers?", f" {choice}")
+              for choice in ("iron", "feathers", "neither", "both")]
+    return [_Request(context, continuation) for context, continuation in pairs]
+
+
+def test_strings_tokenized_in_one_batch_give_lm_evals_requests_and_answers(tiny):
+    from lm_eval.models.huggingface import HFLM
+
+    model, tokenizer = tiny
+    requests = _text_requests(tokenizer)
+    reference = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=3, max_length=64)
+    batched = BatchedScoringLM(pretrained=model, tokenizer=tokenizer, batch_size=3, max_length=64)
+    batched.prefetch_encodings([request.args for request in requests])
+    for context, continuation in (request.args for request in requests if request.args[0]):
+        assert batched._encode_pair(context, continuation) == reference._encode_pair(context, continuation)
+    batched._encoded = None
+    expected = reference.loglikelihood(requests, disable_tqdm=True)
+    one_at_a_time = []
+    encode = tokenizer.encode
+    tokenizer.encode = lambda *args, **kwargs: one_at_a_time.append(args) or encode(*args, **kwargs)
+    try:
+        answers = batched.loglikelihood(requests, disable_tqdm=True)
+    finally:
+        tokenizer.encode = encode
+    assert one_at_a_time == []  # every string came from the one batched call
+    assert [greedy for _, greedy in answers] == [greedy for _, greedy in expected]
+    assert [value for value, _ in answers] == pytest.approx([value for value, _ in expected], rel=1e-6, abs=1e-6)
+    assert batched._encoded is None  # the batch's strings are not kept past the call
+
+
+def test_cached_templates_render_lm_evals_text_and_compile_each_template_once(monkeypatch):
+    from lm_eval import utils
+
+    from aqflow.evaluation.batched_scoring import cached_templates
+
+    templates = ["Question: {{question}}\nAnswer:", "{{ choices[label] | regex_replace('a', 'b') }}", "{{question}}"]
+    docs = [{"question": f"q{i}?", "choices": ["alpha", "beta"], "label": i % 2} for i in range(5)]
+    expected = [utils.apply_template(template, doc) for template in templates for doc in docs]
+    compiled = []
+    from_string = utils.env.from_string
+    monkeypatch.setattr(utils.env, "from_string", lambda source: compiled.append(source) or from_string(source))
+    with cached_templates():
+        rendered = [utils.apply_template(template, doc) for template in templates for doc in docs]
+    assert rendered == expected
+    assert sorted(compiled) == sorted(templates)  # once each, not once per document
+    utils.apply_template("{{question}}", docs[0])
+    assert len(compiled) == len(templates) + 1  # lm-eval's own function is back after the block

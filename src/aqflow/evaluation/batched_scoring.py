@@ -13,16 +13,26 @@ log-softmax in lm-eval's dtype and its per-request sum in that dtype. Only the b
 the inputs are built on the host and copied once a batch, the log-softmax is taken over the
 continuation positions only (it is row-wise, so these rows are the same numbers), and every
 request's sum and greedy match come back in one copy a batch.
+
+Two more host costs go, measured on an H100 (benchmarks/eval_profile.py: of ~170 s for the six
+tasks at 128 requests a batch, ~55 s were Jinja compiling the same few prompt templates once per
+document and choice, ~25 s tokenizing one string at a time):
+- `cached_templates()`: lm-eval's `apply_template` compiles each distinct template once (the
+  rendering of a compiled template is the same text);
+- `BatchedScoringLM.loglikelihood` tokenizes every string its requests need in one batched call
+  of the fast tokenizer (the same ids as one `encode` a string) before lm-eval's own loop reads them.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
-from lm_eval.models.utils import Collator
+from lm_eval.models.utils import Collator, _add_special_kwargs, has_bos_prefix
 from tqdm.auto import tqdm
 
 
@@ -104,9 +114,84 @@ def score_batch(logits: torch.Tensor, layout: BatchLayout, softmax_dtype: torch.
     return loglikelihood, mismatches == 0
 
 
+@contextlib.contextmanager
+def cached_templates() -> Iterator[None]:
+    """Inside: lm-eval's `utils.apply_template` compiles each distinct template string once, with
+    lm-eval's own Jinja environment, instead of once per call."""
+    from lm_eval import utils
+
+    shipped = utils.apply_template
+    compiled: dict[str, object] = {}
+
+    def apply_template(template: str, doc: dict) -> str:
+        if template not in compiled:
+            compiled[template] = utils.env.from_string(template)
+        return compiled[template].render(**doc)
+
+    utils.apply_template = apply_template
+    try:
+        yield
+    finally:
+        utils.apply_template = shipped
+
+
+def encode_pair_strings(context: str, continuation: str) -> list[tuple[str, bool | None]]:
+    """The strings (and their add_special_tokens argument) lm-eval's causal `loglikelihood`
+    tokenizes for one request: with a context, context + continuation and the context, after
+    moving the context's trailing spaces to the continuation; without one, the continuation alone."""
+    if context == "":
+        return [(continuation, False)]
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    return [(context + continuation, None), (context, None)]
+
+
 class BatchedScoringLM(HFLM):
     """lm-eval's HFLM with `_loglikelihood_tokens` scored a batch at a time (see the module doc);
-    causal models only, fixed batch size."""
+    causal models only, fixed batch size. Its strings are tokenized in one batch first."""
+
+    _encoded: dict | None = None
+
+    def _special_tokens_kwargs(self, string: str, add_special_tokens: bool | None, bos_string: str) -> dict:
+        """tok_encode's arguments to the tokenizer for `string` (HFLM.tok_encode's rule)."""
+        kwargs = _add_special_kwargs(add_special_tokens, self.add_bos_token)
+        if add_special_tokens is None and has_bos_prefix(string, bos_string):
+            kwargs["add_special_tokens"] = False
+        return kwargs
+
+    def prefetch_encodings(self, pairs: list[tuple[str, str]]) -> None:
+        """Tokenize every string the requests' (context, continuation) pairs need, grouped by
+        tokenizer arguments, one batched call per group; tok_encode then reads them."""
+        bos_string = self.tokenizer.decode(self.prefix_token_id)
+        groups: dict[tuple, list[tuple[str, bool | None]]] = {}
+        for context, continuation in pairs:
+            for string, add_special in encode_pair_strings(context, continuation):
+                kwargs = self._special_tokens_kwargs(string, add_special, bos_string)
+                groups.setdefault(tuple(sorted(kwargs.items())), []).append((string, add_special))
+        encoded = {}
+        for kwargs, keys in groups.items():
+            unique = list(dict.fromkeys(keys))
+            ids = self.tokenizer([string for string, _ in unique], **dict(kwargs))["input_ids"]
+            encoded.update(zip(unique, ids))
+        self._encoded = encoded
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
+                   **kwargs) -> list[int]:
+        if self._encoded is not None and not kwargs and (string, add_special_tokens) in self._encoded:
+            encoding = list(self._encoded[(string, add_special_tokens)])
+            return encoding[-left_truncate_len:] if left_truncate_len else encoding
+        return super().tok_encode(string, add_special_tokens=add_special_tokens, left_truncate_len=left_truncate_len,
+                                  **kwargs)
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        if self.backend != "causal":
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+        self.prefetch_encodings([request.args for request in requests])
+        try:
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self._encoded = None
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         if self.backend != "causal":

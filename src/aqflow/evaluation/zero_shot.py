@@ -7,12 +7,14 @@ that the data is read with `dataset_path: json` from the JSONL files of
 `aqflow.data.zero_shot`. The templates are filled with the data paths at run time and written
 into a work folder, which a TaskManager then indexes without lm-eval's built-in tasks (so the
 standard task names are free and nothing touches a hub). The model is the already-loaded one,
-wrapped in lm-eval's HFLM, whose requests are scored a batch at a time by default
-(`aqflow.evaluation.batched_scoring`: same batches, same numbers, no per-request host round trip).
+wrapped in lm-eval's HFLM, whose requests are scored a batch at a time by default, with each
+prompt template compiled once and the request strings tokenized in one batch
+(`aqflow.evaluation.batched_scoring`: same requests, batches and numbers, less host work).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import string
@@ -111,13 +113,14 @@ def run_zero_shot(model, tokenizer, data_files: Mapping[str, str | os.PathLike],
     work_dir = Path(work_dir)
     config_dir = write_task_configs(data_files, work_dir / "tasks", work_dir / "datasets-cache")
     manager = TaskManager(include_path=str(config_dir), include_defaults=False)
-    from .batched_scoring import BatchedScoringLM
+    from .batched_scoring import BatchedScoringLM, cached_templates
 
     lm_class = BatchedScoringLM if scoring == "batched" else HFLM
     lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
-    output = lm_eval.simple_evaluate(
-        model=lm, tasks=list(data_files), num_fewshot=0, limit=limit, task_manager=manager,
-        bootstrap_iters=bootstrap_iters, log_samples=False, random_seed=seed, numpy_random_seed=seed,
-        torch_random_seed=seed, fewshot_random_seed=seed,
-    )
+    with cached_templates() if scoring == "batched" else contextlib.nullcontext():
+        output = lm_eval.simple_evaluate(
+            model=lm, tasks=list(data_files), num_fewshot=0, limit=limit, task_manager=manager,
+            bootstrap_iters=bootstrap_iters, log_samples=False, random_seed=seed, numpy_random_seed=seed,
+            torch_random_seed=seed, fewshot_random_seed=seed,
+        )
     return task_metrics(output["results"])
