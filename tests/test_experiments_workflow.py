@@ -58,3 +58,23 @@ def test_results_folders_that_are_not_models_cannot_be_model_names(tmp_path):
     result = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile", str(path),
                              "--directory", str(tmp_path), "-n"], capture_output=True, text=True, timeout=600)
     assert result.returncode != 0 and "['published'] are folders of results/" in result.stdout + result.stderr
+
+
+def test_the_grid_file_is_written_alone_before_any_cell_runs(tmp_path):
+    import json
+
+    grid = {"models": ["tiny"], "cells": [{"bpp": 2, "inits": ["greedy", "oaem"], "beams": [2], "epochs": [2],
+                                           "seeds": [42, 43]}]}
+    config = dict(TINY, experiments={"paper": grid})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = dict(os.environ, AQFLOW_CACHE=os.environ.get("AQFLOW_CACHE", str(REPO / "resources" / "cache")))
+    result = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile", str(path),
+                             "--directory", str(tmp_path), "-c1", "results/paper/grid.json"],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cells = json.loads((tmp_path / "results" / "paper" / "grid.json").read_text())
+    # epochs 2 and seed 42 are the tiny config's defaults: left out of the paths
+    assert sorted(cell["eval_json"] for cell in cells) == sorted(
+        f"results/tiny/2bpp/{init}/b2{seed}/eval.json" for init in ("greedy", "oaem") for seed in ("", "s43"))
+    assert not (tmp_path / "resources").exists()  # nothing of the grid itself ran

@@ -133,7 +133,11 @@ def write_tables(runs: pd.DataFrame, out_dir: Path, domains: list[str], expected
               "tables: cells.md, domains.md, claims.md; plots: " + ", ".join(PLOTS) + ".", "",
               "## Claims", "", claims_markdown(claims) if len(claims) else "no runs yet", "",
               f"## Missing cells ({len(missing)})", ""]
-    readme += [f"- `{cell['eval_json']}`" for cell in missing] or ["none"]
+    if expected:
+        readme += [f"- `{cell['eval_json']}`" for cell in missing] or ["none"]
+    else:
+        readme += ["unknown: no grid was given (`--expected-cells results/paper/grid.json`, written by "
+                   "`snakemake results/paper/grid.json`)"]
     with artifacts.atomic_path(out_dir / "README.md") as tmp:
         tmp.write_text("\n".join(readme) + "\n")
     return {"runs": len(runs), "missing": missing}
