@@ -161,6 +161,23 @@ def test_deleting_one_layer_reruns_only_that_layer_and_what_follows(finished_run
                     "report": 1}
 
 
+@pytest.mark.slow
+def test_a_missing_timing_reruns_no_job(finished_run, tmp_path):
+    """Results made before benchmark files existed, or with logs/ cleaned: nothing reruns, and the
+    report (when it runs for another reason) counts the timings that are there."""
+    workdir = tmp_path / "copy"
+    shutil.copytree(finished_run, workdir, symlinks=True)
+    for tsv in (workdir / "logs" / "benchmarks" / "quantize_layer").rglob("*.tsv"):
+        tsv.unlink()
+    assert planned_jobs(workdir) == {}
+    (workdir / "results/report/summary.csv").unlink()
+    assert planned_jobs(workdir) == {"report": 1}
+    result = snakemake(workdir, "--cores", "1", "results/report/summary.csv")
+    assert result.returncode == 0, result.stderr[-3000:]
+    times = pd.read_csv(workdir / "results/report/stage_times.csv").set_index("rule")
+    assert "quantize_layer" not in times.index and times.loc["stitch", "jobs"] == 2
+
+
 SEQUENTIAL_VARIANT = "results/tiny/2bpp/greedy/b2e2"
 
 

@@ -573,6 +573,13 @@ def all_targets(wildcards):
     return target_evals() + baseline_evals() + [rules.report.output.table] + layers
 
 
+def target_calibrations(wildcards):
+    """The calibration folders (checkpoint outputs) of the targets' models: the report's job list
+    (`job_benchmarks`) reads which layers they found."""
+    models = sorted({target["model"] for target in config["targets"]})
+    return [calibration_dir(SimpleNamespace(model=model)) for model in models]
+
+
 def job_benchmarks(wildcards):
     """The benchmark file of every job behind the report (each is an output of its job): the
     fetches, calibrations and fp evaluations of the targets' models, and each target variant's
