@@ -12,6 +12,10 @@ if "paper" in config.get("experiments", {}):
             "logs/paper_grid.log",
         benchmark:
             "logs/benchmarks/paper_grid.tsv"
+        conda:
+            "../../envs/report.yaml"
+        container:
+            CONTAINER
         params:
             cells=lambda w: experiment_cells("paper"),
         script:
