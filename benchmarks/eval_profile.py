@@ -24,21 +24,20 @@ import time
 from pathlib import Path
 
 import torch
+from synthetic_models import random_llama
 
 
 def smollm2_shaped_model(tokenizer_dir: Path, device: str):
-    """A random LlamaForCausalLM of SmolLM2-135M's shape, float16 on `device` (float32 on a CPU), and its tokenizer."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    """A random LlamaForCausalLM of SmolLM2-135M's shape, float16 on `device` (float32 on a CPU),
+    and its tokenizer."""
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                         tie_word_embeddings=True, rope_theta=100000.0,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
+    shape = dict(vocab_size=len(tokenizer), hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                 num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                 tie_word_embeddings=True, rope_theta=100000.0)
     dtype = torch.float16 if device != "cpu" else torch.float32
-    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
-    return model, tokenizer
+    return random_llama(shape, tokenizer, device, dtype), tokenizer
 
 
 class ForwardTimer:

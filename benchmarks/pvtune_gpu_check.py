@@ -27,9 +27,10 @@ import torch
 
 from aqflow import artifacts, checkpoint
 from aqflow.models.structure import meta_model
-from aqflow.models.tiny import build_tiny_llama, build_tiny_tokenizer
+from aqflow.models.tiny import build_tiny_llama
 from aqflow.stages.quantize_layer import quantize_every_linear
 from aqflow.stages import pvtune
+from synthetic_models import random_teacher
 from synthetic_text import synthetic_corpus
 
 LLAMA_3B = dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
@@ -85,22 +86,6 @@ def multi_process_agreement(root: Path, device: str, processes: int) -> dict:
 
 # --- part 2: memory of a 3B model ----------------------------------------------------------------
 
-def random_teacher(root: Path, shape: dict, device: str) -> Path:
-    """A random bf16 Llama of `shape` with a small BPE tokenizer (its ids fit any vocabulary)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = root / "teacher"
-    tokenizer = build_tiny_tokenizer(folder)
-    config = LlamaConfig(**shape, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(folder)
-    del model
-    return folder
-
-
 def random_codes_checkpoint(teacher: Path, root: Path) -> Path:
     """The teacher's 2x8-bit AQLM checkpoint with random codes, stitched by `write_aqlm_checkpoint`."""
     layers = root / "layers"
@@ -119,7 +104,7 @@ def random_codes_checkpoint(teacher: Path, root: Path) -> Path:
 
 def peak_memory_of_pv(root: Path, shape: dict, device: str, window_tokens: int) -> dict:
     started = time.perf_counter()
-    teacher = random_teacher(root, shape, device)
+    teacher = random_teacher(root / "teacher", shape, device)
     student = random_codes_checkpoint(teacher, root)
     corpus = synthetic_corpus(root / "corpus.parquet", 24, max(4 * window_tokens, 400))
     prepared = time.perf_counter() - started

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from synthetic_models import random_teacher
 from synthetic_text import synthetic_corpus
 
 PAPER_PV_TOKENS = 10_000 * 4096 * 5
@@ -48,25 +49,6 @@ WINDOW_TOKENS = {"smoke": 64}
 
 
 # --- inputs --------------------------------------------------------------------------------------
-
-def build_teacher(folder: Path, shape: dict, device: str) -> Path:
-    """A random bf16 Llama of `shape`, with a small BPE tokenizer (its ids fit any vocabulary)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from aqflow.models.tiny import build_tiny_tokenizer
-
-    tokenizer = build_tiny_tokenizer(folder)
-    config = LlamaConfig(**shape, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(folder)
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return folder
-
 
 @torch.no_grad()
 def nearest_codeword_codes(weight: torch.Tensor, num_codebooks: int, nbits: int, generator: torch.Generator):
@@ -189,7 +171,7 @@ def command_pv(args: argparse.Namespace) -> int:
     if args.reuse and (work / "aqlm").is_dir() and (work / "corpus.parquet").is_file():
         inputs = {"teacher": work / "teacher", "student": work / "aqlm", "corpus": work / "corpus.parquet"}
     else:
-        teacher = build_teacher(work / "teacher", shape, args.device)
+        teacher = random_teacher(work / "teacher", shape, args.device)
         inputs = {"teacher": teacher, "student": build_student(teacher, work, args.device), "corpus": synthetic_corpus(
             work / "corpus.parquet", 48, 40_000 if args.shape != "smoke" else 2000)}
     run = tuple(args.run) if args.run else RUNS[args.shape]
