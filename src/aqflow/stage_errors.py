@@ -1,7 +1,7 @@
 """One error path for every stage CLI: expected failures are one line, bugs keep their traceback.
 
-Expected: a bad or corrupt input (ArtifactError, StageInputError, the library's typed input
-errors a stage lists in its INPUT_ERRORS) and what the
+Expected: a bad or corrupt input (ArtifactError, StageInputError, ModelFolderError, the library's
+typed input errors a stage lists in its INPUT_ERRORS) and what the
 machine does to a job (disk full, read-only folder, no permission, a missing file: every
 OSError). Each becomes `aqflow <stage>: error: <file>: <cause>` on stderr (a rule's log, when
 Snakemake runs the stage) and exit code 2. Anything else propagates: a bug, with its traceback.
@@ -12,13 +12,16 @@ from __future__ import annotations
 import sys
 
 from aqflow.artifacts import ArtifactError
+from aqflow.models.folder import ModelFolderError
 
 
 class StageInputError(ValueError):
     """A bad input or setting given to a stage; the message names it."""
 
 
-EXPECTED_ERRORS: tuple[type[BaseException], ...] = (ArtifactError, OSError, StageInputError)
+# a model folder that is not what a stage needs (not AQLM, a linear without its scales) is an input
+# error of every stage that reads one
+EXPECTED_ERRORS: tuple[type[BaseException], ...] = (ArtifactError, OSError, StageInputError, ModelFolderError)
 INPUT_EXIT_CODE = 2
 
 

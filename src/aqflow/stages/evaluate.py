@@ -39,7 +39,7 @@ import torch
 from aqflow import artifacts, stage_cli
 from aqflow.data.zero_shot import ZERO_SHOT_TASKS, TaskDataError, prepare_zero_shot_data, read_manifest, task_data_files
 from aqflow.evaluation.dense_aqlm import dequantize_aqlm_linears
-from aqflow.models.folder import ModelFolderError, quantization_config, stored_bits_per_parameter
+from aqflow.models.folder import quantization_config, stored_bits_per_parameter
 from aqflow.evaluation.perplexity import perplexity
 from aqflow.corpus_catalog import BUILTIN_PROTOCOLS, PROTOCOLS
 from aqflow.evaluation.protocol import (
@@ -65,7 +65,7 @@ class EvaluationInputError(StageInputError):
 
 
 STAGE = "evaluate"
-INPUT_ERRORS = (*EXPECTED_ERRORS, NonFiniteMetricError, CorpusError, ModelInputError, TaskDataError, ModelFolderError)
+INPUT_ERRORS = (*EXPECTED_ERRORS, NonFiniteMetricError, CorpusError, ModelInputError, TaskDataError)
 
 
 # --- arguments -----------------------------------------------------------------------------------

@@ -38,10 +38,9 @@ from aqflow.pvtune.train import PVSettings, settings_record, train, world
 from aqflow.quant.representation import pack_codes
 from aqflow.stage_cli import option
 from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
-from aqflow.models.folder import ModelFolderError
 
 STAGE = "pvtune"
-INPUT_ERRORS = (*EXPECTED_ERRORS, NonFiniteMetricError, StudentError, CorpusError, ModelInputError, ModelFolderError)
+INPUT_ERRORS = (*EXPECTED_ERRORS, NonFiniteMetricError, StudentError, CorpusError, ModelInputError)
 
 
 @dataclass(frozen=True)

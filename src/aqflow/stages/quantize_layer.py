@@ -24,7 +24,7 @@ import torch
 
 from aqflow import artifacts, stage_cli
 from aqflow.finite import NonFiniteMetricError, require_finite
-from aqflow.models.folder import ModelFolderError, split_module_name
+from aqflow.models.folder import split_module_name
 from aqflow.quant.quantize import QuantizerSettings, layer_summary, quantize_layer
 from aqflow.quant.representation import pack_codes
 from aqflow.quant.validation import QuantizationInputError
@@ -33,7 +33,7 @@ from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
 from aqflow.tensor_files import load_tensor
 
 STAGE = "quantize-layer"
-INPUT_ERRORS = (*EXPECTED_ERRORS, NonFiniteMetricError, QuantizationInputError, ModelFolderError)
+INPUT_ERRORS = (*EXPECTED_ERRORS, NonFiniteMetricError, QuantizationInputError)
 
 
 @dataclass(frozen=True)
