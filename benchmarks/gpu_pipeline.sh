@@ -2,10 +2,15 @@
 # The SmolLM2 pipeline on the lent GPU machine (no network there): files are staged in
 # /root/stage over several device calls (each call carries at most 64 MiB), then Snakemake runs
 # the whole DAG with profiles/gpu. Run from the repository root on the device machine:
-#   bash benchmarks/gpu_pipeline.sh install   # carry .whl and .device-carry/gpu-run/assets.tar.xz
+#   bash benchmarks/gpu_pipeline.sh install   # carry the wheel folders WHEELS (default: .whl)
+#   bash benchmarks/gpu_pipeline.sh assets F  # carry F: a tar.xz of cache/ (zero-shot data) and resources/data
 #   bash benchmarks/gpu_pipeline.sh part F    # carry one GGUF part F (split -b 49M), once per part
 #   bash benchmarks/gpu_pipeline.sh start [snakemake args]   # detached Snakemake run of the DAG
+#   bash benchmarks/gpu_pipeline.sh grid FILE      # detached: one Snakemake run per line of FILE, in order
 #   bash benchmarks/gpu_pipeline.sh wait SECONDS   # watch it; what it has made so far to $OUT
+# `grid` is for a budget shorter than the whole job list: each line of FILE (targets, or `all`) runs
+# to its end before the next starts, so the time limit leaves finished cells rather than every cell
+# half done; batches.tsv records each line's start and end.
 # PROFILE (default profiles/gpu) and GPU_SLOTS (default 12 per visible card) choose the profile,
 # e.g. PROFILE=profiles/gpu-node on a node with several cards. While Snakemake runs, every card's
 # utilisation and memory are sampled twice a second into gpu_utilisation.csv (copied to $OUT).
@@ -19,18 +24,22 @@ mkdir -p "$STAGE/cache/smollm2" "$STAGE/parts"
 
 case "$1" in
 install)
-  tar -xJf .device-carry/gpu-run/assets.tar.xz -C "$STAGE"
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$STAGE/site" .whl/*.whl
+  wheels=()
+  for folder in ${WHEELS:-.whl}; do wheels+=("$folder"/*.whl); done
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$STAGE/site" "${wheels[@]}"
   "$PY" -c "import snakemake, aqlm, lm_eval, datasets, gguf, matplotlib, torch, transformers; \
 print('snakemake', snakemake.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
   # aqlm compiles its CUDA kernels on first use (minutes): start that now, in its own session
   # so it outlives this call and the evaluation later finds them built.
   setsid nohup "$PY" -c "import aqlm.inference_kernels.cuda_kernel" > "$STAGE/aqlm_build.log" 2>&1 < /dev/null &
   ;;
+assets)
+  tar -xJf "$2" -C "$STAGE" && ls "$STAGE/cache" "$STAGE/resources/data" | head -40
+  ;;
 part)
   cp "$2" "$STAGE/parts/" && ls -la "$STAGE/parts"
   ;;
-start)
+start|grid)
   # Snakemake runs detached (its own session) in a copy outside the synced checkout, so that it
   # outlives this call and keeps its outputs between calls: the device tool replaces the
   # checkout's unignored files (results/published is committed) at every call, and a job killed at a
@@ -38,6 +47,8 @@ start)
   gguf="$STAGE/cache/smollm2/$GGUF_NAME"
   if [ ! -f "$gguf" ]; then cat "$STAGE"/parts/gguf.* > "$gguf.tmp" && mv "$gguf.tmp" "$gguf"; fi
   echo "$GGUF_SHA256  $gguf" | sha256sum -c -
+  mode=$1; shift
+  if [ "$mode" = grid ]; then cp "$1" "$STAGE/batches.txt"; shift; fi
   mkdir -p "$STAGE/work"
   tar --exclude=./results --exclude=./resources --exclude=./.snakemake --exclude=./logs \
       --exclude=./.whl --exclude=./.whl2 --exclude=./.device-carry --exclude=./.git --exclude=./.venv -cf - . | tar -C "$STAGE/work" -xf -
@@ -46,7 +57,6 @@ start)
   mkdir -p resources && { [ -d resources/data ] || cp -r "$STAGE/resources/data" resources/; }
   cat "$STAGE/aqlm_build.log" || true
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-  shift
   date +%s > "$STAGE/started_at"
   profile=${PROFILE:-profiles/gpu}
   cards=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
@@ -54,10 +64,27 @@ start)
   setsid nohup nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv,nounits -lms 500 \
     > "$STAGE/gpu_utilisation.csv" 2>/dev/null < /dev/null &
   echo $! > "$STAGE/sampler.pid"
-  setsid nohup bash -c '"$0" -m snakemake --profile "'"$profile"'" --resources gpu='"$slots"' --scheduler greedy --keep-going "$@"; echo $? > "'"$STAGE"'/snakemake.rc"; kill $(cat "'"$STAGE"'/sampler.pid")' \
-    "$PY" "$@" > "$STAGE/snakemake.out" 2>&1 < /dev/null &
+  smk=("$PY" -m snakemake --profile "$profile" --resources gpu="$slots" --scheduler greedy --keep-going)
+  if [ "$mode" = start ]; then
+    setsid nohup bash -c '"$@"; echo $? > "'"$STAGE"'/snakemake.rc"; kill $(cat "'"$STAGE"'/sampler.pid")' \
+      run "${smk[@]}" "$@" > "$STAGE/snakemake.out" 2>&1 < /dev/null &
+  else
+    # one Snakemake run per line; `all` (or an empty line) is the default target
+    setsid nohup bash -c '
+      stage=$1; extra=$2; shift 2
+      printf "batch\tstart\tend\trc\ttargets\n" > "$stage/batches.tsv"
+      n=0
+      while IFS= read -r line; do
+        n=$((n + 1)); targets=${line:-all}; begin=$(date +%s)
+        echo "=== batch $n: $targets"
+        "$@" $targets $extra < /dev/null; rc=$?
+        printf "%s\t%s\t%s\t%s\t%s\n" "$n" "$begin" "$(date +%s)" "$rc" "$targets" >> "$stage/batches.tsv"
+      done < "$stage/batches.txt"
+      echo 0 > "$stage/snakemake.rc"; kill $(cat "$stage/sampler.pid")' \
+      run "$STAGE" "$*" "${smk[@]}" > "$STAGE/snakemake.out" 2>&1 < /dev/null &
+  fi
   echo $! > "$STAGE/snakemake.pid"
-  echo "snakemake started (pid $(cat "$STAGE/snakemake.pid"), $profile, gpu=$slots over $cards card(s))"
+  echo "snakemake started ($mode, pid $(cat "$STAGE/snakemake.pid"), $profile, gpu=$slots over $cards card(s))"
   ;;
 wait)
   # Watch the detached run for at most SECONDS, then copy what it has produced so far to $OUT.
@@ -67,6 +94,7 @@ wait)
     echo "$(( $(date +%s) - $(cat "$STAGE/started_at") )) s: $(grep -E '^[0-9]+ of [0-9]+ steps' "$STAGE/snakemake.out" | tail -1)"
   done
   if [ -f "$STAGE/snakemake.rc" ]; then echo "snakemake exit status $(cat "$STAGE/snakemake.rc")"; else echo "snakemake still running"; fi
+  cp "$STAGE/batches.tsv" "$OUT/" 2>/dev/null && cat "$STAGE/batches.tsv"
   grep -E "^Error in rule|^WorkflowError|Exiting because" "$STAGE/snakemake.out" || true
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader || true
   cd "$STAGE/work"
