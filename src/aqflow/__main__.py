@@ -18,6 +18,7 @@ STAGES = {
     "pvtune": "aqflow.stages.pvtune",
     "evaluate": "aqflow.stages.evaluate",
     "report": "aqflow.stages.report",
+    "domain-distances": "aqflow.stages.domain_distances",
     "paper-tables": "aqflow.stages.paper_tables",
     "clean": "aqflow.stages.clean",
 }
