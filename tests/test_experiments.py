@@ -117,6 +117,12 @@ def test_rho_and_domain_slopes():
     domain = gap_against_domain_distance(grid(lambda cell: 1.0, noise=0.0), ["c4", "wikitext2"],
                                          lambda d: f"pre_pv_{d}_ppl", bpp=2, beam=8, max_epochs=100)
     assert np.allclose(domain, 1.0)  # c4 gap 0, wikitext2 gap 1: slope 1 per rank
+    measured = gap_against_domain_distance(grid(lambda cell: 1.0, noise=0.0), ["c4", "wikitext2"],
+                                           lambda d: f"pre_pv_{d}_ppl", {"c4": 0.1, "wikitext2": 0.35},
+                                           bpp=2, beam=8, max_epochs=100)
+    assert np.allclose(measured, 4.0)  # the same gaps 0.25 nats apart: slope 4 per nat
+    with pytest.raises(KeyError, match="wikitext2"):
+        gap_against_domain_distance(grid(lambda cell: 1.0), ["c4", "wikitext2"], lambda d: f"pre_pv_{d}_ppl", {"c4": 0.1})
 
 
 def test_seed_statistics_and_markdown_with_paper_numbers():
@@ -177,3 +183,40 @@ def test_paper_tables_stage_writes_tables_claims_plots_and_missing_cells(tmp_pat
     readme = (out / "README.md").read_text()
     assert "## Missing cells (2)" in readme and "greedy-s45/eval.json" in readme
     assert paper_tables.main([str(tmp_path / "nope.json"), "--out-dir", str(out)]) == 2
+
+
+def test_paper_tables_order_domains_by_measured_distance(tmp_path):
+    """Without --domains the domains come from domains.json, nearest first; the distance is a column
+    of the domain table and the domain claim's x (here c4 is measured FARTHER than wikitext2, so
+    only the file can have put it last)."""
+    from aqflow.artifacts import write_json
+    from aqflow.stages import paper_tables
+
+    paths = []
+    for seed in (42, 43, 44):
+        jitter = 1 + 0.01 * (seed - 43)
+        paths += [write_eval(tmp_path, "greedy", 8, seed, 200 * jitter, 50 * jitter),
+                  write_eval(tmp_path, "oaem", 8, seed, 80 * jitter, 45 * jitter)]
+    distances = tmp_path / "domains.json"
+    write_json(distances, {"domains": [{"domain": "wikitext2", "distance": 0.2, "distance_sd": 0.01},
+                                       {"domain": "c4", "distance": 0.3, "distance_sd": 0.02}]})
+    out = tmp_path / "paper"
+    assert paper_tables.main([*map(str, paths), "--out-dir", str(out), "--domain-distances", str(distances)]) == 0
+    domains = pd.read_csv(out / "domains.csv")
+    assert domains["domain"].tolist() == ["wikitext2", "c4"] and domains["distance"].tolist() == [0.2, 0.3]
+    assert domains["distance_sd"].tolist() == [0.01, 0.02]
+    claims = pd.read_csv(out / "claims.csv").set_index("claim")
+    row = claims.loc["gap_grows_with_domain_distance"]
+    # write_eval gives c4 the same greedy/OA-EM ratio as wikitext2: no slope against distance
+    assert "measured distance" in row["effect"] and row["mean"] == pytest.approx(0.0, abs=1e-9)
+    assert pd.isna(row["paper"])  # the paper's slope is per rank: not comparable
+    assert "Jensen-Shannon" in (out / "README.md").read_text()
+    # --domains still decides the order; a domain without a distance makes the claim fall back to ranks
+    assert paper_tables.main([*map(str, paths), "--out-dir", str(out), "--domain-distances", str(distances),
+                              "--domains", "c4", "wikitext2", "lambada"]) == 0
+    assert pd.read_csv(out / "domains.csv")["domain"].tolist() == ["c4", "wikitext2"]  # no lambada runs
+    claims = pd.read_csv(out / "claims.csv").set_index("claim")
+    assert "domain rank" in claims.loc["gap_grows_with_domain_distance", "effect"]
+    assert "no measured distance for ['lambada']" in (out / "README.md").read_text()
+    write_json(distances, {"not": "domains"})
+    assert paper_tables.main([*map(str, paths), "--out-dir", str(out), "--domain-distances", str(distances)]) == 2

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,6 +42,7 @@ def test_paper_target_plans_every_cell_once(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     # greedy/oaem x b2/b4 (4), seeds 43/44 x 2 inits (4), the g4m1k256 geometry (1)
     assert planned(result)["stitch"] == 9 and planned(result)["paper"] == 1
+    assert planned(result)["domain_distances"] == 1  # the tables' domain order and distance column
 
 
 def test_a_geometry_of_another_bit_rate_is_refused_when_the_dag_is_built(tmp_path):
@@ -78,3 +80,25 @@ def test_the_grid_file_is_written_alone_before_any_cell_runs(tmp_path):
     assert sorted(cell["eval_json"] for cell in cells) == sorted(
         f"results/tiny/2bpp/{init}/b2{seed}/eval.json" for init in ("greedy", "oaem") for seed in ("", "s43"))
     assert not (tmp_path / "resources").exists()  # nothing of the grid itself ran
+
+
+@pytest.mark.slow
+def test_domain_distances_of_a_model_are_one_job_on_its_own_text(tmp_path):
+    """results/<model>/domains.json: the model, its calibration corpus and its evaluation corpora
+    (fetched from the registry cache), and nothing of the quantization."""
+    import json
+
+    config = dict(TINY)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = dict(os.environ, AQFLOW_CACHE=os.environ.get("AQFLOW_CACHE", str(REPO / "resources" / "cache")))
+    result = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile", str(path),
+                             "--directory", str(tmp_path), "-c1", "results/tiny/domains.json"],
+                            capture_output=True, text=True, env=env, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((tmp_path / "results" / "tiny" / "domains.json").read_text())
+    assert record["calibration"]["corpus"] == "c4-standin"
+    assert sorted(row["domain"] for row in record["domains"]) == ["c4-standin", "wikitext2-standin"]
+    # the calibration corpus's own held-out text is nearer to its calibration text than Wikipedia is
+    assert [row["domain"] for row in record["domains"]] == ["c4-standin", "wikitext2-standin"]
+    assert not (tmp_path / "results" / "tiny" / "2bpp").exists()

@@ -691,15 +691,10 @@ def experiment_cells(name):
 
 
 def experiment_domains(name):
-    """The evaluation domains of a grid's tables, the calibration text's own first: `domains` of
-    the grid, else its first model's evaluation domains (config.yaml `text`)."""
-    grid = config["experiments"][name]
-    if grid.get("domains"):
-        return grid["domains"]
-    model = grid["models"][0]
-    names = [domain for domain, _ in evaluation_domains(model)]
-    calibration = text_corpus(model, "calibration")
-    return sorted(names, key=lambda domain: domain != calibration)
+    """The evaluation domains of a grid's tables as `domains` of the grid orders them; [] when it
+    names none: paper-tables then orders the model's evaluation domains by their measured distance
+    from the calibration text (rule domain_distances)."""
+    return list(config["experiments"][name].get("domains") or [])
 
 
 def experiment_evals(name):

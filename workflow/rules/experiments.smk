@@ -1,3 +1,28 @@
+# How far each evaluation domain of a model is from its calibration text (Jensen-Shannon divergence
+# of token unigrams under the model's tokenizer): the paper tables order their domains by it and
+# measure the domain-distance claim against it. A CPU job of seconds.
+rule domain_distances:
+    input:
+        model=model_dir,
+        calibration=lambda w: corpus_path(text_corpus(w.model, "calibration")),
+        corpora=evaluation_corpora,
+    output:
+        "results/{model}/domains.json",
+    log:
+        "logs/domain_distances/{model}.log",
+    benchmark:
+        "logs/benchmarks/domain_distances/{model}.tsv"
+    conda:
+        "../../envs/evaluate.yaml"
+    container:
+        CONTAINER
+    threads: rule_threads("domain_distances")
+    resources:
+        **rule_resources("domain_distances"),
+    script:
+        "../scripts/domain_distances.py"
+
+
 # Experiment grids of config.yaml `experiments`: `snakemake paper` builds every cell of the `paper`
 # grid (each an ordinary variant path, so only what is missing runs) and regenerates the paper's
 # tables, claims and plots from them in results/paper/.
@@ -25,6 +50,11 @@ if "paper" in config.get("experiments", {}):
         input:
             evals=experiment_evals("paper"),
             grid=rules.paper_grid.output[0],
+            # the first model's: its tokenizer and text (the tables mix no text worlds)
+            distances=output_path(
+                rules.domain_distances.output[0],
+                model=config["experiments"]["paper"]["models"][0],
+            ),
         output:
             readme="results/paper/README.md",
             runs="results/paper/runs.csv",

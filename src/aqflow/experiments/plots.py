@@ -7,7 +7,7 @@ the mean over seeds with error bars of one sample sd; greedy and OA-EM share an 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import matplotlib
 
@@ -83,9 +83,11 @@ def plot_against_rho(runs: pd.DataFrame, out: str | Path, metric: str = "pre_pv_
 
 
 def plot_against_domain(runs: pd.DataFrame, domains_near_to_far: Sequence[str], out: str | Path, bpp: int = 2,
-                        beam: int = 8, max_epochs: int = 100) -> None:
-    """Pre-PV perplexity ratio greedy / OA-EM per evaluation domain, nearest to the calibration text first."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+                        beam: int = 8, max_epochs: int = 100, distances: Mapping[str, float] | None = None) -> None:
+    """Pre-PV perplexity ratio greedy / OA-EM per evaluation domain: against each domain's measured
+    distance from the calibration text (`distances`, e.g. JS divergence) where given, else as bars
+    in the order of `domains_near_to_far`, nearest first."""
+    fig, ax = plt.subplots(figsize=(7, 4.5) if distances is not None else (6, 4))
     cell = runs[(runs["bpp"] == bpp) & (runs["beam"] == beam) & (runs["max_epochs"] == max_epochs)]
     means, sds, names = [], [], []
     for domain in domains_near_to_far:
@@ -99,12 +101,24 @@ def plot_against_domain(runs: pd.DataFrame, domains_near_to_far: Sequence[str], 
                 names.append(domain)
                 means.append(ratio.mean())
                 sds.append(ratio.std() if len(ratio) > 1 else 0.0)
-    if names:
+    title = f"the gap by domain ({bpp} bpp, b{beam}, e{max_epochs}"
+    if names and distances is not None:
+        x = [float(distances[name]) for name in names]
+        ax.errorbar(x, means, yerr=sds, marker="o", linestyle="none", capsize=3, color="tab:purple",
+                    label="greedy / OA-EM")
+        for name, x_value, mean in zip(names, x, means):
+            ax.annotate(name, (x_value, mean), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    elif names:
         ax.bar(np.arange(len(names)), means, yerr=sds, capsize=3, color="tab:purple", label="greedy / OA-EM")
         ax.set_xticks(np.arange(len(names)), names, rotation=30, ha="right", fontsize=8)
+    if distances is not None:
+        ax.set_xlabel("distance from the calibration text (JS divergence of token unigrams, nats)")
+        title += ")"
+    else:
+        title += "; nearest first)"
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
     ax.set_ylabel("pre-PV perplexity ratio greedy / OA-EM")
-    _finish(fig, ax, out, f"the gap by domain ({bpp} bpp, b{beam}, e{max_epochs}; nearest first)", not names)
+    _finish(fig, ax, out, title, not names)
 
 
 def plot_pre_to_post_pv(runs: pd.DataFrame, out: str | Path, headline: str = "wikitext2") -> None:

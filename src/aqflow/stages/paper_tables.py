@@ -2,9 +2,15 @@
 
 Writes into --out-dir: runs.csv (one row per run), cells.md/.csv (mean ± sd over seeds per grid
 cell, the paper's Llama-3.2-3B numbers beside the matching rows), domains.md/.csv (greedy / OA-EM
-perplexity ratio per evaluation domain), claims.md/.csv (one row per claim: effect per seed, its
+perplexity ratio per evaluation domain, with its measured distance from the calibration text where
+--domain-distances gives one), claims.md/.csv (one row per claim: effect per seed, its
 spread, a verdict computed from the data), four plots, and README.md tying them together with
 the list of expected cells that have no run yet.
+
+Domains: --domains in the order given, else those of --domain-distances (written by
+domain-distances) from the nearest to the farthest, else c4 and wikitext2. The domain-distance
+claim is the slope of the gap against the measured distance when every domain has one, else
+against the rank in that order.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ from aqflow.experiments.plots import plot_against_beam, plot_against_domain, plo
 from aqflow.experiments.runs import grid_evals, missing_cells, runs_table
 from aqflow.experiments.tables import frame_markdown, markdown_table, seed_statistics, with_paper
 from aqflow.stage_cli import option
-from aqflow.stage_errors import EXPECTED_ERRORS
+from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
 
 STAGE = "paper-tables"
+DEFAULT_DOMAINS = ("c4", "wikitext2")
 INPUT_ERRORS = EXPECTED_ERRORS
 PLOTS = ("beam.png", "rho.png", "domains.png", "pv.png")
 
@@ -58,9 +65,9 @@ def headline_domain(domains: list[str]) -> str:
 
 @dataclass(frozen=True)
 class PaperTablesSettings:
-    domains: tuple[str, ...] = field(default=("c4", "wikitext2"), metadata=option(
-        "evaluation domains (corpus names as in eval.json) ordered from the calibration text's own to the farthest",
-        nargs="+"))
+    domains: tuple[str, ...] = field(default=(), metadata=option(
+        "evaluation domains (corpus names as in eval.json) ordered from the calibration text's own to the farthest "
+        f"(default: those of --domain-distances, nearest first; without it {' '.join(DEFAULT_DOMAINS)})"))
 
 
 @dataclass(frozen=True)
@@ -70,11 +77,40 @@ class PaperTablesPaths:
     expected_cells: Path | None = field(default=None, metadata=option(
         "JSON list of the grid's cells, each with its eval_json path (results/paper/grid.json): the ones that "
         "exist are read, the others listed as missing"))
+    domain_distances: Path | None = field(default=None, metadata=option(
+        "domains.json of domain-distances: each domain's measured distance from the calibration text"))
 
 
-def domain_table(runs: pd.DataFrame, domains: list[str], bpp: int = 2, beam: int = 8, max_epochs: int = 100) -> pd.DataFrame:
-    """Per domain: mean pre-PV perplexity of greedy and OA-EM over seeds, their ratio, and the
-    paper's ratio where it has that domain."""
+def distance_frame(record: dict) -> pd.DataFrame:
+    """domains.json of domain-distances -> one row per domain (index), columns distance, distance_sd."""
+    rows = record.get("domains") if isinstance(record, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(row, dict) and {"domain", "distance"} <= set(row) for row in rows):
+        raise StageInputError("the domain distances file has no list `domains` of {domain, distance, ...} entries")
+    frame = pd.DataFrame(rows).set_index("domain")
+    return frame.reindex(columns=["distance", "distance_sd"])
+
+
+def domain_order(given: list[str], distances: pd.DataFrame | None) -> list[str]:
+    """The domains of the tables: `given` as ordered, else the measured ones nearest first, else the defaults."""
+    if given:
+        return given
+    if distances is not None:
+        return list(distances.sort_values("distance", kind="stable").index)
+    return list(DEFAULT_DOMAINS)
+
+
+def measured_distances(domains: list[str], distances: pd.DataFrame | None) -> dict[str, float] | None:
+    """{domain: distance} when every domain of the tables has a measured one (the claim's x), else None (ranks)."""
+    if distances is None or not set(domains) <= set(distances.index):
+        return None
+    return {domain: float(distances.loc[domain, "distance"]) for domain in domains}
+
+
+def domain_table(runs: pd.DataFrame, domains: list[str], bpp: int = 2, beam: int = 8, max_epochs: int = 100,
+                 distances: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per domain: its measured distance from the calibration text (where `distances` has it), mean
+    pre-PV perplexity of greedy and OA-EM over seeds, their ratio, and the paper's ratio where it
+    has that domain."""
     cell = runs[(runs["bpp"] == bpp) & (runs["beam"] == beam) & (runs["max_epochs"] == max_epochs)]
     rows = []
     for rank, domain in enumerate(domains):
@@ -85,7 +121,12 @@ def domain_table(runs: pd.DataFrame, domains: list[str], bpp: int = 2, beam: int
         seeds = int(cell[cell["init"] == "oaem"]["seed"].nunique()) if "seed" in cell else 0
         greedy, oaem = means.get("greedy"), means.get("oaem")
         paper = PAPER_DOMAIN_RATIOS.set_index("domain")["ratio"].get(paper_domain(domain))
-        rows.append({"domain": domain, "distance_rank": rank, "greedy_ppl": greedy, "oaem_ppl": oaem,
+        measured = {}
+        if distances is not None:
+            known = domain in distances.index
+            measured = {"distance": distances.loc[domain, "distance"] if known else None,
+                        "distance_sd": distances.loc[domain, "distance_sd"] if known else None}
+        rows.append({"domain": domain, "distance_rank": rank, **measured, "greedy_ppl": greedy, "oaem_ppl": oaem,
                      "ratio": greedy / oaem if greedy and oaem else None, "paper_ratio": paper, "seeds": seeds})
     return pd.DataFrame(rows)
 
@@ -106,8 +147,11 @@ def claims_markdown(claims: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_tables(runs: pd.DataFrame, out_dir: Path, domains: list[str], expected: list[dict]) -> dict:
-    """Every table, plot and the README into `out_dir`; returns what was written and what is missing."""
+def write_tables(runs: pd.DataFrame, out_dir: Path, domains: list[str], expected: list[dict],
+                 distances: pd.DataFrame | None = None) -> dict:
+    """Every table, plot and the README into `out_dir`; returns what was written and what is missing.
+    `distances`: each domain's measured distance from the calibration text (index domain, columns
+    distance, distance_sd), shown in the domain table and plot and used by the domain claim."""
     out_dir.mkdir(parents=True, exist_ok=True)
     quantized = runs[runs["init"].isin(["greedy", "oaem", "oaem-patient"])] if len(runs) else runs
     with artifacts.atomic_path(out_dir / "runs.csv") as tmp:
@@ -117,13 +161,16 @@ def write_tables(runs: pd.DataFrame, out_dir: Path, domains: list[str], expected
     paper = paper_cells().rename(columns=to_ours)
     cells = with_paper(seed_statistics(quantized, metrics), paper, metrics) if len(quantized) else pd.DataFrame()
     _write_table(out_dir, "cells", cells, markdown_table(cells, metrics, labels) if len(cells) else "no runs yet\n")
-    domains_frame = domain_table(quantized, domains) if len(quantized) else pd.DataFrame()
+    domains_frame = domain_table(quantized, domains, distances=distances) if len(quantized) else pd.DataFrame()
     _write_table(out_dir, "domains", domains_frame, frame_markdown(domains_frame) if len(domains_frame) else "no runs yet\n")
     headline = headline_domain(domains)
-    claims = claims_table(quantized, paper_claims(domains, headline)) if len(quantized) else pd.DataFrame()
+    measured = measured_distances(domains, distances)
+    claims = (claims_table(quantized, paper_claims(domains, headline, domain_distances=measured)) if len(quantized)
+              else pd.DataFrame())
     _write_table(out_dir, "claims", claims, claims_markdown(claims) if len(claims) else "no runs yet\n")
     draws = (lambda p: plot_against_beam(quantized, p, headline), lambda p: plot_against_rho(quantized, p, f"pre_pv_{headline}_ppl"),
-             lambda p: plot_against_domain(quantized, domains, p), lambda p: plot_pre_to_post_pv(quantized, p, headline))
+             lambda p: plot_against_domain(quantized, domains, p, distances=measured),
+             lambda p: plot_pre_to_post_pv(quantized, p, headline))
     for name, draw in zip(PLOTS, draws):
         with artifacts.atomic_path(out_dir / name) as tmp:
             draw(tmp)
@@ -131,6 +178,7 @@ def write_tables(runs: pd.DataFrame, out_dir: Path, domains: list[str], expected
     readme = ["# The paper's experiments on our models", "",
               f"{len(quantized)} quantized runs ({quantized['seed'].nunique() if 'seed' in quantized and len(quantized) else 0} seeds); "
               "tables: cells.md, domains.md, claims.md; plots: " + ", ".join(PLOTS) + ".", "",
+              domain_note(domains, distances, measured), "",
               "## Claims", "", claims_markdown(claims) if len(claims) else "no runs yet", "",
               f"## Missing cells ({len(missing)})", ""]
     if expected:
@@ -143,15 +191,30 @@ def write_tables(runs: pd.DataFrame, out_dir: Path, domains: list[str], expected
     return {"runs": len(runs), "missing": missing}
 
 
+def domain_note(domains: list[str], distances: pd.DataFrame | None, measured: dict | None) -> str:
+    """One README line: how the domains are ordered and what the domain-distance claim is measured against."""
+    if measured is not None:
+        return (f"Domains ({len(domains)}): distance from the calibration text measured as the Jensen-Shannon "
+                "divergence of token unigrams (domains.json); the domain claim is the slope of the gap against it.")
+    if distances is not None:
+        unmeasured = sorted(set(domains) - set(distances.index))
+        return (f"Domains ({len(domains)}) in the order given; no measured distance for {unmeasured}, so the "
+                "domain claim is the slope of the gap against the rank in that order.")
+    return (f"Domains ({len(domains)}) in the order given (no measured distances); the domain claim is the slope "
+            "of the gap against the rank in that order.")
+
+
 def run(settings: PaperTablesSettings, paths: PaperTablesPaths) -> dict:
     """Every table, plot and the README into paths.out_dir; what was written and what is missing."""
     absent = [str(path) for path in paths.evals if not path.is_file()]
     if absent:
         raise FileNotFoundError(f"eval.json files not found: {absent}")
-    verify_inputs(*paths.evals, paths.expected_cells)
+    verify_inputs(*paths.evals, paths.expected_cells, paths.domain_distances)
     expected = read_json(paths.expected_cells, required=False) if paths.expected_cells else []
-    result = write_tables(runs_table(grid_evals(list(paths.evals), expected)), paths.out_dir, list(settings.domains),
-                          expected)
+    distances = distance_frame(read_json(paths.domain_distances, required=False)) if paths.domain_distances else None
+    domains = domain_order(list(settings.domains), distances)
+    result = write_tables(runs_table(grid_evals(list(paths.evals), expected)), paths.out_dir, domains, expected,
+                          distances)
     return result | {"out_dir": str(paths.out_dir)}
 
 
