@@ -24,7 +24,8 @@ words make two samples of one distribution look different). So that domains of d
 comparable, every domain's evaluation tokens are subsampled without replacement to the same
 number of tokens (by default the smallest domain's), several times with a seeded generator, and the
 divergence is averaged over these draws; their sd says how much of a difference between two
-domains is sampling noise. The calibration side keeps all its (capped) tokens: it is the same for
+domains is subsampling noise (not how much another choice of the domain's documents would move it:
+the texts are taken as given). The calibration side keeps all its (capped) tokens: it is the same for
 every domain, so its share of the bias is too.
 """
 

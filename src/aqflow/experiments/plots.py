@@ -106,8 +106,10 @@ def plot_against_domain(runs: pd.DataFrame, domains_near_to_far: Sequence[str], 
         x = [float(distances[name]) for name in names]
         ax.errorbar(x, means, yerr=sds, marker="o", linestyle="none", capsize=3, color="tab:purple",
                     label="greedy / OA-EM")
-        for name, x_value, mean in zip(names, x, means):
-            ax.annotate(name, (x_value, mean), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        for index, (name, x_value, mean) in enumerate(zip(names, x, means)):
+            # above and below in turn: neighbouring domains are often a hair apart
+            ax.annotate(name, (x_value, mean), fontsize=6, xytext=(3, 3 if index % 2 == 0 else -8),
+                        textcoords="offset points")
     elif names:
         ax.bar(np.arange(len(names)), means, yerr=sds, capsize=3, color="tab:purple", label="greedy / OA-EM")
         ax.set_xticks(np.arange(len(names)), names, rotation=30, ha="right", fontsize=8)
