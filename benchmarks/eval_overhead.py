@@ -12,8 +12,10 @@ tasks, the WikiText-2 and C4 stand-in perplexities), but with few examples (--ta
 windows (--context, one window per domain) so that the forward passes are small; they are timed
 anyway (CUDA-synchronised hooks around the model's forward) and taken out: the fixed cost is the
 process's wall time less its forward seconds. The child process (this file's `child` mode) times
-its imports and every phase of the stage by wrapping the stage's and lm-eval's functions (no
-profiler, so nothing is slowed down); phases are inclusive and nest as printed. The runs alternate
+its imports, then runs `python -m aqflow evaluate` in itself (the tree's own `__main__`, so its
+own way of exiting) and times every phase of the stage by wrapping the stage's and lm-eval's
+functions (no profiler, so nothing is slowed down); phases are inclusive and nest as printed;
+"process exit" is from the last atexit callback to the process's end (the interpreter's teardown). The runs alternate
 before / after, --repeats times each, on one machine, and the table shows medians. Offline: set
 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 (the runs set them too); AQFLOW_CACHE is where `after`
 keeps the task data's Arrow copies between evaluations (the first run of a fresh cache makes them,
@@ -23,11 +25,13 @@ hence --warmup, one untimed run of each tree first).
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import importlib
 import json
 import os
 import platform
+import runpy
 import statistics
 import subprocess
 import sys
@@ -50,7 +54,7 @@ STAGE_PHASES = (
 )
 LM_EVAL_PHASES = (
     ("lm_eval_simple_evaluate", "lm_eval.evaluator", "simple_evaluate"),
-    ("task_building", "lm_eval.evaluator", "get_task_dict"),
+    ("task_building", "lm_eval.tasks", "TaskManager.load"),
     ("requests_scoring_metrics", "lm_eval.evaluator", "evaluate"),
     ("request_building", "lm_eval.api.task", "ConfigurableTask.build_all_requests"),
     ("loglikelihood", "lm_eval.models.huggingface", "HFLM.loglikelihood"),
@@ -132,7 +136,10 @@ class ForwardClock:
         return model
 
 
-def child(launched_at: float, phases_out: Path, stage_argv: list[str]) -> int:
+def child(launched_at: float, phases_out: Path, stage_argv: list[str]) -> None:
+    """Time imports, then run `python -m aqflow evaluate <stage_argv>` in this process exactly as
+    that command does (its `__main__`, its way of exiting); the record is written by an atexit
+    callback, the last thing before the process's own exit."""
     entered_at = time.time()
     record = {"process_start_seconds": entered_at - launched_at, "imports": {}}
     for name, modules in IMPORTS:
@@ -144,18 +151,21 @@ def child(launched_at: float, phases_out: Path, stage_argv: list[str]) -> int:
 
     clock, forward = PhaseClock(), ForwardClock()
     installed = clock.install(STAGE_PHASES) + clock.install(LM_EVAL_PHASES)
+    installed += clock.install((("stage_main", "aqflow.stages.evaluate", "main"),))
     stage = importlib.import_module("aqflow.stages.evaluate")
     load_model = stage.load_model  # already wrapped: attach the forward clock to what it returns
     stage.load_model = lambda *args, **kwargs: forward.attach(load_model(*args, **kwargs))
-    started = time.perf_counter()
-    status = stage.main(stage_argv)
-    record["stage_main_seconds"] = time.perf_counter() - started
-    record.update(status=status, phases=clock.seconds, calls=clock.calls, installed=installed,
-                  forward_seconds=forward.seconds, forward_calls=forward.calls,
-                  device=torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-                  exited_at=time.time())
-    phases_out.write_text(json.dumps(record, indent=1))
-    return status
+
+    def write_record():
+        record.update(stage_main_seconds=clock.seconds.pop("stage_main", None), phases=clock.seconds,
+                      calls=clock.calls, installed=installed, forward_seconds=forward.seconds,
+                      forward_calls=forward.calls, exited_at=time.time(),
+                      device=torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu")
+        phases_out.write_text(json.dumps(record, indent=1))
+
+    atexit.register(write_record)
+    sys.argv = ["aqflow", "evaluate", *stage_argv]
+    runpy.run_module("aqflow", run_name="__main__", alter_sys=True)
 
 
 # --- the parent: runs, medians, table --------------------------------------------------------------
@@ -166,8 +176,9 @@ def stage_argv(args: argparse.Namespace, output: Path) -> list[str]:
             "--domain", "wikitext2-standin", "joined", str(data / "wikitext2-standin.parquet"),
             "--domain", "c4-standin", "sampled", str(data / "c4-standin.parquet"),
             "--context", str(args.context), "--max-windows", "1", "--c4-windows", "1",
-            "--task-data-dir", str(args.task_data_dir), "--task-limit", str(args.task_limit),
+            "--task-data-dir", str(args.task_data_dir),
             "--batch-size", "1", "--task-batch-size", str(args.task_batch_size), "--quiet"]
+    argv += ["--task-limit", str(args.task_limit)] if args.task_limit else []
     return argv + (["--device", args.device] if args.device else [])
 
 
@@ -238,7 +249,8 @@ def print_table(result: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "child":
-        return child(float(argv[1]), Path(argv[2]), argv[4:])
+        child(float(argv[1]), Path(argv[2]), argv[4:])
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, required=True, help="the old source tree (its src/)")
     parser.add_argument("--after", type=Path, required=True, help="the new source tree (its src/)")
@@ -246,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", type=Path, required=True, help="folder with the two stand-in corpora")
     parser.add_argument("--task-data-dir", type=Path, required=True, help="the six tasks' JSONL files")
     parser.add_argument("--device", default=None, help="evaluate's --device (default: its own)")
-    parser.add_argument("--task-limit", type=int, default=5)
+    parser.add_argument("--task-limit", type=int, default=5, help="examples per task (0: all)")
     parser.add_argument("--task-batch-size", type=int, default=64)
     parser.add_argument("--context", type=int, default=128, help="perplexity window length (one window per domain)")
     parser.add_argument("--repeats", type=int, default=3)

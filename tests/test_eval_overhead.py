@@ -1,6 +1,7 @@
 """The fixed costs removed from an evaluation leave lm-eval's requests and numbers as they were:
 tasks built without a few-shot sampler give the same requests, the in-process bootstrap the same
-stderr, and a datasets cache kept between evaluations is reused but never stale."""
+stderr, and the caches kept between evaluations (datasets' Arrow copies, perplexity windows) are
+reused but never stale."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import pytest
 from aqflow.data.zero_shot import ZERO_SHOT_TASKS, task_data_files, write_task_files
 from aqflow.evaluation.zero_shot import bootstrap_in_process, run_zero_shot, write_task_configs, zero_shot_tasks_only
 
-from test_evaluation import HANDWRITTEN_TASKS, tiny, tiny_dir  # noqa: F401  (module fixtures)
+from aqflow.evaluation import window_cache
+from aqflow.stages import evaluate as evaluate_stage
+
+from test_evaluation import HANDWRITTEN_TASKS, _evaluate, corpora_dir, tiny, tiny_dir  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(autouse=True)
@@ -105,3 +109,48 @@ def test_a_kept_datasets_cache_is_reused_and_follows_a_changed_data_file(tiny, h
     assert [files_of["validation"] for files_of in prepared[len(ZERO_SHOT_TASKS):]] == [[str(files["piqa"].resolve())]]
     fresh = run_zero_shot(model, tokenizer, files, tmp_path / "d", batch_size=4)
     assert changed == fresh
+
+
+def _perplexity_run(model_dir, corpora_dir, folder, cache_dir, monkeypatch, **changes) -> tuple[dict, int]:
+    """(eval.json, how many domains were tokenized) of a perplexity-only evaluation."""
+    cut = []
+    protocol_windows = evaluate_stage.protocol_windows
+    monkeypatch.setattr(evaluate_stage, "protocol_windows", lambda *args: cut.append(args[2]) or protocol_windows(*args))
+    output = folder / "eval.json"
+    assert _evaluate(model_dir, output, corpora_dir, None, tasks=(), cache_dir=cache_dir, **changes) == 0
+    monkeypatch.setattr(evaluate_stage, "protocol_windows", protocol_windows)
+    return json.loads(output.read_text()), len(cut)
+
+
+def test_perplexity_windows_are_cut_once_per_text_tokenizer_and_settings(tiny_dir, corpora_dir, tmp_path,  # noqa: F811
+                                                                          monkeypatch):
+    cache = tmp_path / "cache"
+    first, cut = _perplexity_run(tiny_dir, corpora_dir, tmp_path / "a", cache, monkeypatch)
+    assert cut == 2 and len(list(window_cache.cache_folder(cache).glob("*.safetensors"))) == 2
+    again, cut = _perplexity_run(tiny_dir, corpora_dir, tmp_path / "b", cache, monkeypatch)
+    assert cut == 0  # both domains' windows read back
+    assert again["data"] == first["data"]  # windows_sha256, window sources, eligible documents: all equal
+    assert again["metrics"] == first["metrics"]
+    fresh, cut = _perplexity_run(tiny_dir, corpora_dir, tmp_path / "c", tmp_path / "empty-cache", monkeypatch)
+    assert cut == 2 and fresh["data"] == first["data"] and fresh["metrics"] == first["metrics"]
+    # other settings: cut again (another tokenizer: the fingerprint test below)
+    _, cut = _perplexity_run(tiny_dir, corpora_dir, tmp_path / "d", cache, monkeypatch, c4_seed=1)
+    assert cut == 1  # C4's windows depend on the seed, WikiText-2's do not
+    # a damaged entry is cut again and rewritten, not an error
+    for entry in window_cache.cache_folder(cache).glob("*.safetensors"):
+        entry.write_bytes(entry.read_bytes()[:-8])
+    damaged, cut = _perplexity_run(tiny_dir, corpora_dir, tmp_path / "e", cache, monkeypatch)
+    assert cut == 2 and damaged["data"] == first["data"]
+    _, cut = _perplexity_run(tiny_dir, corpora_dir, tmp_path / "f", cache, monkeypatch)
+    assert cut == 0
+
+
+def test_the_tokenizer_fingerprint_follows_behaviour_not_the_folder(tiny_dir, tmp_path):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    tokenizer.save_pretrained(tmp_path / "copy")
+    copy = AutoTokenizer.from_pretrained(tmp_path / "copy")
+    assert window_cache.tokenizer_fingerprint(copy) == window_cache.tokenizer_fingerprint(tokenizer)
+    copy.add_tokens(["<an-added-token>"])
+    assert window_cache.tokenizer_fingerprint(copy) != window_cache.tokenizer_fingerprint(tokenizer)
