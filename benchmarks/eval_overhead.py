@@ -18,8 +18,9 @@ functions (no profiler, so nothing is slowed down); phases are inclusive and nes
 "process exit" is from the last atexit callback to the process's end (the interpreter's teardown). The runs alternate
 before / after, --repeats times each, on one machine, and the table shows medians. Offline: set
 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 (the runs set them too); AQFLOW_CACHE is where `after`
-keeps the task data's Arrow copies between evaluations (the first run of a fresh cache makes them,
-hence --warmup, one untimed run of each tree first).
+keeps what evaluations share (the task data's Arrow copies, the perplexity windows): "after" runs
+with it as an earlier evaluation left it (--warmup: untimed runs first), "after_cold" with an empty
+one of its own each time, as the first evaluation on a machine.
 """
 
 from __future__ import annotations
@@ -182,12 +183,16 @@ def stage_argv(args: argparse.Namespace, output: Path) -> list[str]:
     return argv + (["--device", args.device] if args.device else [])
 
 
-def run_once(source: Path, args: argparse.Namespace, run_dir: Path) -> dict:
-    """One child evaluation from `source`; its record with the process's wall and fixed seconds."""
+def run_once(source: Path, args: argparse.Namespace, run_dir: Path, cold: bool = False) -> dict:
+    """One child evaluation from `source`; its record with the process's wall and fixed seconds.
+    cold: with an empty AQFLOW_CACHE of its own (the model and data are named explicitly, so the
+    cache holds only what evaluations keep between them), as the first evaluation on a machine."""
     run_dir.mkdir(parents=True, exist_ok=True)
     phases_out = run_dir / "phases.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(source.resolve()), *filter(None, [os.environ.get("SITE")])])}
+    if cold:
+        env["AQFLOW_CACHE"] = str(run_dir / "empty-cache")
     launched_at = time.time()
     started = time.perf_counter()
     completed = subprocess.run([sys.executable, __file__, "child", str(launched_at), str(phases_out), "--",
@@ -264,18 +269,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs of each tree first")
     parser.add_argument("--machine", default=None, help="how to name the machine in the JSON (default: the device)")
+    parser.add_argument("--before-name", default=None, help="how to name the old tree in the JSON (e.g. its commit)")
+    parser.add_argument("--after-name", default=None, help="how to name the new tree in the JSON")
     parser.add_argument("--work", type=Path, default=Path("/tmp/eval_overhead"))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "eval_overhead.json")
     args = parser.parse_args(argv)
 
-    trees = {"before": args.before, "after": args.after}
+    # (tree, empty cache of its own): "after" with the caches an earlier evaluation left, and without
+    trees = {"before": (args.before, False), "after_cold": (args.after, True), "after": (args.after, False)}
     for index in range(args.warmup):
-        for label, source in trees.items():
-            run_once(source, args, args.work / f"warmup{index}-{label}")
+        for label, (source, cold) in trees.items():
+            run_once(source, args, args.work / f"warmup{index}-{label}", cold)
     runs: dict[str, list[dict]] = {label: [] for label in trees}
     for index in range(args.repeats):
-        for label, source in trees.items():
-            run = run_once(source, args, args.work / f"run{index}-{label}")
+        for label, (source, cold) in trees.items():
+            run = run_once(source, args, args.work / f"run{index}-{label}", cold)
             runs[label].append(run)
             print(f"{label} run {index}: wall {run['wall_seconds']:.2f} s, forward {run['forward_seconds']:.2f} s, "
                   f"fixed {run['fixed_seconds']:.2f} s", flush=True)
@@ -283,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"device": first["device"], "machine": args.machine or first["device"],
               "python": platform.python_version(), "task_limit": args.task_limit, "context": args.context,
               "task_batch_size": args.task_batch_size, "repeats": args.repeats,
-              "sources": {label: str(source) for label, source in trees.items()},
+              "sources": {"before": args.before_name or str(args.before), "after": args.after_name or str(args.after)},
               "medians": {label: medians(label_runs) for label, label_runs in runs.items()},
               "metrics_equal": all(run["metrics"] == runs["before"][0]["metrics"] for label_runs in runs.values()
                                    for run in label_runs),

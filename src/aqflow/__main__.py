@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import atexit
 import importlib
-import os
 import sys
-from typing import NoReturn
 
 from aqflow import __version__
+from aqflow.processes import exit_now
 
 STAGES = {
     "fetch-model": "aqflow.stages.fetch_model",
@@ -42,22 +40,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{unknown}{USAGE}", file=sys.stderr)  # a usage error: stderr, exit 2
         return 2
     return importlib.import_module(STAGES[argv[0]]).main(argv[1:])
-
-
-def exit_now(code: int) -> NoReturn:
-    """End this process with `code`, skipping the interpreter's teardown of every module.
-
-    With torch and transformers imported, that teardown takes about a second (benchmarks/
-    eval_overhead.py, "process exit"), after a stage has written and closed its outputs. atexit
-    callbacks (logging's flush, multiprocessing's joins) still run and the standard streams are
-    flushed. A process in a torch.distributed group (a torchrun worker) exits the ordinary way."""
-    distributed = sys.modules.get("torch.distributed")
-    if distributed is not None and distributed.is_available() and distributed.is_initialized():
-        sys.exit(code)
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":
