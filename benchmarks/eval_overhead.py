@@ -21,6 +21,10 @@ HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 (the runs set them too); AQFLOW_CACHE is 
 keeps what evaluations share (the task data's Arrow copies, the perplexity windows): "after" runs
 with it as an earlier evaluation left it (--warmup: untimed runs first), "after_cold" with an empty
 one of its own each time, as the first evaluation on a machine.
+
+--host-only --task-limit 0: every example of the six tasks, with lm-eval's model calls and aqflow's
+scoring replaced by constants, so what is timed is the tasks' host work (request building,
+tokenization, batching, metrics): the part of a full evaluation that no faster forward removes.
 """
 
 from __future__ import annotations
@@ -58,7 +62,9 @@ LM_EVAL_PHASES = (
     ("task_building", "lm_eval.tasks", "TaskManager.load"),
     ("requests_scoring_metrics", "lm_eval.evaluator", "evaluate"),
     ("request_building", "lm_eval.api.task", "ConfigurableTask.build_all_requests"),
+    ("prefetch_tokenization", "aqflow.evaluation.batched_scoring", "BatchedScoringLM.prefetch_encodings"),
     ("loglikelihood", "lm_eval.models.huggingface", "HFLM.loglikelihood"),
+    ("process_results", "lm_eval.api.task", "ConfigurableTask.process_results"),
     ("bootstrap_stderr", "lm_eval.api.metrics", "bootstrap_stderr"),
 )
 # imported one after another before the stage runs, each timed (the stage imports them lazily)
@@ -137,10 +143,26 @@ class ForwardClock:
         return model
 
 
+def without_model_work() -> None:
+    """lm-eval's model calls return a placeholder and every batch's scores are constants: what is
+    left of a zero-shot evaluation is its host work (requests, tokenization, batching, metrics)."""
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    HFLM._model_call = lambda self, inputs, attn_mask=None, labels=None: torch.zeros(1, 1, 1)
+    try:
+        from aqflow.evaluation import batched_scoring
+    except ImportError:
+        return
+    batched_scoring.score_batch = lambda logits, layout, dtype: (
+        torch.full((layout.num_requests,), -1.0, dtype=torch.float64), torch.zeros(layout.num_requests, dtype=torch.bool))
+
+
 def child(launched_at: float, phases_out: Path, stage_argv: list[str]) -> None:
     """Time imports, then run `python -m aqflow evaluate <stage_argv>` in this process exactly as
     that command does (its `__main__`, its way of exiting); the record is written by an atexit
-    callback, the last thing before the process's own exit."""
+    callback, the last thing before the process's own exit. HOST_ONLY=1 in the environment: the
+    zero-shot model work is replaced (`without_model_work`)."""
     entered_at = time.time()
     record = {"process_start_seconds": entered_at - launched_at, "imports": {}}
     for name, modules in IMPORTS:
@@ -150,6 +172,8 @@ def child(launched_at: float, phases_out: Path, stage_argv: list[str]) -> None:
         record["imports"][name] = time.perf_counter() - started
     import torch
 
+    if os.environ.get("HOST_ONLY") == "1":
+        without_model_work()
     clock, forward = PhaseClock(), ForwardClock()
     installed = clock.install(STAGE_PHASES) + clock.install(LM_EVAL_PHASES)
     installed += clock.install((("stage_main", "aqflow.stages.evaluate", "main"),))
@@ -193,6 +217,8 @@ def run_once(source: Path, args: argparse.Namespace, run_dir: Path, cold: bool =
            "PYTHONPATH": os.pathsep.join([str(source.resolve()), *filter(None, [os.environ.get("SITE")])])}
     if cold:
         env["AQFLOW_CACHE"] = str(run_dir / "empty-cache")
+    if args.host_only:
+        env["HOST_ONLY"] = "1"
     launched_at = time.time()
     started = time.perf_counter()
     completed = subprocess.run([sys.executable, __file__, "child", str(launched_at), str(phases_out), "--",
@@ -236,7 +262,8 @@ def print_table(result: dict) -> None:
     rows += [(f"import {name}", name, "imports") for name, _ in IMPORTS]
     rows += [("stage main", "stage_main_seconds", None)]
     depth = {"lm_eval_simple_evaluate": 2, "task_building": 3, "requests_scoring_metrics": 3,
-             "request_building": 4, "loglikelihood": 4, "bootstrap_stderr": 4}
+             "request_building": 4, "prefetch_tokenization": 4, "loglikelihood": 4, "process_results": 4,
+             "bootstrap_stderr": 4}
     for phase, _, _ in STAGE_PHASES + LM_EVAL_PHASES:
         indent = "  " * depth.get(phase, 1)
         rows.append((indent + phase, phase, "phases"))
@@ -267,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task-batch-size", type=int, default=64)
     parser.add_argument("--context", type=int, default=128, help="perplexity window length (one window per domain)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--host-only", action="store_true", help="replace the zero-shot model calls and scoring by "
+                        "constants: the host work of the tasks (with --task-limit 0: of every example); the "
+                        "metrics are then meaningless")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs of each tree first")
     parser.add_argument("--machine", default=None, help="how to name the machine in the JSON (default: the device)")
     parser.add_argument("--before-name", default=None, help="how to name the old tree in the JSON (e.g. its commit)")
@@ -290,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     first = runs["after"][0]
     result = {"device": first["device"], "machine": args.machine or first["device"],
               "python": platform.python_version(), "task_limit": args.task_limit, "context": args.context,
-              "task_batch_size": args.task_batch_size, "repeats": args.repeats,
+              "task_batch_size": args.task_batch_size, "repeats": args.repeats, "host_only": args.host_only,
               "sources": {"before": args.before_name or str(args.before), "after": args.after_name or str(args.after)},
               "medians": {label: medians(label_runs) for label, label_runs in runs.items()},
               "metrics_equal": all(run["metrics"] == runs["before"][0]["metrics"] for label_runs in runs.values()
