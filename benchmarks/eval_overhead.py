@@ -8,19 +8,21 @@ forward passes, phase by phase, for two source trees (before / after) in one cal
         --work /tmp/eval_overhead --out $OUT/eval_overhead.json
 
 Each run is one `aqflow evaluate` process of the given tree, as the DAG runs it (six zero-shot
-tasks, the WikiText-2 and C4 stand-in perplexities), but with few examples (--task-limit) and short
-windows (--context, one window per domain) so that the forward passes are small; they are timed
-anyway (CUDA-synchronised hooks around the model's forward) and taken out: the fixed cost is the
-process's wall time less its forward seconds. The child process (this file's `child` mode) times
-its imports, then runs `python -m aqflow evaluate` in itself (the tree's own `__main__`, so its
-own way of exiting) and times every phase of the stage by wrapping the stage's and lm-eval's
+tasks, the WikiText-2 and C4 stand-in perplexities), but with few examples (--task-limit) and
+short windows (--context, one window per domain) so that the forward passes are small; they are
+timed anyway (CUDA-synchronised hooks around the model's forward) and taken out: the fixed cost is
+the process's wall time less its forward seconds. The child process (this file's `child` mode)
+times its imports, then runs `python -m aqflow evaluate` in itself (the tree's own `__main__`, so
+its own way of exiting) and times every phase of the stage by wrapping the stage's and lm-eval's
 functions (no profiler, so nothing is slowed down); phases are inclusive and nest as printed;
-"process exit" is from the last atexit callback to the process's end (the interpreter's teardown). The runs alternate
-before / after, --repeats times each, on one machine, and the table shows medians. Offline: set
-HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 (the runs set them too); AQFLOW_CACHE is where `after`
-keeps what evaluations share (the task data's Arrow copies, the perplexity windows): "after" runs
-with it as an earlier evaluation left it (--warmup: untimed runs first), "after_cold" with an empty
-one of its own each time, as the first evaluation on a machine.
+"process exit" is from the last atexit callback to the process's end (the interpreter's
+teardown). The runs alternate before / after, --repeats times each, on one machine, and the table
+shows medians. Offline: set HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 (the runs set them too). The
+runs' PYTHONPATH is the tree, then $SITE if set (the GPU box's staged packages, as for
+eval_speed.py). AQFLOW_CACHE is where `after` keeps what evaluations share (the task data's Arrow
+copies, the perplexity windows): "after" runs with it as an earlier evaluation left it (--warmup:
+untimed runs first), "after_cold" with an empty one of its own each time, as the first evaluation
+on a machine.
 
 --host-only --task-limit 0: every example of the six tasks, with lm-eval's model calls and aqflow's
 scoring replaced by constants, so what is timed is the tasks' host work (request building,
@@ -155,7 +157,8 @@ def without_model_work() -> None:
     except ImportError:
         return
     batched_scoring.score_batch = lambda logits, layout, dtype: (
-        torch.full((layout.num_requests,), -1.0, dtype=torch.float64), torch.zeros(layout.num_requests, dtype=torch.bool))
+        torch.full((layout.num_requests,), -1.0, dtype=torch.float64),
+        torch.zeros(layout.num_requests, dtype=torch.bool))
 
 
 def child(launched_at: float, phases_out: Path, stage_argv: list[str]) -> None:
@@ -185,7 +188,8 @@ def child(launched_at: float, phases_out: Path, stage_argv: list[str]) -> None:
         record.update(stage_main_seconds=clock.seconds.pop("stage_main", None), phases=clock.seconds,
                       calls=clock.calls, installed=installed, forward_seconds=forward.seconds,
                       forward_calls=forward.calls, exited_at=time.time(),
-                      device=torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu")
+                      device=torch.cuda.get_device_name() if torch.cuda.is_available()
+                      else platform.processor() or "cpu")
         phases_out.write_text(json.dumps(record, indent=1))
 
     atexit.register(write_record)
@@ -326,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
               "metrics_equal": all(run["metrics"] == runs["before"][0]["metrics"] for label_runs in runs.values()
                                    for run in label_runs),
               "runs": runs}
-    result["fixed_seconds_saved"] = result["medians"]["before"]["fixed_seconds"] - result["medians"]["after"]["fixed_seconds"]
+    fixed = {label: medians_of["fixed_seconds"] for label, medians_of in result["medians"].items()}
+    result["fixed_seconds_saved"] = fixed["before"] - fixed["after"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print_table(result)

@@ -115,7 +115,8 @@ def _perplexity_run(model_dir, corpora_dir, folder, cache_dir, monkeypatch, **ch
     """(eval.json, how many domains were tokenized) of a perplexity-only evaluation."""
     cut = []
     protocol_windows = evaluate_stage.protocol_windows
-    monkeypatch.setattr(evaluate_stage, "protocol_windows", lambda *args: cut.append(args[2]) or protocol_windows(*args))
+    monkeypatch.setattr(evaluate_stage, "protocol_windows",
+                        lambda *args: cut.append(args[2]) or protocol_windows(*args))
     output = folder / "eval.json"
     assert _evaluate(model_dir, output, corpora_dir, None, tasks=(), cache_dir=cache_dir, **changes) == 0
     monkeypatch.setattr(evaluate_stage, "protocol_windows", protocol_windows)

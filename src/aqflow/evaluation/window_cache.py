@@ -6,8 +6,9 @@ Every evaluation of a model tokenizes its whole evaluation text again to cut the
 share one tokenizer and one text. Here the windows (and the protocol's record of where sampled
 windows come from) are stored under a key that fixes them: the protocol and its settings, the
 source of the code that cuts them, the text's sha256, and a fingerprint of the tokenizer's
-behaviour (its serialized fast tokenizer, class, settings and the transformers/tokenizers versions). A slow tokenizer, or an unreadable
-entry, simply means no cache: the windows are computed as before.
+behaviour (its serialized fast tokenizer, class, settings and the transformers/tokenizers
+versions). A slow tokenizer, or an unreadable entry, simply means no cache: the windows are
+computed as before.
 """
 
 from __future__ import annotations
