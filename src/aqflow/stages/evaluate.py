@@ -125,7 +125,9 @@ class EvaluatePaths:
     task_data_dir: Path | None = field(default=None, metadata=option(
         "prepared task JSONL folder (default: <cache>/zero-shot, prepared on first use)"))
     work_dir: Path | None = field(default=None, metadata=option("keep task configs here (default: a temporary folder)"))
-    cache_dir: Path | None = field(default=None, metadata=option("download cache (default: $AQFLOW_CACHE or resources/cache)"))
+    cache_dir: Path | None = field(default=None, metadata=option(
+        "download cache, also where evaluations keep the task data's Arrow copies (zero-shot-arrow/) and "
+        "perplexity windows (perplexity-windows/) between them (default: $AQFLOW_CACHE or resources/cache)"))
 
 
 def build_parser() -> argparse.ArgumentParser:
