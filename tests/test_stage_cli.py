@@ -142,3 +142,29 @@ def test_version_and_the_stage_list():
     assert unknown.returncode == 2 and "unknown stage 'no-such-stage'" in unknown.stderr and unknown.stdout == ""
     pyproject = (REPO / "pyproject.toml").read_text()
     assert 'dynamic = ["version"]' in pyproject and 'attr = "aqflow.__version__"' in pyproject
+
+
+_EXIT_PROBE = """
+import atexit, runpy, sys
+
+class Teardown:
+    def __del__(self):
+        sys.stdout.write("torn down\\n")
+
+KEPT = Teardown()  # a module global: freed by the interpreter's teardown, if that runs
+atexit.register(lambda: print("atexit ran"))
+sys.argv = ["aqflow", *sys.argv[1:]]
+runpy.run_module("aqflow", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("argv, code", [(["--version"], 0), (["no-such-stage"], 2)])
+def test_python_m_aqflow_exits_with_the_stages_code_after_atexit_without_teardown(argv, code):
+    finished = subprocess.run([sys.executable, "-c", _EXIT_PROBE, *argv], capture_output=True, text=True)
+    assert finished.returncode == code
+    assert "atexit ran" in finished.stdout  # callbacks run, the piped stdout reaches the reader
+    assert "torn down" not in finished.stdout  # the module teardown (about a second with torch) is skipped
+    assert (f"aqflow {aqflow.__version__}" in finished.stdout) == (code == 0)
+    ordinary = subprocess.run([sys.executable, "-c", _EXIT_PROBE.replace('"__main__"', '"not_main"'), *argv],
+                              capture_output=True, text=True)
+    assert "torn down" in ordinary.stdout  # the probe can tell: an ordinary exit does run it

@@ -6,6 +6,7 @@ import importlib
 import sys
 
 from aqflow import __version__
+from aqflow.processes import exit_now
 
 STAGES = {
     "fetch-model": "aqflow.stages.fetch_model",
@@ -43,4 +44,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -10,6 +10,14 @@ standard task names are free and nothing touches a hub). The model is the alread
 wrapped in lm-eval's HFLM, whose requests are scored a batch at a time by default, with each
 prompt template compiled once and the request strings tokenized in one batch
 (`aqflow.evaluation.batched_scoring`: same requests, batches and numbers, less host work).
+
+Three fixed costs of an evaluation go too, without changing a request or a number (measured by
+`benchmarks/eval_overhead.py`): the Arrow copies `datasets` makes of the JSONL (and of hellaswag's
+preprocessed split) can live in a folder kept between evaluations (`datasets_cache_dir`); each task
+is built without the few-shot sampler lm-eval fills with a list of every document (a zero-shot
+prompt never draws from it); and lambada's bootstrapped stderr is computed in this process, with
+lm-eval's own serial code (same seeds and draws), not in a pool of one process per CPU core
+forked from this one for its single chunk of draws.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import json
 import os
 import string
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 from ..data.zero_shot import ZERO_SHOT_TASKS
 
@@ -89,16 +97,51 @@ def average_accuracy(metrics: Mapping[str, Mapping[str, float]]) -> dict:
     }
 
 
+@contextlib.contextmanager
+def zero_shot_tasks_only() -> Iterator[None]:
+    """Inside: lm-eval builds each task without a few-shot sampler. Its `ConfigurableTask.__init__`
+    otherwise copies every document of the split (hellaswag's after its preprocessing) into the
+    sampler's list; a zero-shot prompt never reads it (`fewshot_context` samples only when
+    num_fewshot > 0), so the requests are the same. Not for few-shot runs."""
+    from lm_eval.api.task import ConfigurableTask
+
+    shipped = ConfigurableTask.fewshot_docs
+    ConfigurableTask.fewshot_docs = lambda self: None  # __init__ makes no sampler for None
+    try:
+        yield
+    finally:
+        ConfigurableTask.fewshot_docs = shipped
+
+
+@contextlib.contextmanager
+def bootstrap_in_process() -> Iterator[None]:
+    """Inside: lm-eval's `bootstrap_stderr` takes its serial path (env DISABLE_MULTIPROC): the same
+    chunks with the same seeds and draws, so the same stderr, without a pool of cpu_count() worker
+    processes forked from this one (with the model loaded) for what is one chunk at 1000 draws."""
+    previous = os.environ.get("DISABLE_MULTIPROC")
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("DISABLE_MULTIPROC", None)
+        else:
+            os.environ["DISABLE_MULTIPROC"] = previous
+
+
 def run_zero_shot(model, tokenizer, data_files: Mapping[str, str | os.PathLike], work_dir: str | os.PathLike,
                   limit: int | None = None, batch_size: int = 1, max_length: int | None = None,
                   bootstrap_iters: int = DEFAULT_BOOTSTRAP_ITERS, seed: int = 0,
-                  scoring: str = "batched") -> dict[str, dict[str, float]]:
+                  scoring: str = "batched", datasets_cache_dir: str | os.PathLike | None = None,
+                  ) -> dict[str, dict[str, float]]:
     """Evaluate `model` zero-shot on the tasks of `data_files` ({task: JSONL}); return task metrics.
 
     limit: at most this many examples per task (the first ones, lm-eval's `limit`), None for all.
     max_length: the longest sequence lm-eval feeds the model (its left-truncation length).
     scoring: "batched" (BatchedScoringLM) or "lm-eval" (HFLM's own per-request scoring).
-    Configs and the datasets cache go under `work_dir`.
+    datasets_cache_dir: where `datasets` keeps its Arrow copies of the JSONL files (keyed by path
+    and modification time, so a folder shared between evaluations is reused, not mixed up);
+    default `<work_dir>/datasets-cache`. The task configs go under `work_dir`.
     """
     check_tasks(list(data_files))
     if scoring not in SCORING:
@@ -111,13 +154,18 @@ def run_zero_shot(model, tokenizer, data_files: Mapping[str, str | os.PathLike],
     from lm_eval.tasks import TaskManager
 
     work_dir = Path(work_dir)
-    config_dir = write_task_configs(data_files, work_dir / "tasks", work_dir / "datasets-cache")
+    datasets_cache_dir = Path(datasets_cache_dir) if datasets_cache_dir is not None else work_dir / "datasets-cache"
+    config_dir = write_task_configs(data_files, work_dir / "tasks", datasets_cache_dir)
     manager = TaskManager(include_path=str(config_dir), include_defaults=False)
     from .batched_scoring import BatchedScoringLM, cached_templates
 
     lm_class = BatchedScoringLM if scoring == "batched" else HFLM
     lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
-    with cached_templates() if scoring == "batched" else contextlib.nullcontext():
+    fast_host = contextlib.ExitStack()
+    if scoring == "batched":  # "lm-eval" stays lm-eval as shipped, the reference of the tests
+        for context in (cached_templates(), zero_shot_tasks_only(), bootstrap_in_process()):
+            fast_host.enter_context(context)
+    with fast_host:
         output = lm_eval.simple_evaluate(
             model=lm, tasks=list(data_files), num_fewshot=0, limit=limit, task_manager=manager,
             bootstrap_iters=bootstrap_iters, log_samples=False, random_seed=seed, numpy_random_seed=seed,

