@@ -147,7 +147,8 @@ def write_eval(folder, init, beam, seed, pre_wiki, post_wiki, bpp=2, epochs=100,
                 "quantizer": {"init": init, "beam_size": beam, "max_epochs": epochs, "seed": seed, "group_size": 8,
                               "num_codebooks": bpp, "nbits": 8},
                 "layers": [{"rho": rho, "final_relative_mse": 0.01, "init_relative_mse": 0.02}], "pvtune": {"steps": 3}}
-    metrics = lambda wiki: {"wikitext2": {"perplexity": wiki}, "c4": {"perplexity": wiki / 2}, "avg_acc": 0.4}  # noqa: E731
+    metrics = lambda wiki: {"wikitext2": {"perplexity": wiki}, "c4": {"perplexity": wiki / 2},  # noqa: E731
+                            "brown-news": {"perplexity": wiki * 1.5}, "avg_acc": 0.4}
     record = {"label": f"{init}-b{beam}-s{seed}", "metrics": metrics(post_wiki), "settings": {"upstream": upstream},
               "bits_per_parameter": 2.15, "pre_pv": {"metrics": metrics(pre_wiki)}}
     path = folder / f"{init}-b{beam}-s{seed}-{bpp}" / "eval.json"
@@ -182,6 +183,10 @@ def test_paper_tables_stage_writes_tables_claims_plots_and_missing_cells(tmp_pat
     assert "200.00 ± 2.00 | 60.61 | " in cells  # greedy b8 pre-PV, beside the paper's 60.61
     readme = (out / "README.md").read_text()
     assert "## Missing cells (2)" in readme and "greedy-s45/eval.json" in readme
+    # a domain the paper does not report is in cells.csv, not in the Markdown table
+    assert paper_tables.main([*map(str, paths), "--out-dir", str(out), "--domains", "c4", "brown-news", "wikitext2"]) == 0
+    assert "brown-news" not in (out / "cells.md").read_text() and "200.00 ± 2.00 | 60.61 | " in (out / "cells.md").read_text()
+    assert any(column.startswith("pre_pv_brown-news_ppl") for column in pd.read_csv(out / "cells.csv").columns)
     assert paper_tables.main([str(tmp_path / "nope.json"), "--out-dir", str(out)]) == 2
 
 

@@ -58,6 +58,16 @@ def cell_metrics(domains: list[str]) -> tuple[list[str], dict[str, str], dict[st
     return metrics + ["avg_acc", "quantization_seconds"], labels, to_ours
 
 
+def markdown_metrics(metrics: list[str], to_ours: dict[str, str]) -> list[str]:
+    """The columns of cells.md: perplexity only on the domains the paper reports (its WikiText-2 and
+    C4, or our stand-ins), when there are any, so that 17 domains do not make the table unreadable;
+    cells.csv keeps every domain and domains.md compares them all."""
+    paper_columns = set(to_ours.values())
+    if not paper_columns:
+        return metrics
+    return [metric for metric in metrics if metric in paper_columns or not metric.endswith("_ppl")]
+
+
 def headline_domain(domains: list[str]) -> str:
     """The domain the paper's headline claims use: its WikiText-2 (or our stand-in), else the farthest."""
     return next((domain for domain in domains if paper_domain(domain) == "wikitext2"), domains[-1])
@@ -160,7 +170,8 @@ def write_tables(runs: pd.DataFrame, out_dir: Path, domains: list[str], expected
     metrics = [metric for metric in all_metrics if metric in quantized]
     paper = paper_cells().rename(columns=to_ours)
     cells = with_paper(seed_statistics(quantized, metrics), paper, metrics) if len(quantized) else pd.DataFrame()
-    _write_table(out_dir, "cells", cells, markdown_table(cells, metrics, labels) if len(cells) else "no runs yet\n")
+    _write_table(out_dir, "cells", cells,
+                 markdown_table(cells, markdown_metrics(metrics, to_ours), labels) if len(cells) else "no runs yet\n")
     domains_frame = domain_table(quantized, domains, distances=distances) if len(quantized) else pd.DataFrame()
     _write_table(out_dir, "domains", domains_frame, frame_markdown(domains_frame) if len(domains_frame) else "no runs yet\n")
     headline = headline_domain(domains)
