@@ -690,6 +690,12 @@ def experiment_cells(name):
     return list(cells.values())
 
 
+def experiment_models(name):
+    """The models of a grid's cells in order of first appearance (the grid's `models`, then those
+    entries name): each has its own domain distances and its own rows of the claims."""
+    return list(dict.fromkeys(cell["model"] for cell in experiment_cells(name)))
+
+
 def experiment_domains(name):
     """The evaluation domains of a grid's tables as `domains` of the grid orders them; [] when it
     names none: paper-tables then orders the model's evaluation domains by their measured distance

@@ -50,11 +50,11 @@ if "paper" in config.get("experiments", {}):
         input:
             evals=experiment_evals("paper"),
             grid=rules.paper_grid.output[0],
-            # the first model's: its tokenizer and text (the tables mix no text worlds)
-            distances=output_path(
-                rules.domain_distances.output[0],
-                model=config["experiments"]["paper"]["models"][0],
-            ),
+            # one per model, under its own tokenizer: each model's domain table, plot and claim
+            distances=[
+                output_path(rules.domain_distances.output[0], model=model)
+                for model in experiment_models("paper")
+            ],
         output:
             readme="results/paper/README.md",
             runs="results/paper/runs.csv",
@@ -107,5 +107,6 @@ if "paper" in config.get("experiments", {}):
             **rule_resources("report"),
         params:
             domains=experiment_domains("paper"),
+            models=experiment_models("paper"),
         script:
             "../scripts/paper_tables.py"

@@ -10,6 +10,10 @@ magnitude. A claim's effect is one number per seed (a gap, or a difference or sl
 verdict is a two-sided 95 % Student-t test of its mean against zero over the seeds: "holds" (mean
 > 0, significant), "does not hold" (mean < 0, significant) or "inconclusive" (not significant, or
 fewer than `MIN_SEEDS` seeds).
+
+Claims are measured per model, never pooled: two architectures' gaps are different quantities
+(their perplexities, tokenizers and domain distances differ), so `claims_table` gives one row per
+claim and model with runs, and the measures refuse a frame of several models.
 """
 
 from __future__ import annotations
@@ -91,9 +95,18 @@ def _select(frame: pd.DataFrame, **where) -> pd.DataFrame:
     return frame[mask]
 
 
+def _one_model(gaps: pd.DataFrame) -> pd.DataFrame:
+    """`gaps` unchanged when it holds at most one model; a frame of several raises (no pooling)."""
+    models = gaps["model"].dropna().unique() if "model" in gaps else []
+    if len(models) > 1:
+        raise ValueError(f"gaps of several models {sorted(map(str, models))}: claims are measured per model "
+                         "(claims_table splits the runs by model)")
+    return gaps
+
+
 def _per_seed(gaps: pd.DataFrame) -> pd.Series:
-    """Gap per seed (mean over the cells that remain after selection: normally exactly one)."""
-    return gaps.groupby("seed")["gap"].mean()
+    """Gap per seed (mean over the cells of one model that remain after selection: normally exactly one)."""
+    return _one_model(gaps).groupby("seed")["gap"].mean()
 
 
 def gap_at(frame: pd.DataFrame, metric: str, baseline: str = BASELINE, candidate: str = CANDIDATE, **cell) -> pd.Series:
@@ -128,7 +141,7 @@ def gap_against_rho(frame: pd.DataFrame, metric: str, bits_per_weight: float = 2
     one ρ per model and geometry, e.g. the median over layers), so that ρ varies at a fixed rate."""
     if "nominal_bits" in frame:
         frame = frame[np.isclose(frame["nominal_bits"].astype(float), bits_per_weight)]
-    gaps = _select(paired_gaps(frame, metric, cell=(*CELL, "geometry")), **cell)
+    gaps = _one_model(_select(paired_gaps(frame, metric, cell=(*CELL, "geometry")), **cell))
     rho = frame.groupby(["model", "geometry"])["rho"].first().rename("rho").reset_index()
     points = gaps.merge(rho, on=["model", "geometry"])
     points["log10_rho"] = np.log10(points["rho"].astype(float))
@@ -219,12 +232,40 @@ def paper_claims(domains_near_to_far: Sequence[str] = ("c4", "wikitext2"), headl
     ]
 
 
-def claims_table(frame: pd.DataFrame, claims: Sequence[Claim]) -> pd.DataFrame:
-    """One row per claim: the effect's mean, sd, number of seeds, t, verdict, and the paper's effect."""
+NO_RUNS = "inconclusive (no runs)"
+
+
+def claims_table(frame: pd.DataFrame, claims: Sequence[Claim] | Callable[[str], Sequence[Claim]]) -> pd.DataFrame:
+    """One row per claim and model: the model, the effect's mean, sd, number of seeds, t, verdict
+    and the paper's effect, measured on that model's runs alone.
+
+    frame: one row per run with a `model` column (models in order of appearance). claims: the same
+    claims for every model, or `claims(model)` for claims that depend on the model (e.g. on its own
+    domain distances); every model's list names the same claims in the same order. Rows are
+    grouped by claim, models in order within it; a model without runs for a claim has no row for
+    it, and a claim without runs for any model has one row with an empty model, NO_RUNS."""
+    claims_of = claims if callable(claims) else (lambda model: claims)
+    models = list(frame["model"].dropna().unique()) if len(frame) else []
+    per_model = {model: list(claims_of(model)) for model in models}
+    names = [claim.name for claim in (per_model[models[0]] if models else claims_of(""))]
+    measured = {name: [] for name in names}
+    for model, model_claims in per_model.items():
+        if [claim.name for claim in model_claims] != names:
+            raise ValueError(f"the claims of model {model!r} are not those of the others")
+        runs = frame[frame["model"] == model]
+        for claim in model_claims:
+            effect = summarise_effect(list(claim.measure(runs).values))
+            if effect.seeds:
+                measured[claim.name].append(_claim_row(claim, model, effect))
     rows = []
-    for claim in claims:
-        effect = summarise_effect(list(claim.measure(frame).values))
-        rows.append({"claim": claim.name, "statement": claim.statement, "effect": claim.effect,
-                     "mean": effect.mean, "sd": effect.sd, "seeds": effect.seeds, "t": effect.t,
-                     "verdict": effect.verdict, "paper": claim.paper_effect})
+    for index, name in enumerate(names):
+        # no model has runs for it: one row, described as the first model's (or the model-free) claim
+        claim = (per_model[models[0]] if models else list(claims_of("")))[index]
+        rows += measured[name] or [_claim_row(claim, "", summarise_effect([]))]
     return pd.DataFrame(rows)
+
+
+def _claim_row(claim: Claim, model: str, effect: Effect) -> dict:
+    return {"claim": claim.name, "model": model, "statement": claim.statement, "effect": claim.effect,
+            "mean": effect.mean, "sd": effect.sd, "seeds": effect.seeds, "t": effect.t,
+            "verdict": effect.verdict, "paper": claim.paper_effect}

@@ -1,13 +1,14 @@
 """Plots of the experiment grid: perplexity against beam width, ρ and domain, and pre -> post PV.
 
 Each takes the per-run frame (one row per variant and seed, columns as in `claims`) and draws
-the mean over seeds with error bars of one sample sd; greedy and OA-EM share an axis.
+the mean over seeds with error bars of one sample sd; greedy and OA-EM share an axis. Models are
+never pooled: each model of the frame gets its own panel, side by side.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import matplotlib
 
@@ -24,12 +25,22 @@ def _mean_sd(frame: pd.DataFrame, by: str, metric: str) -> pd.DataFrame:
     return stats.fillna({"std": 0.0})
 
 
-def _finish(fig, ax, out: str | Path, title: str, empty: bool) -> None:
+def _finish(ax, title: str, empty: bool, model: str | None) -> None:
     if empty:
         ax.text(0.5, 0.5, "no runs of this kind yet", ha="center", va="center", transform=ax.transAxes)
     else:
         ax.legend(fontsize=7)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(f"{model}: {title}" if model else title, fontsize=10)
+
+
+def _per_model(runs: pd.DataFrame, out: str | Path, size: tuple[float, float],
+               draw: Callable[[plt.Axes, pd.DataFrame, str | None], None]) -> None:
+    """One panel of `size` inches per model of `runs` (one panel when it has none), each drawn by
+    draw(axes, that model's runs, model), saved as one PNG."""
+    models = list(runs["model"].dropna().unique()) if "model" in runs and len(runs) else [None]
+    fig, axes = plt.subplots(1, len(models), figsize=(size[0] * len(models), size[1]), squeeze=False)
+    for model, ax in zip(models, axes[0]):
+        draw(ax, runs if model is None else runs[runs["model"] == model], model)
     fig.tight_layout()
     fig.savefig(out, dpi=110, format="png")
     plt.close(fig)
@@ -38,104 +49,120 @@ def _finish(fig, ax, out: str | Path, title: str, empty: bool) -> None:
 def plot_against_beam(runs: pd.DataFrame, out: str | Path, headline: str = "wikitext2", bpp: int = 2,
                       max_epochs: int = 100) -> None:
     """Perplexity of domain `headline` against beam width, greedy vs OA-EM, before (dashed) and after PV."""
-    fig, ax = plt.subplots(figsize=(6, 4))
-    cell = runs[(runs["bpp"] == bpp) & (runs["max_epochs"] == max_epochs)]
-    drawn = False
-    for init, (marker, color) in INITS.items():
-        for metric, style, stage in ((f"pre_pv_{headline}_ppl", "--", "before PV"), (f"{headline}_ppl", "-", "after PV")):
-            stats = _mean_sd(cell[cell["init"] == init], "beam", metric) if metric in cell else pd.DataFrame()
-            if len(stats):
-                ax.errorbar(stats["beam"], stats["mean"], yerr=stats["std"], marker=marker, color=color,
-                            linestyle=style, capsize=3, label=f"{init} {stage}")
-                drawn = True
-    ax.set_xscale("log", base=2)
-    beams = sorted(cell["beam"].dropna().unique())
-    if beams:
-        ax.set_xticks(beams, [str(int(beam)) for beam in beams])
-    ax.set_yscale("log")
-    ax.set_xlabel("beam width")
-    ax.set_ylabel(f"{headline} perplexity (mean ± sd over seeds)")
-    _finish(fig, ax, out, f"{bpp} bpp, at most {max_epochs} epochs", not drawn)
+    def draw(ax, runs: pd.DataFrame, model: str | None) -> None:
+        cell = runs[(runs["bpp"] == bpp) & (runs["max_epochs"] == max_epochs)]
+        drawn = False
+        for init, (marker, color) in INITS.items():
+            for metric, style, stage in ((f"pre_pv_{headline}_ppl", "--", "before PV"), (f"{headline}_ppl", "-", "after PV")):
+                stats = _mean_sd(cell[cell["init"] == init], "beam", metric) if metric in cell else pd.DataFrame()
+                if len(stats):
+                    ax.errorbar(stats["beam"], stats["mean"], yerr=stats["std"], marker=marker, color=color,
+                                linestyle=style, capsize=3, label=f"{init} {stage}")
+                    drawn = True
+        ax.set_xscale("log", base=2)
+        beams = sorted(cell["beam"].dropna().unique())
+        if beams:
+            ax.set_xticks(beams, [str(int(beam)) for beam in beams])
+        ax.set_yscale("log")
+        ax.set_xlabel("beam width")
+        ax.set_ylabel(f"{headline} perplexity (mean ± sd over seeds)")
+        _finish(ax, f"{bpp} bpp, at most {max_epochs} epochs", not drawn, model)
+
+    _per_model(runs, out, (6, 4), draw)
 
 
 def plot_against_rho(runs: pd.DataFrame, out: str | Path, metric: str = "pre_pv_wikitext2_ppl") -> None:
     """Perplexity ratio greedy / OA-EM against ρ (one point per bit-rate geometry), log-log."""
-    fig, ax = plt.subplots(figsize=(6, 4))
-    drawn = False
-    if {"geometry", "rho", metric} <= set(runs.columns):
-        wide = runs.pivot_table(index=["geometry", "seed"], columns="init", values=metric, aggfunc="mean")
-        if {"greedy", "oaem"} <= set(wide.columns):
-            ratio = (wide["greedy"] / wide["oaem"]).dropna().rename("ratio").reset_index()
-            rho = runs.groupby("geometry")["rho"].first()
-            stats = ratio.groupby("geometry")["ratio"].agg(["mean", "std"]).fillna(0.0).join(rho).reset_index()
-            if len(stats):
-                ax.errorbar(stats["rho"], stats["mean"], yerr=stats["std"], marker="o", linestyle="none", capsize=3,
-                            label="greedy / OA-EM")
-                for _, row in stats.iterrows():
-                    ax.annotate(row["geometry"], (row["rho"], row["mean"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
-                drawn = True
-    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("ρ = N / K^M (median over layers)")
-    ax.set_ylabel("perplexity ratio greedy / OA-EM")
-    _finish(fig, ax, out, "the gap against the representational ratio", not drawn)
+    def draw(ax, runs: pd.DataFrame, model: str | None) -> None:
+        drawn = False
+        if {"geometry", "rho", metric} <= set(runs.columns):
+            wide = runs.pivot_table(index=["geometry", "seed"], columns="init", values=metric, aggfunc="mean")
+            if {"greedy", "oaem"} <= set(wide.columns):
+                ratio = (wide["greedy"] / wide["oaem"]).dropna().rename("ratio").reset_index()
+                rho = runs.groupby("geometry")["rho"].first()
+                stats = ratio.groupby("geometry")["ratio"].agg(["mean", "std"]).fillna(0.0).join(rho).reset_index()
+                if len(stats):
+                    ax.errorbar(stats["rho"], stats["mean"], yerr=stats["std"], marker="o", linestyle="none", capsize=3,
+                                label="greedy / OA-EM")
+                    for _, row in stats.iterrows():
+                        ax.annotate(row["geometry"], (row["rho"], row["mean"]), fontsize=7, xytext=(4, 4),
+                                    textcoords="offset points")
+                    drawn = True
+        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("ρ = N / K^M (median over layers)")
+        ax.set_ylabel("perplexity ratio greedy / OA-EM")
+        _finish(ax, "the gap against the representational ratio", not drawn, model)
+
+    _per_model(runs, out, (6, 4), draw)
 
 
-def plot_against_domain(runs: pd.DataFrame, domains_near_to_far: Sequence[str], out: str | Path, bpp: int = 2,
-                        beam: int = 8, max_epochs: int = 100, distances: Mapping[str, float] | None = None) -> None:
-    """Pre-PV perplexity ratio greedy / OA-EM per evaluation domain: against each domain's measured
-    distance from the calibration text (`distances`, e.g. JS divergence) where given, else as bars
-    in the order of `domains_near_to_far`, nearest first."""
-    fig, ax = plt.subplots(figsize=(7, 4.5) if distances is not None else (6, 4))
-    cell = runs[(runs["bpp"] == bpp) & (runs["beam"] == beam) & (runs["max_epochs"] == max_epochs)]
-    means, sds, names = [], [], []
-    for domain in domains_near_to_far:
-        metric = f"pre_pv_{domain}_ppl"
-        if metric not in cell:
-            continue
-        wide = cell.pivot_table(index="seed", columns="init", values=metric, aggfunc="mean")
-        if {"greedy", "oaem"} <= set(wide.columns):
-            ratio = (wide["greedy"] / wide["oaem"]).dropna()
-            if len(ratio):
-                names.append(domain)
-                means.append(ratio.mean())
-                sds.append(ratio.std() if len(ratio) > 1 else 0.0)
-    title = f"the gap by domain ({bpp} bpp, b{beam}, e{max_epochs}"
-    if names and distances is not None:
-        x = [float(distances[name]) for name in names]
-        ax.errorbar(x, means, yerr=sds, marker="o", linestyle="none", capsize=3, color="tab:purple",
-                    label="greedy / OA-EM")
-        for index, (name, x_value, mean) in enumerate(zip(names, x, means)):
-            # above and below in turn: neighbouring domains are often a hair apart
-            ax.annotate(name, (x_value, mean), fontsize=6, xytext=(3, 3 if index % 2 == 0 else -8),
-                        textcoords="offset points")
-    elif names:
-        ax.bar(np.arange(len(names)), means, yerr=sds, capsize=3, color="tab:purple", label="greedy / OA-EM")
-        ax.set_xticks(np.arange(len(names)), names, rotation=30, ha="right", fontsize=8)
-    if distances is not None:
-        ax.set_xlabel("distance from the calibration text (JS divergence of token unigrams, nats)")
-        title += ")"
-    else:
-        title += "; nearest first)"
-    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
-    ax.set_ylabel("pre-PV perplexity ratio greedy / OA-EM")
-    _finish(fig, ax, out, title, not names)
+def plot_against_domain(runs: pd.DataFrame, domains_of: Mapping[str, Sequence[str]], out: str | Path, bpp: int = 2,
+                        beam: int = 8, max_epochs: int = 100,
+                        distances_of: Mapping[str, Mapping[str, float] | None] | None = None) -> None:
+    """Pre-PV perplexity ratio greedy / OA-EM per evaluation domain, one panel per model:
+    against each domain's measured distance from that model's calibration text
+    (`distances_of[model]`, e.g. JS divergence under its tokenizer) where given, else as bars in the
+    order of `domains_of[model]`, nearest first."""
+    distances_of = distances_of or {}
+    measured = any(value is not None for value in distances_of.values())
+
+    def draw(ax, runs: pd.DataFrame, model: str | None) -> None:
+        distances = distances_of.get(model)
+        cell = runs[(runs["bpp"] == bpp) & (runs["beam"] == beam) & (runs["max_epochs"] == max_epochs)]
+        means, sds, names = [], [], []
+        for domain in domains_of.get(model, ()):
+            metric = f"pre_pv_{domain}_ppl"
+            if metric not in cell:
+                continue
+            wide = cell.pivot_table(index="seed", columns="init", values=metric, aggfunc="mean")
+            if {"greedy", "oaem"} <= set(wide.columns):
+                ratio = (wide["greedy"] / wide["oaem"]).dropna()
+                if len(ratio):
+                    names.append(domain)
+                    means.append(ratio.mean())
+                    sds.append(ratio.std() if len(ratio) > 1 else 0.0)
+        title = f"the gap by domain ({bpp} bpp, b{beam}, e{max_epochs}"
+        if names and distances is not None:
+            x = [float(distances[name]) for name in names]
+            ax.errorbar(x, means, yerr=sds, marker="o", linestyle="none", capsize=3, color="tab:purple",
+                        label="greedy / OA-EM")
+            for index, (name, x_value, mean) in enumerate(zip(names, x, means)):
+                # above and below in turn: neighbouring domains are often a hair apart
+                ax.annotate(name, (x_value, mean), fontsize=6, xytext=(3, 3 if index % 2 == 0 else -8),
+                            textcoords="offset points")
+        elif names:
+            ax.bar(np.arange(len(names)), means, yerr=sds, capsize=3, color="tab:purple", label="greedy / OA-EM")
+            ax.set_xticks(np.arange(len(names)), names, rotation=30, ha="right", fontsize=8)
+        if distances is not None:
+            ax.set_xlabel("distance from the calibration text (JS divergence of token unigrams, nats)")
+            title += ")"
+        else:
+            title += "; nearest first)"
+        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_ylabel("pre-PV perplexity ratio greedy / OA-EM")
+        _finish(ax, title, not names, model)
+
+    _per_model(runs, out, (7, 4.5) if measured else (6, 4), draw)
 
 
 def plot_pre_to_post_pv(runs: pd.DataFrame, out: str | Path, headline: str = "wikitext2") -> None:
     """Perplexity of domain `headline` before vs after PV-tuning, one point per run, greedy vs OA-EM."""
-    fig, ax = plt.subplots(figsize=(5, 5))
-    drawn = False
     pre, post = f"pre_pv_{headline}_ppl", f"{headline}_ppl"
-    if {pre, post} <= set(runs.columns):
-        for init, (marker, color) in INITS.items():
-            group = runs[runs["init"] == init].dropna(subset=[pre, post])
-            if len(group):
-                ax.scatter(group[pre], group[post], marker=marker, color=color, label=init)
-                drawn = True
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel(f"{headline} perplexity before PV-tuning")
-    ax.set_ylabel("after PV-tuning")
-    _finish(fig, ax, out, "PV-tuning: where each run starts and ends", not drawn)
+
+    def draw(ax, runs: pd.DataFrame, model: str | None) -> None:
+        drawn = False
+        if {pre, post} <= set(runs.columns):
+            for init, (marker, color) in INITS.items():
+                group = runs[runs["init"] == init].dropna(subset=[pre, post])
+                if len(group):
+                    ax.scatter(group[pre], group[post], marker=marker, color=color, label=init)
+                    drawn = True
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"{headline} perplexity before PV-tuning")
+        ax.set_ylabel("after PV-tuning")
+        _finish(ax, "PV-tuning: where each run starts and ends", not drawn, model)
+
+    _per_model(runs, out, (5, 5), draw)

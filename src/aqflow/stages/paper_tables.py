@@ -2,21 +2,23 @@
 
 Writes into --out-dir: runs.csv (one row per run), cells.md/.csv (mean ± sd over seeds per grid
 cell, the paper's Llama-3.2-3B numbers beside the matching rows), domains.md/.csv (greedy / OA-EM
-perplexity ratio per evaluation domain, with its measured distance from the calibration text where
---domain-distances gives one), claims.md/.csv (one row per claim: effect per seed, its
-spread, a verdict computed from the data), four plots, and README.md tying them together with
-the list of expected cells that have no run yet.
+perplexity ratio per model and evaluation domain, with its measured distance from the calibration
+text where --domain-distances gives one), claims.md/.csv (one row per claim and model: effect per
+seed, its spread, a verdict computed from the data), four plots (one panel per model), and
+README.md tying them together with the list of expected cells that have no run yet.
 
-Domains: --domains in the order given, else those of --domain-distances (written by
-domain-distances) from the nearest to the farthest, else c4 and wikitext2. The domain-distance
-claim is the slope of the gap against the measured distance when every domain has one, else
-against the rank in that order.
+Models are never pooled: each model's claims are measured on its runs alone, and each model's
+domains on its own distances (`--domain-distances MODEL=PATH` per model: every tokenizer measures
+its own). A model's domains: --domains in the order given, else those of its domains.json from
+the nearest to the farthest, else c4 and wikitext2. Its domain-distance claim is the slope of the
+gap against the measured distance when every domain has one, else against the rank in that order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping, Sequence
 
 import pandas as pd
 
@@ -33,6 +35,7 @@ from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
 STAGE = "paper-tables"
 DEFAULT_DOMAINS = ("c4", "wikitext2")
 INPUT_ERRORS = EXPECTED_ERRORS
+QUANTIZED_INITS = ("greedy", "oaem", "oaem-patient")
 PLOTS = ("beam.png", "rho.png", "domains.png", "pv.png")
 
 
@@ -87,8 +90,9 @@ class PaperTablesPaths:
     expected_cells: Path | None = field(default=None, metadata=option(
         "JSON list of the grid's cells, each with its eval_json path (results/paper/grid.json): the ones that "
         "exist are read, the others listed as missing"))
-    domain_distances: Path | None = field(default=None, metadata=option(
-        "domains.json of domain-distances: each domain's measured distance from the calibration text"))
+    domain_distances: tuple[str, ...] = field(default=(), metadata=option(
+        "domains.json of domain-distances per model, as MODEL=PATH (each model's distances of its domains from its "
+        "calibration text, under its own tokenizer); one bare PATH serves runs of a single model"))
 
 
 def distance_frame(record: dict) -> pd.DataFrame:
@@ -98,6 +102,32 @@ def distance_frame(record: dict) -> pd.DataFrame:
         raise StageInputError("the domain distances file has no list `domains` of {domain, distance, ...} entries")
     frame = pd.DataFrame(rows).set_index("domain")
     return frame.reindex(columns=["distance", "distance_sd"])
+
+
+def distance_files(entries: Sequence[str]) -> dict[str | None, Path]:
+    """--domain-distances entries -> {model: domains.json}: MODEL=PATH each, or one bare PATH (key
+    None: the domains.json of whichever single model the runs are of)."""
+    files: dict[str | None, Path] = {}
+    for entry in entries:
+        model, separator, path = entry.partition("=")
+        key = model if separator else None
+        if key in files or (key is None and len(entries) > 1):
+            raise StageInputError(f"--domain-distances {list(entries)}: give MODEL=PATH once per model "
+                                  "(a bare PATH only alone)")
+        files[key] = Path(path if separator else entry)
+    return files
+
+
+def distances_by_model(files: Mapping[str | None, Path], models: Sequence[str]) -> dict[str, pd.DataFrame]:
+    """{model: distance_frame} of the files of distance_files for the runs' `models`; a bare file is
+    the single model's, and runs of several models need theirs named."""
+    frames = {model: distance_frame(read_json(path, required=False)) for model, path in files.items()}
+    if None in frames:
+        if len(models) > 1:
+            raise StageInputError(f"one --domain-distances file for runs of {len(models)} models {list(models)}: "
+                                  "give each model's as MODEL=PATH (their tokenizers measure different distances)")
+        frames = {(models[0] if models else ""): frames[None]}
+    return frames
 
 
 def domain_order(given: list[str], distances: pd.DataFrame | None) -> list[str]:
@@ -149,48 +179,77 @@ def _write_table(out_dir: Path, name: str, frame: pd.DataFrame, markdown: str) -
 
 
 def claims_markdown(claims: pd.DataFrame) -> str:
-    lines = ["| claim | effect measured | mean | sd | seeds | paper | verdict |", "|---|---|---|---|---|---|---|"]
+    lines = ["| claim | model | effect measured | mean | sd | seeds | paper | verdict |", "|---|---|---|---|---|---|---|---|"]
     for _, row in claims.iterrows():
         number = lambda value: "" if pd.isna(value) else f"{value:.3f}"  # noqa: E731
-        lines.append(f"| {row['statement']} | {row['effect']} | {number(row['mean'])} | {number(row['sd'])} | "
+        model = "" if pd.isna(row["model"]) else row["model"]
+        lines.append(f"| {row['statement']} | {model} | {row['effect']} | {number(row['mean'])} | {number(row['sd'])} | "
                      f"{row['seeds']} | {number(row['paper'])} | **{row['verdict']}** |")
     return "\n".join(lines) + "\n"
 
 
-def write_tables(runs: pd.DataFrame, out_dir: Path, domains: list[str], expected: list[dict],
-                 distances: pd.DataFrame | None = None) -> dict:
+def quantized_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """The quantized runs of `runs` (the full-precision baselines left out)."""
+    return runs[runs["init"].isin(QUANTIZED_INITS)] if len(runs) else runs
+
+
+def run_models(runs: pd.DataFrame) -> list[str]:
+    """The models of `runs` in order of first appearance."""
+    return list(runs["model"].dropna().unique()) if len(runs) and "model" in runs else []
+
+
+def write_tables(runs: pd.DataFrame, out_dir: Path, given_domains: list[str], expected: list[dict],
+                 distances: Mapping[str, pd.DataFrame] | None = None) -> dict:
     """Every table, plot and the README into `out_dir`; returns what was written and what is missing.
-    `distances`: each domain's measured distance from the calibration text (index domain, columns
-    distance, distance_sd), shown in the domain table and plot and used by the domain claim."""
+    `given_domains`: every model's domains in this order ([]: each model's from its distances, nearest
+    first); `distances`: per model, each domain's measured distance from that model's calibration
+    text (index domain, columns distance, distance_sd), shown in its domain table rows and plot
+    panel and used by its domain claim."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    quantized = runs[runs["init"].isin(["greedy", "oaem", "oaem-patient"])] if len(runs) else runs
+    distances = dict(distances or {})
+    quantized = quantized_runs(runs)
     with artifacts.atomic_path(out_dir / "runs.csv") as tmp:
         runs.to_csv(tmp, index=False)
+    models = run_models(quantized)
+    domains_of = {model: domain_order(given_domains, distances.get(model)) for model in models}
+    # the cells table's columns: every model's domains, the first model's order first
+    domains = (list(dict.fromkeys(domain for model in models for domain in domains_of[model]))
+               or domain_order(given_domains, next(iter(distances.values()), None)))
+    measured_of = {model: measured_distances(domains_of[model], distances.get(model)) for model in models}
     all_metrics, labels, to_ours = cell_metrics(domains)
     metrics = [metric for metric in all_metrics if metric in quantized]
     paper = paper_cells().rename(columns=to_ours)
     cells = with_paper(seed_statistics(quantized, metrics), paper, metrics) if len(quantized) else pd.DataFrame()
     _write_table(out_dir, "cells", cells,
                  markdown_table(cells, markdown_metrics(metrics, to_ours), labels) if len(cells) else "no runs yet\n")
-    domains_frame = domain_table(quantized, domains, distances=distances) if len(quantized) else pd.DataFrame()
+    domain_rows = [domain_table(quantized[quantized["model"] == model], domains_of[model],
+                                distances=distances.get(model)) for model in models]
+    domains_frame = pd.concat([rows.assign(model=model)[["model", *rows.columns]] for model, rows in zip(models, domain_rows)
+                               if len(rows)], ignore_index=True) if any(len(rows) for rows in domain_rows) else pd.DataFrame()
     _write_table(out_dir, "domains", domains_frame, frame_markdown(domains_frame) if len(domains_frame) else "no runs yet\n")
     headline = headline_domain(domains)
-    measured = measured_distances(domains, distances)
-    claims = (claims_table(quantized, paper_claims(domains, headline, domain_distances=measured)) if len(quantized)
-              else pd.DataFrame())
+    claims = (claims_table(quantized, lambda model: paper_claims(domains_of.get(model, domains), headline,
+                                                                 domain_distances=measured_of.get(model)))
+              if len(quantized) else pd.DataFrame())
     _write_table(out_dir, "claims", claims, claims_markdown(claims) if len(claims) else "no runs yet\n")
     draws = (lambda p: plot_against_beam(quantized, p, headline), lambda p: plot_against_rho(quantized, p, f"pre_pv_{headline}_ppl"),
-             lambda p: plot_against_domain(quantized, domains, p, distances=measured),
+             lambda p: plot_against_domain(quantized, domains_of, p, distances_of=measured_of),
              lambda p: plot_pre_to_post_pv(quantized, p, headline))
     for name, draw in zip(PLOTS, draws):
         with artifacts.atomic_path(out_dir / name) as tmp:
             draw(tmp)
     missing = missing_cells(expected)
+    notes = [(f"{model}: " if len(models) > 1 else "") + domain_note(domains_of[model], distances.get(model), measured_of[model])
+             for model in models] or [domain_note(domains, None, None)]
     readme = ["# The paper's experiments on our models", "",
-              f"{len(quantized)} quantized runs ({quantized['seed'].nunique() if 'seed' in quantized and len(quantized) else 0} seeds); "
+              f"{len(quantized)} quantized runs ({quantized['seed'].nunique() if 'seed' in quantized and len(quantized) else 0} seeds"
+              f"{'; models ' + ', '.join(models) if len(models) > 1 else ''}); "
               "tables: cells.md, domains.md, claims.md; plots: " + ", ".join(PLOTS) + ".", "",
-              domain_note(domains, distances, measured), "",
-              "## Claims", "", claims_markdown(claims) if len(claims) else "no runs yet", "",
+              *notes, "",
+              "## Claims", "",
+              "One row per claim and model with runs, measured on that model's runs alone (a claim no model has "
+              "runs for: one row without a model).", "",
+              claims_markdown(claims) if len(claims) else "no runs yet", "",
               f"## Missing cells ({len(missing)})", ""]
     if expected:
         readme += [f"- `{cell['eval_json']}`" for cell in missing] or ["none"]
@@ -220,12 +279,13 @@ def run(settings: PaperTablesSettings, paths: PaperTablesPaths) -> dict:
     absent = [str(path) for path in paths.evals if not path.is_file()]
     if absent:
         raise FileNotFoundError(f"eval.json files not found: {absent}")
-    verify_inputs(*paths.evals, paths.expected_cells, paths.domain_distances)
+    files = distance_files(paths.domain_distances)
+    verify_inputs(*paths.evals, paths.expected_cells, *files.values())
     expected = read_json(paths.expected_cells, required=False) if paths.expected_cells else []
-    distances = distance_frame(read_json(paths.domain_distances, required=False)) if paths.domain_distances else None
-    domains = domain_order(list(settings.domains), distances)
-    result = write_tables(runs_table(grid_evals(list(paths.evals), expected)), paths.out_dir, domains, expected,
-                          distances)
+    runs = runs_table(grid_evals(list(paths.evals), expected))
+    quantized = quantized_runs(runs)
+    distances = distances_by_model(files, run_models(quantized))
+    result = write_tables(runs, paths.out_dir, list(settings.domains), expected, distances)
     return result | {"out_dir": str(paths.out_dir)}
 
 
