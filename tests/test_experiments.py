@@ -109,6 +109,42 @@ def test_the_patient_variant_is_compared_with_oaem():
     assert table.loc["patient_stop_beats_oaem_before_pv", "mean"] == pytest.approx(0.1)
 
 
+def test_claims_of_two_models_are_not_pooled():
+    """Model A's gap is +1 and model B's -1 on every seed: two rows per claim, one holding and one
+    not, never one inconclusive row at 0; a claim no model has runs for is one row without a model."""
+    first, second = grid(lambda cell: 1.0), grid(lambda cell: -1.0)
+    first["model"], second["model"] = "a", "b"
+    table = claims_table(pd.concat([first, second], ignore_index=True), paper_claims())
+    gaps = table[table["claim"] == "pre_pv_gap"].set_index("model")
+    assert list(gaps.index) == ["a", "b"]
+    assert gaps.loc["a", "verdict"] == "holds" and gaps.loc["a", "mean"] == pytest.approx(1.0, abs=0.05)
+    assert gaps.loc["b", "verdict"] == "does not hold" and gaps.loc["b", "mean"] == pytest.approx(-1.0, abs=0.05)
+    assert (gaps["seeds"] == 3).all()
+    patient = table[table["claim"] == "patient_stop_beats_oaem_before_pv"]
+    assert len(patient) == 1 and patient["model"].iloc[0] == "" and patient["verdict"].iloc[0] == "inconclusive (no runs)"
+    # claims in their order, models in order within each
+    assert list(dict.fromkeys(table["claim"])) == [claim.name for claim in paper_claims()]
+    # a model with runs for only some claims has rows for those alone
+    b_only_beam8 = second[second["beam"] == 8]
+    table = claims_table(pd.concat([first, b_only_beam8], ignore_index=True), paper_claims())
+    assert table[table["claim"] == "beam_helps_greedy_more"]["model"].tolist() == ["a"]
+    # the measures refuse several models at once rather than average them
+    with pytest.raises(ValueError, match="several models"):
+        paper_claims()[0].measure(pd.concat([first, second], ignore_index=True))
+
+
+def test_claims_take_each_models_own_claims():
+    """claims(model): each model's domain claim measured against its own distances."""
+    first, second = grid(lambda cell: 1.0, noise=0.0), grid(lambda cell: 1.0, noise=0.0)
+    first["model"], second["model"] = "a", "b"
+    distances = {"a": {"c4": 0.1, "wikitext2": 0.35}, "b": {"c4": 0.1, "wikitext2": 0.6}}
+    table = claims_table(pd.concat([first, second], ignore_index=True),
+                         lambda model: paper_claims(domain_distances=distances[model]))
+    slopes = table[table["claim"] == "gap_grows_with_domain_distance"].set_index("model")["mean"]
+    # the same gaps (c4 0, wikitext2 1), 0.25 and 0.5 nats apart
+    assert slopes["a"] == pytest.approx(4.0) and slopes["b"] == pytest.approx(2.0)
+
+
 def test_rho_and_domain_slopes():
     frame = grid(lambda cell: 1.0 + 0.5 * math.log10(cell["rho"]), noise=0.0)
     frame.loc[frame["bpp"] == 21, "bpp"] = 2
@@ -139,19 +175,23 @@ def test_seed_statistics_and_markdown_with_paper_numbers():
     assert mean_sd_text(float("nan"), float("nan")) == "missing" and mean_sd_text(3.0, float("nan")) == "3.00"
 
 
-def write_eval(folder, init, beam, seed, pre_wiki, post_wiki, bpp=2, epochs=100, rho=0.6):
-    """A minimal eval.json of a PV-tuned run, shaped as the evaluate stage writes it."""
+def write_eval(folder, init, beam, seed, pre_wiki, post_wiki, bpp=2, epochs=100, rho=0.6, model="m", pre_c4=None):
+    """A minimal eval.json of a PV-tuned run, shaped as the evaluate stage writes it (c4 perplexity
+    half of wikitext2's unless `pre_c4` gives the pre-PV one)."""
     import json
 
-    upstream = {"model": "m", "bpp": bpp, "quantization_seconds": 10.0,
+    upstream = {"model": model, "bpp": bpp, "quantization_seconds": 10.0,
                 "quantizer": {"init": init, "beam_size": beam, "max_epochs": epochs, "seed": seed, "group_size": 8,
                               "num_codebooks": bpp, "nbits": 8},
                 "layers": [{"rho": rho, "final_relative_mse": 0.01, "init_relative_mse": 0.02}], "pvtune": {"steps": 3}}
     metrics = lambda wiki: {"wikitext2": {"perplexity": wiki}, "c4": {"perplexity": wiki / 2},  # noqa: E731
                             "brown-news": {"perplexity": wiki * 1.5}, "avg_acc": 0.4}
+    pre_metrics = metrics(pre_wiki)
+    if pre_c4 is not None:
+        pre_metrics["c4"] = {"perplexity": pre_c4}
     record = {"label": f"{init}-b{beam}-s{seed}", "metrics": metrics(post_wiki), "settings": {"upstream": upstream},
-              "bits_per_parameter": 2.15, "pre_pv": {"metrics": metrics(pre_wiki)}}
-    path = folder / f"{init}-b{beam}-s{seed}-{bpp}" / "eval.json"
+              "bits_per_parameter": 2.15, "pre_pv": {"metrics": pre_metrics}}
+    path = folder / model / f"{init}-b{beam}-s{seed}-{bpp}" / "eval.json"
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(record))
     return path
@@ -225,3 +265,44 @@ def test_paper_tables_order_domains_by_measured_distance(tmp_path):
     assert "no measured distance for ['lambada']" in (out / "README.md").read_text()
     write_json(distances, {"not": "domains"})
     assert paper_tables.main([*map(str, paths), "--out-dir", str(out), "--domain-distances", str(distances)]) == 2
+
+
+def test_paper_tables_use_each_models_own_domain_distances(tmp_path):
+    """Two models, each with its domains.json (MODEL=PATH): each model's domain rows, order and
+    claim use its own distances; the claims are per model; one bare file for two models is refused."""
+    from aqflow.artifacts import write_json
+    from aqflow.stages import paper_tables
+
+    paths = []
+    for seed in (42, 43, 44):
+        jitter = 1 + 0.01 * (seed - 43)
+        # both models: wikitext2 ratio 2.5, c4 ratio 1 (greedy and OA-EM equal on c4 before PV)
+        for model in ("a", "b"):
+            paths += [write_eval(tmp_path, "greedy", 8, seed, 200 * jitter, 50 * jitter, model=model, pre_c4=30.0),
+                      write_eval(tmp_path, "oaem", 8, seed, 80 * jitter, 45 * jitter, model=model, pre_c4=30.0)]
+    files = {}
+    for model, (c4, wiki) in {"a": (0.1, 0.3), "b": (0.4, 0.2)}.items():  # b measures wikitext2 the nearer
+        files[model] = tmp_path / f"{model}-domains.json"
+        write_json(files[model], {"domains": [{"domain": "c4", "distance": c4, "distance_sd": 0.0},
+                                              {"domain": "wikitext2", "distance": wiki, "distance_sd": 0.0}]})
+    out = tmp_path / "paper"
+    argv = [*map(str, paths), "--out-dir", str(out), "--domain-distances", *(f"{m}={p}" for m, p in files.items())]
+    assert paper_tables.main(argv) == 0
+    domains = pd.read_csv(out / "domains.csv")
+    assert domains[["model", "domain", "distance"]].values.tolist() == [
+        ["a", "c4", 0.1], ["a", "wikitext2", 0.3], ["b", "wikitext2", 0.2], ["b", "c4", 0.4]]
+    claims = pd.read_csv(out / "claims.csv")
+    slope = claims[claims["claim"] == "gap_grows_with_domain_distance"].set_index("model")["mean"]
+    gap = math.log(200 / 80)  # c4's gap is 0
+    assert slope["a"] == pytest.approx(gap / 0.2) and slope["b"] == pytest.approx(-gap / 0.2)
+    pre = claims[claims["claim"] == "pre_pv_gap"].set_index("model")
+    assert list(pre.index) == ["a", "b"] and set(pre["verdict"]) == {"holds"}
+    assert "| a |" in (out / "claims.md").read_text() and "b: Domains (2)" in (out / "README.md").read_text()
+    # one model's file alone: the other's domains fall back to ranks in the default order, and say so
+    assert paper_tables.main([*map(str, paths), "--out-dir", str(out), "--domain-distances", f"a={files['a']}"]) == 0
+    effects = pd.read_csv(out / "claims.csv").query("claim == 'gap_grows_with_domain_distance'").set_index("model")["effect"]
+    assert "measured distance" in effects["a"] and "domain rank" in effects["b"]
+    # one bare file for runs of two models, or a model named twice: input errors
+    assert paper_tables.main([*map(str, paths), "--out-dir", str(out), "--domain-distances", str(files["a"])]) == 2
+    assert paper_tables.main([*map(str, paths), "--out-dir", str(out), "--domain-distances", f"a={files['a']}",
+                              f"a={files['b']}"]) == 2

@@ -12,14 +12,27 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = yaml.safe_load((REPO / "tests" / "workflow" / "config.tiny.yaml").read_text())
 
 
-def dry_run(tmp_path: Path, grid: dict, *targets: str) -> subprocess.CompletedProcess:
-    config = dict(TINY, experiments={"paper": grid})
+def dry_run(tmp_path: Path, grid: dict, *targets: str, models: dict | None = None,
+            quiet: bool = True) -> subprocess.CompletedProcess:
+    config = dict(TINY, experiments={"paper": grid}, models={**TINY["models"], **(models or {})})
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
+    return dry_run_configs(tmp_path, [path], *targets, quiet=quiet)
+
+
+def dry_run_configs(tmp_path: Path, configs: list[Path], *targets: str, quiet: bool = True) -> subprocess.CompletedProcess:
     env = dict(os.environ, AQFLOW_CACHE=os.environ.get("AQFLOW_CACHE", str(REPO / "resources" / "cache")))
-    return subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile", str(path),
-                           "--directory", str(tmp_path), "-n", "--quiet", "rules", "--", *targets],
+    return subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile", *map(str, configs),
+                           "--directory", str(tmp_path), "-n", *(["--quiet", "rules"] if quiet else []), "--", *targets],
                           capture_output=True, text=True, env=env, timeout=600)
+
+
+def job_inputs(result: subprocess.CompletedProcess, rule: str) -> list[str]:
+    """The input files of the (one) job of `rule` in a dry run's job listing."""
+    lines = result.stdout.splitlines()
+    start = next(index for index, line in enumerate(lines) if line.strip() in (f"rule {rule}:", f"localrule {rule}:"))
+    line = next(line for line in lines[start:] if line.strip().startswith("input:"))
+    return [path.strip() for path in line.split("input:", 1)[1].split(",")]
 
 
 def planned(result: subprocess.CompletedProcess) -> dict[str, int]:
@@ -42,7 +55,36 @@ def test_paper_target_plans_every_cell_once(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     # greedy/oaem x b2/b4 (4), seeds 43/44 x 2 inits (4), the g4m1k256 geometry (1)
     assert planned(result)["stitch"] == 9 and planned(result)["paper"] == 1
-    assert planned(result)["domain_distances"] == 1  # the tables' domain order and distance column
+    assert planned(result)["domain_distances"] == 1  # the one model's domain order and distance column
+
+
+def test_a_second_model_in_the_grid_has_its_cells_and_its_own_domain_distances(tmp_path):
+    """An entry with its own `models:` adds that model's cells as ordinary variant paths, and the
+    tables read every grid model's domains.json (each under its own tokenizer), not the first's."""
+    grid = {"models": ["tiny"], "cells": [
+        {"bpp": 2, "inits": ["greedy", "oaem"], "beams": [2], "epochs": [2]},
+        {"models": ["tiny-b"], "bpp": 2, "inits": ["greedy", "oaem"], "beams": [2], "epochs": [2], "seeds": [42, 43, 44]},
+    ]}
+    result = dry_run(tmp_path, grid, "paper", models={"tiny-b": {**TINY["models"]["tiny"], "tiny_hidden": 32}}, quiet=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    inputs = job_inputs(result, "paper")
+    assert {"results/tiny/domains.json", "results/tiny-b/domains.json"} <= set(inputs)
+    assert {f"results/tiny-b/2bpp/{init}/b2{seed}/eval.json" for init in ("greedy", "oaem")
+            for seed in ("", "s43", "s44")} <= set(inputs)
+    assert "results/tiny/2bpp/greedy/b2s43/eval.json" not in inputs  # seeds only where the entry names them
+
+
+@pytest.mark.parametrize("profile", [[], ["profiles/gpu/gpu.yaml"]], ids=["config", "gpu-profile"])
+def test_the_project_grid_plans_gemma_cells_as_variant_paths(tmp_path, profile):
+    """config.yaml's paper grid (with and without the GPU profile's overrides): Gemma3-270M at 2 bpp
+    b8, greedy and OA-EM, seeds 42-44, as ordinary variant paths, with its own domain distances."""
+    result = dry_run_configs(tmp_path, [REPO / "config.yaml", *(REPO / path for path in profile)], "paper", quiet=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    inputs = job_inputs(result, "paper")
+    gemma = sorted(path for path in inputs if path.startswith("results/gemma3-270m/"))
+    assert gemma == sorted([f"results/gemma3-270m/2bpp/{init}/b8{seed}/eval.json" for init in ("greedy", "oaem")
+                            for seed in ("", "s43", "s44")] + ["results/gemma3-270m/domains.json"])
+    assert "results/smollm2/domains.json" in inputs
 
 
 def test_a_geometry_of_another_bit_rate_is_refused_when_the_dag_is_built(tmp_path):
