@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 MIN_SEEDS = 3
+NO_RUNS = "inconclusive (no runs)"
 BASELINE, CANDIDATE = "greedy", "oaem"
 CELL = ("model", "bpp", "beam", "max_epochs")
 # Two-sided 95 % quantiles of Student's t by degrees of freedom (1-30); beyond 30 the normal 1.96
@@ -58,7 +59,7 @@ def summarise_effect(per_seed: Sequence[float]) -> Effect:
     values = np.asarray([v for v in per_seed if v is not None and not math.isnan(v)], dtype=float)
     n = len(values)
     if n == 0:
-        return Effect(math.nan, math.nan, 0, math.nan, "inconclusive (no runs)")
+        return Effect(math.nan, math.nan, 0, math.nan, NO_RUNS)
     mean = float(values.mean())
     sd = float(values.std(ddof=1)) if n > 1 else math.nan
     if n < MIN_SEEDS:
@@ -232,22 +233,21 @@ def paper_claims(domains_near_to_far: Sequence[str] = ("c4", "wikitext2"), headl
     ]
 
 
-NO_RUNS = "inconclusive (no runs)"
-
-
 def claims_table(frame: pd.DataFrame, claims: Sequence[Claim] | Callable[[str], Sequence[Claim]]) -> pd.DataFrame:
     """One row per claim and model: the model, the effect's mean, sd, number of seeds, t, verdict
     and the paper's effect, measured on that model's runs alone.
 
     frame: one row per run with a `model` column (models in order of appearance). claims: the same
     claims for every model, or `claims(model)` for claims that depend on the model (e.g. on its own
-    domain distances); every model's list names the same claims in the same order. Rows are
-    grouped by claim, models in order within it; a model without runs for a claim has no row for
-    it, and a claim without runs for any model has one row with an empty model, NO_RUNS."""
+    domain distances; claims("") describes them for a frame without runs); every model's list names
+    the same claims in the same order. Rows are grouped by claim, models in order within it; a
+    model without runs for a claim has no row for it, and a claim without runs for any model has
+    one row with an empty model, NO_RUNS (described as the first model's)."""
     claims_of = claims if callable(claims) else (lambda model: claims)
     models = list(frame["model"].dropna().unique()) if len(frame) else []
     per_model = {model: list(claims_of(model)) for model in models}
-    names = [claim.name for claim in (per_model[models[0]] if models else claims_of(""))]
+    reference = per_model[models[0]] if models else list(claims_of(""))
+    names = [claim.name for claim in reference]
     measured = {name: [] for name in names}
     for model, model_claims in per_model.items():
         if [claim.name for claim in model_claims] != names:
@@ -258,10 +258,8 @@ def claims_table(frame: pd.DataFrame, claims: Sequence[Claim] | Callable[[str], 
             if effect.seeds:
                 measured[claim.name].append(_claim_row(claim, model, effect))
     rows = []
-    for index, name in enumerate(names):
-        # no model has runs for it: one row, described as the first model's (or the model-free) claim
-        claim = (per_model[models[0]] if models else list(claims_of("")))[index]
-        rows += measured[name] or [_claim_row(claim, "", summarise_effect([]))]
+    for claim in reference:
+        rows += measured[claim.name] or [_claim_row(claim, "", summarise_effect([]))]
     return pd.DataFrame(rows)
 
 

@@ -53,7 +53,8 @@ def plot_against_beam(runs: pd.DataFrame, out: str | Path, headline: str = "wiki
         cell = runs[(runs["bpp"] == bpp) & (runs["max_epochs"] == max_epochs)]
         drawn = False
         for init, (marker, color) in INITS.items():
-            for metric, style, stage in ((f"pre_pv_{headline}_ppl", "--", "before PV"), (f"{headline}_ppl", "-", "after PV")):
+            for metric, style, stage in ((f"pre_pv_{headline}_ppl", "--", "before PV"),
+                                         (f"{headline}_ppl", "-", "after PV")):
                 stats = _mean_sd(cell[cell["init"] == init], "beam", metric) if metric in cell else pd.DataFrame()
                 if len(stats):
                     ax.errorbar(stats["beam"], stats["mean"], yerr=stats["std"], marker=marker, color=color,

@@ -179,7 +179,7 @@ def _write_table(out_dir: Path, name: str, frame: pd.DataFrame, markdown: str) -
 
 
 def claims_markdown(claims: pd.DataFrame) -> str:
-    lines = ["| claim | model | effect measured | mean | sd | seeds | paper | verdict |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| claim | model | effect measured | mean | sd | seeds | paper | verdict |", "|---" * 8 + "|"]
     for _, row in claims.iterrows():
         number = lambda value: "" if pd.isna(value) else f"{value:.3f}"  # noqa: E731
         model = "" if pd.isna(row["model"]) else row["model"]
@@ -196,6 +196,17 @@ def quantized_runs(runs: pd.DataFrame) -> pd.DataFrame:
 def run_models(runs: pd.DataFrame) -> list[str]:
     """The models of `runs` in order of first appearance."""
     return list(runs["model"].dropna().unique()) if len(runs) and "model" in runs else []
+
+
+def domain_tables(runs: pd.DataFrame, domains_of: Mapping[str, list[str]],
+                  distances: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
+    """Every model's domain_table, on its own runs, domains and distances, with a `model` column first."""
+    frames = []
+    for model, domains in domains_of.items():
+        frame = domain_table(runs[runs["model"] == model], domains, distances=distances.get(model))
+        if len(frame):
+            frames.append(frame.assign(model=model)[["model", *frame.columns]])
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
 def write_tables(runs: pd.DataFrame, out_dir: Path, given_domains: list[str], expected: list[dict],
@@ -222,30 +233,28 @@ def write_tables(runs: pd.DataFrame, out_dir: Path, given_domains: list[str], ex
     cells = with_paper(seed_statistics(quantized, metrics), paper, metrics) if len(quantized) else pd.DataFrame()
     _write_table(out_dir, "cells", cells,
                  markdown_table(cells, markdown_metrics(metrics, to_ours), labels) if len(cells) else "no runs yet\n")
-    domain_rows = [domain_table(quantized[quantized["model"] == model], domains_of[model],
-                                distances=distances.get(model)) for model in models]
-    domains_frame = pd.concat([rows.assign(model=model)[["model", *rows.columns]] for model, rows in zip(models, domain_rows)
-                               if len(rows)], ignore_index=True) if any(len(rows) for rows in domain_rows) else pd.DataFrame()
+    domains_frame = domain_tables(quantized, domains_of, distances)
     _write_table(out_dir, "domains", domains_frame, frame_markdown(domains_frame) if len(domains_frame) else "no runs yet\n")
     headline = headline_domain(domains)
     claims = (claims_table(quantized, lambda model: paper_claims(domains_of.get(model, domains), headline,
                                                                  domain_distances=measured_of.get(model)))
               if len(quantized) else pd.DataFrame())
     _write_table(out_dir, "claims", claims, claims_markdown(claims) if len(claims) else "no runs yet\n")
-    draws = (lambda p: plot_against_beam(quantized, p, headline), lambda p: plot_against_rho(quantized, p, f"pre_pv_{headline}_ppl"),
+    draws = (lambda p: plot_against_beam(quantized, p, headline),
+             lambda p: plot_against_rho(quantized, p, f"pre_pv_{headline}_ppl"),
              lambda p: plot_against_domain(quantized, domains_of, p, distances_of=measured_of),
              lambda p: plot_pre_to_post_pv(quantized, p, headline))
     for name, draw in zip(PLOTS, draws):
         with artifacts.atomic_path(out_dir / name) as tmp:
             draw(tmp)
     missing = missing_cells(expected)
-    notes = [(f"{model}: " if len(models) > 1 else "") + domain_note(domains_of[model], distances.get(model), measured_of[model])
-             for model in models] or [domain_note(domains, None, None)]
+    notes = [(f"{model}: " if len(models) > 1 else "")
+             + domain_note(domains_of[model], distances.get(model), measured_of[model]) for model in models]
+    seeds = quantized["seed"].nunique() if "seed" in quantized and len(quantized) else 0
     readme = ["# The paper's experiments on our models", "",
-              f"{len(quantized)} quantized runs ({quantized['seed'].nunique() if 'seed' in quantized and len(quantized) else 0} seeds"
-              f"{'; models ' + ', '.join(models) if len(models) > 1 else ''}); "
+              f"{len(quantized)} quantized runs ({seeds} seeds{'; models ' + ', '.join(models) if len(models) > 1 else ''}); "
               "tables: cells.md, domains.md, claims.md; plots: " + ", ".join(PLOTS) + ".", "",
-              *notes, "",
+              *(notes or [domain_note(domains, None, None)]), "",
               "## Claims", "",
               "One row per claim and model with runs, measured on that model's runs alone (a claim no model has "
               "runs for: one row without a model).", "",
