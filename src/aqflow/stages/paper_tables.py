@@ -80,7 +80,7 @@ def headline_domain(domains: list[str]) -> str:
 class PaperTablesSettings:
     domains: tuple[str, ...] = field(default=(), metadata=option(
         "evaluation domains (corpus names as in eval.json) ordered from the calibration text's own to the farthest "
-        f"(default: those of --domain-distances, nearest first; without it {' '.join(DEFAULT_DOMAINS)})"))
+        f"(default: each model's of its --domain-distances, nearest first; without them {' '.join(DEFAULT_DOMAINS)})"))
 
 
 @dataclass(frozen=True)
