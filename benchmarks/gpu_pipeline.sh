@@ -4,7 +4,8 @@
 # the whole DAG with profiles/gpu. Run from the repository root on the device machine:
 #   bash benchmarks/gpu_pipeline.sh install   # carry the wheel folders WHEELS (default: .whl)
 #   bash benchmarks/gpu_pipeline.sh assets F  # carry F: a tar.xz of cache/ (zero-shot data) and resources/data
-#   bash benchmarks/gpu_pipeline.sh part F    # carry one GGUF part F (split -b 49M), once per part
+#   bash benchmarks/gpu_pipeline.sh part F [PRESET]  # carry one part F of a GGUF preset's file (split -b 49M,
+#                                             # parts in name order; PRESET default smollm2), once per part
 #   bash benchmarks/gpu_pipeline.sh start [snakemake args]   # detached Snakemake run of the DAG
 #   bash benchmarks/gpu_pipeline.sh grid FILE      # detached: one Snakemake run per line of FILE, in order
 #   bash benchmarks/gpu_pipeline.sh wait SECONDS   # watch it; what it has made so far to $OUT
@@ -16,11 +17,9 @@
 # utilisation and memory are sampled twice a second into gpu_utilisation.csv (copied to $OUT).
 set -euo pipefail
 STAGE=${STAGE:-/root/stage}
-GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
-GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 PY=${PYTHON:-python3}
 export PYTHONPATH="$STAGE/site:$PWD/src" AQFLOW_CACHE="$STAGE/cache" PYTHONUNBUFFERED=1
-mkdir -p "$STAGE/cache/smollm2" "$STAGE/parts"
+mkdir -p "$STAGE/parts"
 
 case "$1" in
 install)
@@ -37,16 +36,22 @@ assets)
   tar -xJf "$2" -C "$STAGE" && ls "$STAGE/cache" "$STAGE/resources/data" | head -40
   ;;
 part)
-  cp "$2" "$STAGE/parts/" && ls -la "$STAGE/parts"
+  mkdir -p "$STAGE/parts/${3:-smollm2}" && cp "$2" "$STAGE/parts/${3:-smollm2}/" && ls -la "$STAGE/parts/${3:-smollm2}"
   ;;
 start|grid)
   # Snakemake runs detached (its own session) in a copy outside the synced checkout, so that it
   # outlives this call and keeps its outputs between calls: the device tool replaces the
   # checkout's unignored files (results/published is committed) at every call, and a job killed at a
   # call's time limit would restart from scratch. Later `wait` calls watch it.
-  gguf="$STAGE/cache/smollm2/$GGUF_NAME"
-  if [ ! -f "$gguf" ]; then cat "$STAGE"/parts/gguf.* > "$gguf.tmp" && mv "$gguf.tmp" "$gguf"; fi
-  echo "$GGUF_SHA256  $gguf" | sha256sum -c -
+  # each preset's parts joined into the file the pipeline's fetch_model looks for, where it checks
+  # the preset's sha256 (aqflow.models.fetch.fetch_gguf)
+  for parts in "$STAGE"/parts/*/; do
+    preset=$(basename "$parts")
+    gguf="$STAGE/cache/$preset/$("$PY" -c "import sys; from aqflow.models.presets import get_preset; print(get_preset(sys.argv[1]).gguf_name)" "$preset")"
+    mkdir -p "$(dirname "$gguf")"
+    if [ ! -f "$gguf" ]; then cat "$parts"* > "$gguf.tmp" && mv "$gguf.tmp" "$gguf"; fi
+    "$PY" -c "import sys; from aqflow.models.fetch import fetch_gguf; print(fetch_gguf(sys.argv[1], sys.argv[2]), 'sha256 OK')" "$preset" "$STAGE/cache"
+  done
   mode=$1; shift
   if [ "$mode" = grid ]; then cp "$1" "$STAGE/batches.txt"; shift; fi
   mkdir -p "$STAGE/work"
