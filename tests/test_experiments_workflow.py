@@ -20,11 +20,15 @@ def dry_run(tmp_path: Path, grid: dict, *targets: str, models: dict | None = Non
     return dry_run_configs(tmp_path, [path], *targets, quiet=quiet)
 
 
-def dry_run_configs(tmp_path: Path, configs: list[Path], *targets: str, quiet: bool = True) -> subprocess.CompletedProcess:
+def snakemake(tmp_path: Path, configs: list[Path], *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Snakemake on the repository's Snakefile in `tmp_path` with these config files and arguments."""
     env = dict(os.environ, AQFLOW_CACHE=os.environ.get("AQFLOW_CACHE", str(REPO / "resources" / "cache")))
     return subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile", *map(str, configs),
-                           "--directory", str(tmp_path), "-n", *(["--quiet", "rules"] if quiet else []), "--", *targets],
-                          capture_output=True, text=True, env=env, timeout=600)
+                           "--directory", str(tmp_path), *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def dry_run_configs(tmp_path: Path, configs: list[Path], *targets: str, quiet: bool = True) -> subprocess.CompletedProcess:
+    return snakemake(tmp_path, configs, "-n", *(["--quiet", "rules"] if quiet else []), "--", *targets)
 
 
 def job_inputs(result: subprocess.CompletedProcess, rule: str) -> list[str]:
@@ -99,8 +103,7 @@ def test_results_folders_that_are_not_models_cannot_be_model_names(tmp_path):
     config = dict(TINY, models={**TINY["models"], "published": {"preset": "tiny"}})
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    result = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile", str(path),
-                             "--directory", str(tmp_path), "-n"], capture_output=True, text=True, timeout=600)
+    result = snakemake(tmp_path, [path], "-n")
     assert result.returncode != 0 and "['published'] are folders of results/" in result.stdout + result.stderr
 
 
@@ -112,10 +115,7 @@ def test_the_grid_file_is_written_alone_before_any_cell_runs(tmp_path):
     config = dict(TINY, experiments={"paper": grid})
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = dict(os.environ, AQFLOW_CACHE=os.environ.get("AQFLOW_CACHE", str(REPO / "resources" / "cache")))
-    result = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile", str(path),
-                             "--directory", str(tmp_path), "-c1", "results/paper/grid.json"],
-                            capture_output=True, text=True, env=env, timeout=600)
+    result = snakemake(tmp_path, [path], "-c1", "results/paper/grid.json")
     assert result.returncode == 0, result.stderr[-3000:]
     cells = json.loads((tmp_path / "results" / "paper" / "grid.json").read_text())
     # epochs 2 and seed 42 are the tiny config's defaults: left out of the paths
@@ -133,10 +133,7 @@ def test_domain_distances_of_a_model_are_one_job_on_its_own_text(tmp_path):
     config = dict(TINY)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = dict(os.environ, AQFLOW_CACHE=os.environ.get("AQFLOW_CACHE", str(REPO / "resources" / "cache")))
-    result = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile", str(path),
-                             "--directory", str(tmp_path), "-c1", "results/tiny/domains.json"],
-                            capture_output=True, text=True, env=env, timeout=1200)
+    result = snakemake(tmp_path, [path], "-c1", "results/tiny/domains.json", timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads((tmp_path / "results" / "tiny" / "domains.json").read_text())
     assert record["calibration"]["corpus"] == "c4-standin"
