@@ -18,6 +18,9 @@ epoch of one Adam step, beam 1, two k-means iterations). Phases are timed from i
 around the named functions, where a tree has them) and from the parent (process start until the
 script's first line; interpreter exit after the last). `fixed` = the process's wall time minus
 the quantization's. CPU seconds are the process's and its children's (user + system).
+--snakemake: also the block's linears as jobs of a one-rule Snakemake workflow with the
+pipeline's rule script (workflow/scripts/quantize_layer.py), one at a time, timed by Snakemake's
+benchmark files as the pipeline's jobs are.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -188,6 +192,52 @@ def one_job(tree: Path, args, model_dir: Path, calibration_dir: Path, out: Path)
             "fixed_seconds": wall - phases.get("quantization", 0.0), "device_name": record["device_name"]}
 
 
+SNAKEFILE = """
+rule quantize_layer:
+    input: model={model!r}, calibration={calibration!r}
+    output: layer="out/{{layer}}.safetensors", metrics="out/{{layer}}.json"
+    log: "logs/{{layer}}.log"
+    benchmark: "benchmarks/{{layer}}.tsv"
+    resources: gpu={gpu}
+    params: settings={settings!r}
+    script: {script!r}
+"""
+
+
+def snakemake_jobs(tree: Path, args, model_dir: Path, calibration_dir: Path, folder: Path) -> dict:
+    """The block's linears as Snakemake jobs (one at a time) of a one-rule workflow with the
+    pipeline's rule script: per job, the wall and CPU seconds Snakemake's benchmark file records."""
+    sys.path.insert(0, str(REPO / "src"))
+    from aqflow.calibration.site_xtx import manifest_rows
+    from aqflow.models.folder import split_module_name
+
+    block, _ = split_module_name(args.layer)
+    prefix = args.layer[: args.layer.index(f".{block}.") + len(f".{block}.")]
+    linears = [prefix + linear for row in manifest_rows(calibration_dir) if row["block"] == block for linear in row["linears"]]
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    (folder / "Snakefile").write_text(SNAKEFILE.format(
+        model=str(model_dir), calibration=str(calibration_dir), gpu=int(args.device.startswith("cuda")),
+        settings=QUICK_QUANTIZER, script=str(REPO / "workflow" / "scripts" / "quantize_layer.py")))
+    env = dict(os.environ, PYTHONPATH=str(tree / "src"), AQFLOW_GPU_POOL_DIR=str(folder / "gpu-pool"))
+    command = [sys.executable, "-m", "snakemake", "-s", "Snakefile", *[f"out/{name}.safetensors" for name in linears],
+               "--cores", "1", "--resources", "gpu=1", "--quiet", "all"]
+    started = time.time()
+    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"snakemake failed ({tree}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    jobs = []
+    for name in linears:
+        header, values = (folder / "benchmarks" / f"{name}.tsv").read_text().splitlines()[:2]
+        row = dict(zip(header.split("\t"), values.split("\t")))
+        quantization = json.loads((folder / "out" / f"{name}.json").read_text())["total_seconds"]
+        jobs.append({"layer": name, "wall_seconds": float(row["s"]), "cpu_seconds": float(row["cpu_time"]),
+                     "quantizer_total_seconds": quantization})
+    return {"block": block, "jobs": jobs, "snakemake_seconds": time.time() - started,
+            **{f"{key}_median": statistics.median(job[key] for job in jobs)
+               for key in ("wall_seconds", "cpu_seconds", "quantizer_total_seconds")}}
+
+
 def summarize(runs: list[dict]) -> dict:
     labels = {label for run in runs for label in run["phases"]}
     return {"phases_median": {label: statistics.median(run["phases"].get(label, 0.0) for run in runs)
@@ -222,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration-dir", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--snakemake", action="store_true",
+                        help="also run the block's linears as Snakemake jobs with the rule script (benchmark files)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.child:
@@ -237,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     for repeat in range(args.repeats):  # interleaved, so that a slow spell of the machine hits both
         for label, tree in trees.items():
             runs[label].append(one_job(tree, args, model_dir, calibration_dir, work / "jobs" / f"{label}-{repeat}"))
+    workflows = {label: snakemake_jobs(tree, args, model_dir, calibration_dir, work / "snakemake" / label)
+                 for label, tree in trees.items()} if args.snakemake else {}
     device_name = runs["after"][0]["device_name"]
     report = {
         "machine": args.machine or device_name, "device": device_name, "layer": args.layer, "repeats": args.repeats,
@@ -245,8 +299,13 @@ def main(argv: list[str] | None = None) -> int:
         "calibration_block_bytes": sum(path.stat().st_size for path in calibration_dir.glob("*.npz")),
         "command": "python3 benchmarks/layer_job_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "trees": {label: summarize(tree_runs) | {"runs": tree_runs} for label, tree_runs in runs.items()},
+        "snakemake": workflows,
     }
     print(table(report))
+    for label, workflow in workflows.items():
+        print(f"Snakemake, {label}: the {len(workflow['jobs'])} linears of block {workflow['block']}, one job at a time: "
+              f"median job {workflow['wall_seconds_median']:.2f} s wall, {workflow['cpu_seconds_median']:.2f} s CPU "
+              f"(its quantization {workflow['quantizer_total_seconds_median']:.2f} s); whole run {workflow['snakemake_seconds']:.1f} s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")
