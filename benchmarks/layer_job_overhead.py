@@ -172,7 +172,8 @@ def source_tree(commit: str, work: Path) -> Path:
 def one_job(tree: Path, args, model_dir: Path, calibration_dir: Path, out: Path) -> dict:
     """One child process on `tree`: its phases, wall and CPU seconds."""
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(tree / "src"), AQFLOW_GPU_POOL_DIR=str(out / "gpu-pool"))
+    # one pool folder per tree, as one per working folder in the pipeline (its card listing is kept there)
+    env = dict(os.environ, PYTHONPATH=str(tree / "src"), AQFLOW_GPU_POOL_DIR=str(out.parent / f"gpu-pool-{tree.name}"))
     command = [sys.executable, str(Path(__file__).resolve()), "--child", "--device", args.device, "--layer", args.layer,
                "--model-dir", str(model_dir), "--calibration-dir", str(calibration_dir), "--out", str(out)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)

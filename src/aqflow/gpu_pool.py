@@ -10,8 +10,9 @@ process exits, so nothing has to release them.
 
 The cards to choose from are the job's visible ones: CUDA_VISIBLE_DEVICES if set (a cluster
 executor's allocation, or a user's restriction), else every card `nvidia-smi` lists (asked once
-per boot of the host, then read from the pool folder). With one card or none nothing changes. The state lives in AQFLOW_GPU_POOL_DIR, by default
-`.snakemake/aqflow-gpu-pool` of the working directory, one file per host.
+per boot of the host, then read from the pool folder). With one card or none nothing changes.
+The state lives in AQFLOW_GPU_POOL_DIR, by default `.snakemake/aqflow-gpu-pool` of the working
+directory, one file per host.
 """
 
 from __future__ import annotations

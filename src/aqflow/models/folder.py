@@ -238,17 +238,17 @@ def _read_recorded_tensor(path: Path, key: str, entry: Mapping) -> "torch.Tensor
     with open(path, "rb") as handle:
         header = _read_header(handle)
         if hashlib.sha256(header).hexdigest() != entry["header_sha256"]:
-            problem = "its header"
+            problem = "header"
         else:
             info = json.loads(header)[key]
             begin, end = info["data_offsets"]
             handle.seek(8 + len(header) + begin)
             data = bytearray(handle.read(end - begin))
             if len(data) != end - begin or hashlib.sha256(data).hexdigest() != entry["tensors"][key]:
-                problem = f"the bytes of tensor {key!r}"
+                problem = f"tensor {key!r}"
     if problem is not None:
         verified(path, required=False)
-        raise ArtifactError(f"{path}: corrupt: {problem} disagree with the sha256 in {TENSOR_SUMS_FILE} "
+        raise ArtifactError(f"{path}: corrupt: the sha256 of its {problem} is not the one in {TENSOR_SUMS_FILE} "
                             f"(the record is stale or was edited); " + redo_hint(path.parent))
     dtype = getattr(torch, TORCH_DTYPE_NAMES[info["dtype"]])
     if not data:
