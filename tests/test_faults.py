@@ -236,11 +236,11 @@ def test_a_stage_error_reaches_snakemake_and_the_log_as_one_line(reference, tmp_
     subprocess.run(["cp", "-a", str(reference), str(workdir)], check=True)
     xtx = workdir / "results/tiny/calib/c4-standin-n8-t64-s0-fp/block0.npz"
     _corrupt(xtx, "flip")
-    layer = f"{VARIANT}/layers/model.layers.0.mlp.up_proj.safetensors"
+    layer = f"{VARIANT}/layers/{NPZ_READER}.safetensors"  # the job that reads the flipped byte
     result = run_snakemake(workdir, "--cores", "1", "--force", layer)
     message = f"aqflow quantize-layer: error: {xtx.relative_to(workdir)}: corrupt: sha256"
     assert result.returncode != 0 and f"failed with exit code 2: {message}" in result.stdout + result.stderr
-    log = _read_log(workdir / "logs/quantize_layer/tiny/2bpp/greedy/b2e2/model.layers.0.mlp.up_proj.log")
+    log = _read_log(workdir / f"logs/quantize_layer/tiny/2bpp/greedy/b2e2/{NPZ_READER}.log")
     assert message in log and "Traceback" not in log
 
 
