@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import resource
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -239,6 +240,11 @@ def snakemake_jobs(tree: Path, args, model_dir: Path, calibration_dir: Path, fol
                for key in ("wall_seconds", "cpu_seconds", "quantizer_total_seconds")}}
 
 
+def shown_arguments(argv: list[str]) -> list[str]:
+    """The command line as recorded: the scratch folder (a path of the machine) as <work>."""
+    return ["<work>" if index and argv[index - 1] == "--work" else value for index, value in enumerate(argv)]
+
+
 def summarize(runs: list[dict]) -> dict:
     labels = {label for run in runs for label in run["phases"]}
     return {"phases_median": {label: statistics.median(run["phases"].get(label, 0.0) for run in runs)
@@ -298,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "quantizer": QUICK_QUANTIZER, "before": f"git archive {args.before} src" if args.before else None,
         "model_shard_bytes": sum(path.stat().st_size for path in model_dir.glob("*.safetensors")),
         "calibration_block_bytes": sum(path.stat().st_size for path in calibration_dir.glob("*.npz")),
-        "command": "python3 benchmarks/layer_job_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": shlex.join(["python3", "benchmarks/layer_job_overhead.py", *shown_arguments(sys.argv[1:] if argv is None else argv)]),
         "trees": {label: summarize(tree_runs) | {"runs": tree_runs} for label, tree_runs in runs.items()},
         "snakemake": workflows,
     }
