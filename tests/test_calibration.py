@@ -162,3 +162,61 @@ def test_sites_are_found_generically(config, expected):
     for i, block in enumerate(blocks):
         assert [len(s.linears) for s in sites[i]] == expected
         assert sorted(lin for s in sites[i] for lin in s.linears) == sorted(find_linears(block))
+
+
+def _member_offset(path, member):
+    """Where the bytes of NPZ member `member` (e.g. 'xtx/mlp.down_proj.npy') start in the file."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        info = archive.getinfo(member)
+    with open(path, "rb") as handle:  # local header: 30 bytes, then the name and the extra field
+        handle.seek(info.header_offset + 26)
+        name_length, extra_length = np.frombuffer(handle.read(4), dtype="<u2")
+    return info.header_offset + 30 + int(name_length) + int(extra_length)
+
+
+def _flip(path, offset):
+    from aqflow import artifacts
+
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+    artifacts._VERIFIED.clear()
+
+
+def test_a_layer_job_reads_its_site_verified_without_hashing_the_block_file(stats, tmp_path, monkeypatch):
+    """`site_xtx`: the site's array equals what was saved, and only the manifest is hashed whole;
+    a changed byte of that array, a truncated block file or an edited manifest is refused naming
+    the file ('corrupt: sha256'); a changed byte of another site's array is refused by the job
+    that reads that site."""
+    from aqflow import artifacts
+    from aqflow.calibration.site_xtx import read_site_xtx, site_row
+
+    root = tmp_path / "calib"
+    with artifacts.atomic_dir(root) as staging:
+        save_block_xtx(staging, stats, source_data_id="random")
+    hashed = []
+    real_file_sha256 = artifacts.file_sha256
+    monkeypatch.setattr(artifacts, "file_sha256", lambda path: hashed.append(path.name) or real_file_sha256(path))
+    down, up = site_row(root, 1, "mlp.down_proj"), site_row(root, 1, "mlp.up_proj")
+    assert site_row(root, 1, "mlp.nothing") is None and up["site"] == "mlp.gate_proj+mlp.up_proj"
+    for row in (down, up):
+        assert np.array_equal(read_site_xtx(root, row), stats[1].xtx[row["site"]].numpy())
+    assert set(hashed) == {"manifest.parquet"}  # the block file is not hashed whole
+
+    block = root / "block1.npz"
+    _flip(block, _member_offset(block, "xtx/mlp.down_proj.npy") + 200)
+    assert np.array_equal(read_site_xtx(root, up), stats[1].xtx[up["site"]].numpy())  # its bytes are intact
+    with pytest.raises(artifacts.ArtifactError, match=f"{block}: corrupt: sha256"):
+        read_site_xtx(root, down)
+    _flip(block, _member_offset(block, "xtx/mlp.down_proj.npy") + 200)
+    data = block.read_bytes()
+    block.write_bytes(data[: len(data) // 2])
+    artifacts._VERIFIED.clear()
+    with pytest.raises(artifacts.ArtifactError, match=f"{block}: corrupt: sha256"):
+        read_site_xtx(root, up)
+    block.write_bytes(data)
+    _flip(root / "manifest.parquet", (root / "manifest.parquet").stat().st_size // 2)
+    with pytest.raises(artifacts.ArtifactError, match="manifest.parquet: corrupt: sha256"):
+        site_row(root, 1, "mlp.down_proj")

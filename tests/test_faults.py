@@ -236,11 +236,11 @@ def test_a_stage_error_reaches_snakemake_and_the_log_as_one_line(reference, tmp_
     subprocess.run(["cp", "-a", str(reference), str(workdir)], check=True)
     xtx = workdir / "results/tiny/calib/c4-standin-n8-t64-s0-fp/block0.npz"
     _corrupt(xtx, "flip")
-    layer = f"{VARIANT}/layers/model.layers.0.mlp.up_proj.safetensors"
+    layer = f"{VARIANT}/layers/{NPZ_READER}.safetensors"  # the job that reads the flipped byte
     result = run_snakemake(workdir, "--cores", "1", "--force", layer)
     message = f"aqflow quantize-layer: error: {xtx.relative_to(workdir)}: corrupt: sha256"
     assert result.returncode != 0 and f"failed with exit code 2: {message}" in result.stdout + result.stderr
-    log = _read_log(workdir / "logs/quantize_layer/tiny/2bpp/greedy/b2e2/model.layers.0.mlp.up_proj.log")
+    log = _read_log(workdir / f"logs/quantize_layer/tiny/2bpp/greedy/b2e2/{NPZ_READER}.log")
     assert message in log and "Traceback" not in log
 
 
@@ -265,11 +265,30 @@ def _calibrate(w):
                                      output_dir=w / "out"))
 
 
-def _quantize(w):
+def _quantize(w, layer="model.layers.0.mlp.up_proj"):
     return (quantize_layer.QuantizeLayerSettings(device="cpu", quiet=True),
             quantize_layer.QuantizeLayerPaths(model_dir=w / "resources/models/tiny", calibration_dir=w / CALIB,
-                                              layer="model.layers.0.mlp.up_proj", output=w / "out.safetensors",
-                                              metrics=w / "out.json"))
+                                              layer=layer, output=w / "out.safetensors", metrics=w / "out.json"))
+
+
+# A layer job verifies the bytes it reads (its site's array, against the manifest's digest), not
+# the whole block file: the XᵀX fault is read by the job of the site whose array holds the file's
+# middle, where `_corrupt` flips a byte (checked in the test); other sites' jobs read around it
+# (tests/test_calibration.py checks both).
+NPZ_READER, NPZ_MEMBER = "model.layers.0.mlp.down_proj", "xtx/mlp.down_proj.npy"
+
+
+def _npz_member_span(path: Path, member: str) -> range:
+    """The bytes of NPZ member `member` in the file (local header, name and extra field skipped)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        info = archive.getinfo(member)
+    with open(path, "rb") as handle:
+        handle.seek(info.header_offset + 26)
+        header = handle.read(4)
+    start = info.header_offset + 30 + int.from_bytes(header[:2], "little") + int.from_bytes(header[2:], "little")
+    return range(start, start + info.compress_size)
 
 
 def _stitch(w):
@@ -288,7 +307,7 @@ def _report(w, pv_logs=()):
 STAGE_READS = {  # artifact (relative to the run) -> the stage and the settings and paths it reads it with
     "corpus parquet": ("resources/data/c4-standin.parquet", calibrate, _calibrate),
     "model safetensors": ("resources/models/tiny/model.safetensors", calibrate, _calibrate),
-    "XᵀX npz": (f"{CALIB}/block0.npz", quantize_layer, _quantize),
+    "XᵀX npz": (f"{CALIB}/block0.npz", quantize_layer, lambda w: _quantize(w, NPZ_READER)),
     "XᵀX manifest parquet": (f"{CALIB}/manifest.parquet", quantize_layer, _quantize),
     "layer safetensors": (f"{VARIANT}/layers/model.layers.0.self_attn.q_proj.safetensors", stitch, _stitch),
     "layer metrics json": (f"{VARIANT}/layers/model.layers.0.self_attn.q_proj.json", stitch, _stitch),
@@ -314,6 +333,8 @@ def test_a_corrupt_or_truncated_artifact_is_an_error_naming_it(reference, tmp_pa
     relative, stage, request = STAGE_READS[kind]
     workdir = tmp_path / "run"
     subprocess.run(["cp", "-a", str(reference), str(workdir)], check=True)
+    if kind == "XᵀX npz":
+        assert (workdir / relative).stat().st_size // 2 in _npz_member_span(workdir / relative, NPZ_MEMBER)
     _corrupt(workdir / relative, fault)
     before = sorted(workdir.rglob("*"))
     code = run_stage_module(stage, *request(workdir))

@@ -31,6 +31,25 @@ def test_visible_gpus_follow_cuda_visible_devices():
     assert gpu_pool.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
 
 
+def test_nvidia_smi_is_asked_once_per_boot_and_never_for_a_cpu_job(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    asked = []
+    monkeypatch.setattr(gpu_pool, "nvidia_smi_gpus", lambda: asked.append(1) or ["0", "1"])
+    monkeypatch.setattr(gpu_pool, "boot_id", lambda: "boot-a")
+    assert gpu_pool.pin_job_gpus(0, tmp_path) == [] and asked == []  # a CPU job lists nothing
+    assert gpu_pool.visible_gpus(pool_dir=tmp_path) == ["0", "1"]
+    assert gpu_pool.visible_gpus(pool_dir=tmp_path) == ["0", "1"]
+    assert gpu_pool.pin_job_gpus(1, tmp_path, pid=os.getpid()) in (["0"], ["1"])
+    assert len(asked) == 1  # later jobs of this boot read the kept listing
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # set by the pin
+    monkeypatch.setattr(gpu_pool, "boot_id", lambda: "boot-b")  # a reboot (cards may have changed)
+    assert gpu_pool.visible_gpus(pool_dir=tmp_path) == ["0", "1"] and len(asked) == 2
+    monkeypatch.setattr(gpu_pool, "nvidia_smi_gpus", lambda: asked.append(1) or [])
+    monkeypatch.setattr(gpu_pool, "boot_id", lambda: "boot-c")
+    assert gpu_pool.visible_gpus(pool_dir=tmp_path) == [] and gpu_pool.visible_gpus(pool_dir=tmp_path) == []
+    assert len(asked) == 4  # a failed or empty listing is not kept: asked again
+
+
 def _hold_a_card(pool_dir, chosen, release):
     chosen.put((os.getpid(), gpu_pool.pin_job_gpus(1, pool_dir)))
     release.wait(60)  # stay alive (holding the card) until the test lets this job go

@@ -15,6 +15,7 @@ import torch
 from aqflow.finite import NonFiniteMetricError, non_finite_metrics, require_finite
 from aqflow.models.entries import entry_problems, fetch_model_request, parse_model_entry
 from aqflow.models.fetch import MARKER_FILE, config_dtype, model_compute_dtype, stored_dtypes
+from aqflow.models.folder import TENSOR_SUMS_FILE, read_tensor, read_tensors
 from aqflow.models.hub import cached_config
 from aqflow.stages import fetch_model
 from hub_cache_models import build_tiny_model, write_hub_model
@@ -50,6 +51,13 @@ def nothing_left(parent: Path, name: str) -> bool:
     return not parent.exists() or not [p for p in parent.iterdir() if p.name == name or p.name.startswith(f".{name}.")]
 
 
+def _tensor_record_matches(folder) -> bool:
+    """The folder's tensor checksum record is listed in its SHA256SUMS and every tensor reads
+    through it (a record of other bytes is refused by read_tensor)."""
+    listed = TENSOR_SUMS_FILE in (folder / "SHA256SUMS").read_text().split()
+    return listed and all(torch.equal(read_tensor(folder, name), tensor) for name, tensor in read_tensors(folder).items())
+
+
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 def test_fetch_from_the_hub_cache_records_the_revision_and_keeps_the_model(hub_home, tmp_path, architecture, capsys):
     hub_id, revision = write_hub_model(hub_home, f"aqflow-tests/tiny-{architecture}", architecture, dtype="bfloat16")
@@ -62,7 +70,7 @@ def test_fetch_from_the_hub_cache_records_the_revision_and_keeps_the_model(hub_h
     # the model's own dtype: the weights are the cache's files (hard-linked on one file system)
     assert (out / "model.safetensors").read_bytes() == (snapshot / "model.safetensors").read_bytes()
     assert os.path.samefile(out / "model.safetensors", (snapshot / "model.safetensors").resolve())
-    assert torch.equal(logits(out), logits(snapshot))
+    assert torch.equal(logits(out), logits(snapshot)) and _tensor_record_matches(out)
     # the cache's config.json is never written through the link
     assert json.loads((snapshot / "config.json").read_text()).get("torch_dtype") is None
 
@@ -76,6 +84,7 @@ def test_fetch_in_another_dtype_converts_and_a_revision_pins_the_commit(hub_home
     assert stored_dtypes(out) == {"float32"} and config_dtype(out) == "float32"
     snapshot = hub_home / "hub" / "models--aqflow-tests--tiny-llama" / "snapshots" / revision
     assert torch.equal(logits(out), logits(snapshot))  # bfloat16 -> float32 is exact
+    assert _tensor_record_matches(out)  # the record of the converted weights, not the source's
 
 
 def test_local_folder_model_and_its_dtype(tmp_path):

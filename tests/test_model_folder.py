@@ -145,3 +145,103 @@ def test_meta_model_builds_the_module_tree_without_weights(tmp_path):
     model = meta_model(tmp_path / "plain")
     assert all(parameter.device.type == "meta" for parameter in model.parameters())
     assert quantized_linear_names(model) == quantized_linear_names(_llama())
+
+
+def _recorded_folder(path, model, max_shard_size="40KB"):
+    """A model folder as aqflow writes it: atomic (SHA256SUMS) with its tensor checksum record."""
+    from aqflow import artifacts
+
+    with artifacts.atomic_dir(path) as staging:
+        model.save_pretrained(staging, max_shard_size=max_shard_size)
+        folder.write_tensor_checksums(staging)
+    return path
+
+
+def _flip(path, offset):
+    from aqflow import artifacts
+
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+    artifacts._VERIFIED.clear()
+
+
+def _data_offset(path, name):
+    """Where tensor `name`'s bytes start in safetensors file `path`."""
+    size = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    return 8 + size + json.loads(path.read_bytes()[8:8 + size])[name]["data_offsets"][0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_read_tensor_verifies_only_the_bytes_it_reads_and_refuses_them_changed(tmp_path, monkeypatch, dtype):
+    """With the tensor checksum record a tensor is read without hashing its whole shard; a changed
+    byte of that tensor or of its file's header is the shard's 'corrupt: sha256' error, a changed
+    byte of another tensor is refused by whoever reads that tensor, and an edited record is refused
+    by the folder's SHA256SUMS."""
+    from aqflow import artifacts
+
+    model = _llama().to(dtype)
+    state = model.state_dict()
+    root = _recorded_folder(tmp_path / "m", model)
+    hashed = []
+    real_file_sha256 = artifacts.file_sha256
+    monkeypatch.setattr(artifacts, "file_sha256", lambda path: hashed.append(str(path)) or real_file_sha256(path))
+    for name, tensor in state.items():
+        read = folder.read_tensor(root, name)
+        assert read.dtype == dtype and torch.equal(read, tensor)
+    assert hashed and not any(path.endswith(".safetensors") for path in hashed)  # only the record and the index
+
+    name = "model.layers.1.mlp.down_proj.weight"
+    shard = folder.weight_file(root, name)
+    other = next(key for key in state if key != name and folder.weight_file(root, key) == shard)
+    _flip(shard, _data_offset(shard, other) + 5)
+    assert torch.equal(folder.read_tensor(root, name), state[name])  # its bytes are intact
+    with pytest.raises(artifacts.ArtifactError, match=f"{shard}: corrupt: sha256"):
+        folder.read_tensor(root, other)
+    _flip(shard, _data_offset(shard, other) + 5)  # undo
+    _flip(shard, _data_offset(shard, name) + 3)
+    with pytest.raises(artifacts.ArtifactError, match=f"{shard}: corrupt: sha256"):
+        folder.read_tensor(root, name)
+    _flip(shard, _data_offset(shard, name) + 3)
+    _flip(shard, 20)  # the header
+    with pytest.raises(artifacts.ArtifactError, match=f"{shard}: corrupt: sha256"):
+        folder.read_tensor(root, name)
+    _flip(shard, 20)
+    record = root / folder.TENSOR_SUMS_FILE
+    text = json.loads(record.read_text())
+    digest = text["files"][shard.name]["tensors"][name]
+    text["files"][shard.name]["tensors"][name] = digest[::-1]
+    record.write_text(json.dumps(text))
+    artifacts._VERIFIED.clear()
+    with pytest.raises(artifacts.ArtifactError, match=f"{record}: corrupt: sha256"):
+        folder.read_tensor(root, name)
+
+
+def test_a_stale_tensor_record_is_refused_and_a_folder_without_one_is_checked_whole(tmp_path):
+    from aqflow import artifacts
+
+    model = _llama()
+    root = _recorded_folder(tmp_path / "m", model, max_shard_size="10GB")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    # a record that disagrees with a file that matches SHA256SUMS (made by hand, or a bug): refused
+    record = root / folder.TENSOR_SUMS_FILE
+    text = json.loads(record.read_text())
+    text["files"][folder.WEIGHTS_FILE]["tensors"][name] = "0" * 64
+    record.write_text(json.dumps(text))
+    artifacts.write_checksums(root)
+    artifacts._VERIFIED.clear()
+    with pytest.raises(artifacts.ArtifactError, match=f"corrupt: the sha256 of its tensor '{name}' is not the one in"):
+        folder.read_tensor(root, name)
+    # no record (a folder of an older aqflow): any changed byte of the shard is refused, as before
+    record.unlink()
+    artifacts.write_checksums(root)
+    shard = root / folder.WEIGHTS_FILE
+    _flip(shard, _data_offset(shard, "model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(artifacts.ArtifactError, match=f"{shard}: corrupt: sha256"):
+        folder.read_tensor(root, name)
+
+
+def test_the_record_is_no_side_file_of_a_derived_folder(tmp_path):
+    root = _recorded_folder(tmp_path / "m", _llama())
+    (tmp_path / "derived").mkdir()
+    assert folder.TENSOR_SUMS_FILE not in folder.copy_side_files(root, tmp_path / "derived")

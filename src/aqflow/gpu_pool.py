@@ -9,9 +9,10 @@ may share a card (layer jobs are short and mostly CPU start-up); a job holds its
 process exits, so nothing has to release them.
 
 The cards to choose from are the job's visible ones: CUDA_VISIBLE_DEVICES if set (a cluster
-executor's allocation, or a user's restriction), else every card `nvidia-smi` lists. With one
-card or none nothing changes. The state lives in AQFLOW_GPU_POOL_DIR, by default
-`.snakemake/aqflow-gpu-pool` of the working directory, one file per host.
+executor's allocation, or a user's restriction), else every card `nvidia-smi` lists (asked once
+per boot of the host, then read from the pool folder). With one card or none nothing changes.
+The state lives in AQFLOW_GPU_POOL_DIR, by default `.snakemake/aqflow-gpu-pool` of the working
+directory, one file per host.
 """
 
 from __future__ import annotations
@@ -29,12 +30,50 @@ POOL_DIR_ENV = "AQFLOW_GPU_POOL_DIR"
 DEFAULT_POOL_DIR = Path(".snakemake") / "aqflow-gpu-pool"
 
 
-def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
+def visible_gpus(environ: Mapping[str, str] | None = None, pool_dir: str | os.PathLike | None = None) -> list[str]:
     """Ids of the cards this process may use: CUDA_VISIBLE_DEVICES's entries if it is set, else
-    the indices `nvidia-smi` lists (none if it is missing or fails)."""
+    the indices `nvidia-smi` lists (none if it is missing or fails), listed once per boot of the
+    host and kept in the pool folder (`listed_gpus`)."""
     environ = os.environ if environ is None else environ
     if "CUDA_VISIBLE_DEVICES" in environ:
         return [card.strip() for card in environ["CUDA_VISIBLE_DEVICES"].split(",") if card.strip()]
+    return listed_gpus(pool_dir)
+
+
+def boot_id() -> str:
+    """This boot of the host ('' where the kernel does not say)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def listed_gpus(pool_dir: str | os.PathLike | None = None) -> list[str]:
+    """The card indices `nvidia-smi` lists. Every GPU job of a node asks (a one-card box too), and
+    nvidia-smi costs a job up to seconds of CPU, so a non-empty listing is kept in
+    `<pool>/<host>.cards.json` with the boot it was made in and reused until the next boot."""
+    record = Path(pool_dir or os.environ.get(POOL_DIR_ENV) or DEFAULT_POOL_DIR) / f"{socket.gethostname()}.cards.json"
+    boot = boot_id()
+    try:
+        kept = json.loads(record.read_text())
+        if boot and kept["boot_id"] == boot and kept["cards"]:
+            return [str(card) for card in kept["cards"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    cards = nvidia_smi_gpus()
+    if boot and cards:
+        try:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            staging = record.with_suffix(f".{os.getpid()}.tmp")
+            staging.write_text(json.dumps({"boot_id": boot, "cards": cards}))
+            staging.replace(record)
+        except OSError:  # a read-only working folder: list again next time
+            pass
+    return cards
+
+
+def nvidia_smi_gpus() -> list[str]:
+    """The card indices `nvidia-smi` lists ([] if it is missing or fails)."""
     try:
         listed = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
                                 text=True, timeout=60)
@@ -77,13 +116,15 @@ def pin_job_gpus(count: int, pool_dir: str | os.PathLike | None = None, pid: int
     (default: this process) on them and point CUDA_VISIBLE_DEVICES at them. Returns the chosen
     ids; [] (and no change) for count < 1 or when no card is visible. A job asking for more cards
     than are visible gets all of them."""
-    cards = visible_gpus()
-    if count < 1 or not cards:
+    if count < 1:  # a CPU job: no need to list the cards
+        return []
+    pool_dir = Path(pool_dir or os.environ.get(POOL_DIR_ENV) or DEFAULT_POOL_DIR)
+    cards = visible_gpus(pool_dir=pool_dir)
+    if not cards:
         return []
     count = min(count, len(cards))
     if len(cards) == 1:
         return cards
-    pool_dir = Path(pool_dir or os.environ.get(POOL_DIR_ENV) or DEFAULT_POOL_DIR)
     host = socket.gethostname()
     state_path = pool_dir / f"{host}.json"
     pid = os.getpid() if pid is None else pid

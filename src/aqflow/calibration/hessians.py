@@ -24,7 +24,6 @@ Propagation modes:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -39,8 +38,8 @@ from tqdm.auto import tqdm
 
 from ..artifacts import decoding, read_parquet, save_npz, verified, write_parquet
 from ..models.structure import find_decoder_blocks, find_linears
+from .site_xtx import MANIFEST_FILE, array_sha256
 
-MANIFEST_FILE = "manifest.parquet"
 SITE_SEPARATOR = "+"
 PROBE_TOKENS = 16  # sharing of inputs is structural: a short probe detects it as well as a long one
 
@@ -335,11 +334,6 @@ def accumulate_block_xtx(block: nn.Module, stats: BlockXtx, inputs: BlockInputs,
 
 def block_file_name(block: int) -> str:
     return f"block{block}.npz"
-
-
-def array_sha256(array: np.ndarray) -> str:
-    """sha256 of an array's bytes in C order (dtype and shape are recorded beside it)."""
-    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
 def save_block_xtx(out_dir: str | os.PathLike, stats: Mapping[int, BlockXtx], source_data_id: str) -> pd.DataFrame:

@@ -38,6 +38,7 @@ from .folder import (
     read_marker,
     tensor_headers,
     write_config,
+    write_tensor_checksums,
 )
 from .presets import ModelPreset, get_preset
 
@@ -142,6 +143,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
             "note": "dequantized from a 4-5 bit GGUF: 'full precision' means this source model",
             **(provenance or {}),
         })
+        write_tensor_checksums(tmp_dir)
     return out_dir
 
 
@@ -264,6 +266,7 @@ def write_plain_folder(source: str | os.PathLike, out_dir: str | os.PathLike, dt
             weights = f"converted from {sorted(stored)} to {target}"
         _write_config_dtype(staging, target)
         write_json(staging / MARKER_FILE, {**provenance, "dtype": target, "source_dtype": own, "weights": weights})
+        write_tensor_checksums(staging)
     return out_dir
 
 

@@ -41,12 +41,18 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 MARKER_FILE = "aqflow_model.json"
+# sha256 of each safetensors file's header and of each tensor's bytes: a job that reads one tensor
+# verifies only what it reads (`read_tensor`), not the whole shard
+TENSOR_SUMS_FILE = "tensor_sha256.json"
 AQLM_TENSORS = ("codes", "codebooks", "scales")
 
 # bits per element of each safetensors dtype, and the floating ones by their torch/config name
 DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "I16": 16, "U16": 16, "F16": 16,
               "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64}
 FLOAT_DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+TORCH_DTYPE_NAMES = {**FLOAT_DTYPE_NAMES, "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
+                     "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64",
+                     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 # `model.layers.3.mlp.down_proj` -> ("3", "mlp.down_proj"): the first dotted integer is the block
 BLOCK_NUMBER = re.compile(r"^(?:.*?\.)?(\d+)\.(.+)$")
@@ -188,16 +194,94 @@ def weight_file(model_dir: str | os.PathLike, key: str) -> Path:
 def read_tensor(model_dir: str | os.PathLike, key: str) -> "torch.Tensor":
     """Tensor `key` (e.g. `model.layers.0.self_attn.q_proj.weight`) of a model folder, as stored.
 
-    Its file is checked against its recorded checksum where there is one (a hand-made folder has none)."""
+    With a tensor checksum record (`TENSOR_SUMS_FILE`, itself checked against the folder's
+    SHA256SUMS) only the bytes read are verified: the file's header and the tensor's bytes, and
+    the tensor is built from those very bytes. Without one (an older folder) the whole file is
+    checked against its recorded checksum, where there is one (a hand-made folder has none).
+    Either way a mismatch is the file's "corrupt: sha256" error (ArtifactError)."""
+    from ..artifacts import decoding, read_json, verified
+
+    path = weight_file(model_dir, key)
+    record_path = Path(model_dir) / TENSOR_SUMS_FILE
+    if record_path.is_file():
+        entry = read_json(record_path, required=False)["files"].get(path.name)
+        if entry is not None and key in entry["tensors"]:
+            return _read_recorded_tensor(path, key, entry)
     from safetensors import safe_open
 
-    from ..artifacts import decoding, verified
-
-    path = verified(weight_file(model_dir, key), required=False)
+    path = verified(path, required=False)
     with decoding(path, "safetensors file"), safe_open(str(path), framework="pt") as handle:
         if key not in handle.keys():
             raise KeyError(f"{path}: no tensor {key!r}")
         return handle.get_tensor(key)
+
+
+def _read_header(handle) -> bytes:
+    """The JSON header of an open safetensors file (after its 8-byte little-endian length)."""
+    size = int.from_bytes(handle.read(8), "little")
+    header = handle.read(size) if size <= (1 << 30) else b""
+    return header if len(header) == size else b""
+
+
+def _read_recorded_tensor(path: Path, key: str, entry: Mapping) -> "torch.Tensor":
+    """Tensor `key` of safetensors file `path`, its header and bytes checked against `entry`
+    ({"header_sha256", "tensors": {name: sha256 of its bytes}}). On any mismatch or undecodable
+    header the whole file is checked against its recorded checksum (the canonical error naming
+    it); a file that passes that has a stale record, also an ArtifactError."""
+    import hashlib
+
+    import torch
+
+    from ..artifacts import ArtifactError, redo_hint, verified
+
+    problem = None
+    with open(path, "rb") as handle:
+        header = _read_header(handle)
+        if hashlib.sha256(header).hexdigest() != entry["header_sha256"]:
+            problem = "header"
+        else:
+            info = json.loads(header)[key]
+            begin, end = info["data_offsets"]
+            handle.seek(8 + len(header) + begin)
+            data = bytearray(handle.read(end - begin))
+            if len(data) != end - begin or hashlib.sha256(data).hexdigest() != entry["tensors"][key]:
+                problem = f"tensor {key!r}"
+    if problem is not None:
+        verified(path, required=False)
+        raise ArtifactError(f"{path}: corrupt: the sha256 of its {problem} is not the one in {TENSOR_SUMS_FILE} "
+                            f"(the record is stale or was edited); " + redo_hint(path.parent))
+    dtype = getattr(torch, TORCH_DTYPE_NAMES[info["dtype"]])
+    if not data:
+        return torch.empty(info["shape"], dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype).reshape(info["shape"])
+
+
+def tensor_checksums(path: str | os.PathLike) -> dict:
+    """{"header_sha256", "tensors": {name: sha256 of the tensor's bytes}} of a safetensors file."""
+    import hashlib
+
+    with open(path, "rb") as handle:
+        header = _read_header(handle)
+        if not header:
+            raise ModelFolderError(f"{path}: not a safetensors file (its header cannot be read)")
+        entries = {name: info for name, info in json.loads(header).items() if name != "__metadata__"}
+        sums = {}
+        for name, info in sorted(entries.items(), key=lambda item: item[1]["data_offsets"][0]):
+            begin, end = info["data_offsets"]
+            handle.seek(8 + len(header) + begin)
+            sums[name] = hashlib.sha256(handle.read(end - begin)).hexdigest()
+    return {"header_sha256": hashlib.sha256(header).hexdigest(), "tensors": dict(sorted(sums.items()))}
+
+
+def write_tensor_checksums(folder: str | os.PathLike) -> Path:
+    """Write `TENSOR_SUMS_FILE` for every safetensors file of a model folder (a staging folder:
+    the caller's `atomic_dir` lists the record in SHA256SUMS, so the record is checked too)."""
+    folder = Path(folder)
+    record = {"files": {path.name: tensor_checksums(path) for path in weight_files(folder)}}
+    target = folder / TENSOR_SUMS_FILE
+    target.unlink(missing_ok=True)  # may be a hard link to a source folder's record: never write through it
+    target.write_text(json.dumps(record, indent=1) + "\n")
+    return target
 
 
 def iter_tensors(model_dir: str | os.PathLike, skip: Iterable[str] = ()) -> Iterator[tuple[str, "torch.Tensor"]]:
@@ -250,7 +334,7 @@ def copy_side_files(model_dir: str | os.PathLike, folder: str | os.PathLike) -> 
     file but weights, config, marker, checksums and hidden ones. Returns the names copied."""
     from ..artifacts import SUMS_FILE
 
-    own = {WEIGHTS_FILE, WEIGHTS_INDEX_FILE, CONFIG_FILE, MARKER_FILE, SUMS_FILE}
+    own = {WEIGHTS_FILE, WEIGHTS_INDEX_FILE, CONFIG_FILE, MARKER_FILE, SUMS_FILE, TENSOR_SUMS_FILE}
     copied = []
     for item in sorted(Path(model_dir).iterdir()):
         if item.is_file() and item.name not in own and not item.name.startswith(".") and item.suffix != ".safetensors":

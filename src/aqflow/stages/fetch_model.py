@@ -20,6 +20,7 @@ from pathlib import Path
 
 from aqflow import artifacts, stage_cli
 from aqflow.models.fetch import MARKER_FILE, ModelInputError, prepare_hub_model, prepare_local_model, prepare_model
+from aqflow.models.folder import write_tensor_checksums
 from aqflow.models.hub import HubModelError
 from aqflow.models.presets import PRESETS, TINY_PRESET
 from aqflow.models.support import UnsupportedModelError
@@ -67,6 +68,7 @@ def run(settings: FetchModelSettings, paths: FetchModelPaths) -> Path:
             build_tiny_llama(staging, hidden_size=settings.tiny_hidden, num_layers=settings.tiny_layers,
                              intermediate_size=2 * settings.tiny_hidden, dtype=dtype)
             artifacts.write_json(staging / MARKER_FILE, {"preset": "tiny", "dtype": dtype, "layers": settings.tiny_layers})
+            write_tensor_checksums(staging)
         return output_dir
     if (output_dir / MARKER_FILE).exists():
         return output_dir

@@ -57,27 +57,28 @@ class QuantizeLayerPaths:
     layer: str | None = field(default=None, metadata=option("module name of the linear, with --model-dir and --calibration-dir"))
 
 
-def calibration_site(calibration_dir: Path, layer: str) -> tuple[Path, str]:
-    """(block file, NPZ key) holding the XᵀX of `layer`'s input."""
-    from aqflow.calibration.hessians import load_manifest
+def calibration_site(calibration_dir: Path, layer: str) -> dict:
+    """The manifest row of the input site of `layer`'s XᵀX (its block file, site, sha256, ...)."""
+    from aqflow.calibration.site_xtx import site_row
 
     block, linear = split_module_name(layer)
-    manifest = load_manifest(calibration_dir, verify=True, blocks=[block])
-    rows = manifest[(manifest["block"] == block) & manifest["linears"].apply(lambda names: linear in list(names))]
-    if rows.empty:
+    row = site_row(calibration_dir, block, linear)
+    if row is None:
         raise StageInputError(f"{calibration_dir}: the manifest has no input site for block {block} linear {linear!r}")
-    return calibration_dir / rows.iloc[0]["file"], f"xtx/{rows.iloc[0]['site']}"
+    return row
 
 
 def load_inputs(paths: QuantizeLayerPaths) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(weight [out, in], XᵀX [in, in], layer name) from files or from model + calibration folders."""
+    """(weight [out, in], XᵀX [in, in], layer name) from files or from model + calibration folders.
+    From folders, only the bytes read are verified (the weight's tensor, the site's array)."""
     if paths.layer is not None:
         if paths.model_dir is None or paths.calibration_dir is None:
             raise StageInputError("--layer needs --model-dir and --calibration-dir")
+        from aqflow.calibration.site_xtx import read_site_xtx
         from aqflow.models.folder import read_tensor
 
-        block_file, key = calibration_site(paths.calibration_dir, paths.layer)
-        return read_tensor(paths.model_dir, f"{paths.layer}.weight"), load_tensor(block_file, key, verify=True), paths.layer
+        xtx = read_site_xtx(paths.calibration_dir, calibration_site(paths.calibration_dir, paths.layer))
+        return read_tensor(paths.model_dir, f"{paths.layer}.weight"), torch.from_numpy(xtx), paths.layer
     if paths.weight is None or paths.xtx is None:
         raise StageInputError("give --weight and --xtx, or --model-dir, --calibration-dir and --layer")
     return load_tensor(paths.weight, paths.weight_key), load_tensor(paths.xtx, paths.xtx_key), paths.weight.stem
