@@ -3,7 +3,7 @@
     PYTHONPATH=src python3 benchmarks/gpu_spread.py --work /root/spread --out $OUT/gpu_spread.json
 
 Each job is what a Snakemake `quantize_layer` job runs: a fresh Python process that goes through
-`workflow_glue.run_stage` (which pins it with `gpu_pool.pin_job_gpus`) into the quantize-layer
+`gpu_pool.pin_job_gpus` (as `workflow_glue.run_stage` does) into the quantize-layer
 stage at its default (paper) settings, on one SmolLM2-135M-shaped linear of random weights with
 the XᵀX of random anisotropic inputs. Jobs are started `--slots-per-card` x cards at a time, as
 `--resources gpu=12 x cards` lets Snakemake do. "one card" runs the same jobs with every job
@@ -28,12 +28,17 @@ import torch
 
 SMOLLM2_LINEARS = [("q_proj", 576, 576), ("k_proj", 192, 576), ("v_proj", 192, 576), ("o_proj", 576, 576),
                    ("gate_proj", 1536, 576), ("up_proj", 1536, 576), ("down_proj", 576, 1536)]
+# run_stage takes settings and paths as values; the benchmark passes the stage's command line, so a
+# job pins its card as run_stage does, then runs the stage's CLI with its output in the job's log
 JOB = """
-import os, sys, types
-from aqflow import workflow_glue
-snakemake = types.SimpleNamespace(resources=types.SimpleNamespace(gpu=1), log=[sys.argv[1]])
-workflow_glue.run_stage(snakemake, "quantize-layer", sys.argv[2:])
+import contextlib, os, sys
+from aqflow.gpu_pool import pin_job_gpus
+pin_job_gpus(1)
+from aqflow.stages import quantize_layer
+with open(sys.argv[1], "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+    code = quantize_layer.main(sys.argv[2:])
 print(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+sys.exit(code)
 """
 
 
