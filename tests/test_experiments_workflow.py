@@ -141,3 +141,28 @@ def test_domain_distances_of_a_model_are_one_job_on_its_own_text(tmp_path):
     # the calibration corpus's own held-out text is nearer to its calibration text than Wikipedia is
     assert [row["domain"] for row in record["domains"]] == ["c4-standin", "wikitext2-standin"]
     assert not (tmp_path / "results" / "tiny" / "2bpp").exists()
+
+
+def test_published_grid_and_device_batches_are_the_config_grid(tmp_path):
+    """results/published/paper/grid.json is what config.yaml's grid writes today, and the batch files
+    that run it on the device machine (benchmarks/paper_batches_*.txt) name only its cells: the
+    one-card SmolLM2 file every SmolLM2 cell, the node file the ones it lists after the seeds done."""
+    import json
+
+    result = snakemake(tmp_path, [REPO / "config.yaml"], "-c1", "results/paper/grid.json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = json.loads((tmp_path / "results" / "paper" / "grid.json").read_text())
+    published = json.loads((REPO / "results" / "published" / "paper" / "grid.json").read_text())
+    assert written == published
+    cells = {cell["eval_json"] for cell in written}
+
+    def targets(name):
+        lines = (REPO / "benchmarks" / name).read_text().splitlines()
+        return [target for line in lines for target in line.split() if target != "all"]
+
+    one_card, node, gemma = (targets(f"paper_batches_{name}.txt") for name in ("smollm2", "smollm2_node", "gemma3"))
+    for batch in (one_card, node, gemma):
+        assert len(batch) == len(set(batch)) and set(batch) <= cells
+    assert set(one_card) | {"results/smollm2/2bpp/greedy/b8/eval.json", "results/smollm2/2bpp/oaem/b8/eval.json"} == {
+        cell for cell in cells if cell.startswith("results/smollm2/")}
+    assert set(node) < set(one_card) and set(gemma) == {cell for cell in cells if cell.startswith("results/gemma3-270m/")}
