@@ -261,6 +261,24 @@ def run_stage_module(module: types.ModuleType, settings: Any, paths: Any) -> int
     return execute(module.STAGE, module.run, settings, paths, module.INPUT_ERRORS, module.summary)
 
 
+def entry_points(stage: str, description: str | None, run: Callable[[Any, Any], Any],
+                 input_errors: tuple[type[BaseException], ...],
+                 summary: Callable[[Any], str | None]) -> tuple[Callable[[], argparse.ArgumentParser],
+                                                                Callable[[Sequence[str] | None], int]]:
+    """(build_parser, main) of a stage module: its parser, built from the dataclasses of `run`'s
+    signature, and its command line, `main(argv) -> exit code` (parse, then `execute`)."""
+    classes = stage_classes(run)
+
+    def build_stage_parser() -> argparse.ArgumentParser:
+        return build_parser(stage, description, *classes)
+
+    def main(argv: Sequence[str] | None = None) -> int:
+        settings, paths = parse(build_stage_parser(), classes, argv)
+        return execute(stage, run, settings, paths, input_errors, summary)
+
+    return build_stage_parser, main
+
+
 def default_device() -> str:
     """cuda where a GPU is visible, else cpu (torch imported only when asked)."""
     import torch

@@ -202,10 +202,4 @@ def summary(record: dict | None) -> str | None:
             f"{record['sites']} input sites, {record['tokens']} tokens in {record['seconds']:.1f} s")
 
 
-def build_parser():
-    return stage_cli.build_parser(STAGE, __doc__, CalibrateSettings, CalibratePaths)
-
-
-def main(argv: list[str] | None = None) -> int:
-    settings, paths = stage_cli.parse(build_parser(), (CalibrateSettings, CalibratePaths), argv)
-    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)
+build_parser, main = stage_cli.entry_points(STAGE, __doc__, run, INPUT_ERRORS, summary)

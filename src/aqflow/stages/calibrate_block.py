@@ -132,10 +132,4 @@ def summary(record: dict) -> str:
             f"quantized block {record['block'] - 1} in {record['seconds']:.1f} s")
 
 
-def build_parser():
-    return stage_cli.build_parser(STAGE, __doc__, CalibrateBlockSettings, CalibrateBlockPaths)
-
-
-def main(argv: list[str] | None = None) -> int:
-    settings, paths = stage_cli.parse(build_parser(), (CalibrateBlockSettings, CalibrateBlockPaths), argv)
-    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)
+build_parser, main = stage_cli.entry_points(STAGE, __doc__, run, INPUT_ERRORS, summary)

@@ -54,10 +54,4 @@ def summary(result: dict) -> str:
             f"{', '.join(map(str, result['folders']))}")
 
 
-def build_parser():
-    return stage_cli.build_parser(STAGE, __doc__, CleanSettings, CleanPaths)
-
-
-def main(argv: list[str] | None = None) -> int:
-    settings, paths = stage_cli.parse(build_parser(), (CleanSettings, CleanPaths), argv)
-    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)
+build_parser, main = stage_cli.entry_points(STAGE, __doc__, run, INPUT_ERRORS, summary)

@@ -115,10 +115,4 @@ def summary(record: dict) -> str:
             f"({record['settings']['sample_tokens']} tokens per draw), nearest first:\n" + "\n".join(rows))
 
 
-def build_parser():
-    return stage_cli.build_parser(STAGE, __doc__, DomainDistancesSettings, DomainDistancesPaths)
-
-
-def main(argv: list[str] | None = None) -> int:
-    settings, paths = stage_cli.parse(build_parser(), (DomainDistancesSettings, DomainDistancesPaths), argv)
-    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)
+build_parser, main = stage_cli.entry_points(STAGE, __doc__, run, INPUT_ERRORS, summary)

@@ -130,10 +130,6 @@ class EvaluatePaths:
         "perplexity windows (perplexity-windows/) between them (default: $AQFLOW_CACHE or resources/cache)"))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    return stage_cli.build_parser(STAGE, __doc__, EvaluateSettings, EvaluatePaths)
-
-
 def request(settings: EvaluateSettings, paths: EvaluatePaths) -> argparse.Namespace:
     """Settings and paths as the one namespace the functions below read (`args.<field>`)."""
     fields = {spec.name: getattr(settings, spec.name) for spec in dataclasses.fields(settings)}
@@ -448,6 +444,4 @@ def run(settings: EvaluateSettings, paths: EvaluatePaths) -> dict:
     return payload
 
 
-def main(argv: list[str] | None = None) -> int:
-    settings, paths = stage_cli.parse(build_parser(), (EvaluateSettings, EvaluatePaths), argv)
-    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)
+build_parser, main = stage_cli.entry_points(STAGE, __doc__, run, INPUT_ERRORS, summary)

@@ -77,10 +77,4 @@ def summary(split) -> str:
     return f"{len(split)} documents {split['role'].value_counts().to_dict()}"
 
 
-def build_parser():
-    return stage_cli.build_parser(STAGE, __doc__, FetchDataSettings, FetchDataPaths)
-
-
-def main(argv: list[str] | None = None) -> int:
-    settings, paths = stage_cli.parse(build_parser(), (FetchDataSettings, FetchDataPaths), argv)
-    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)
+build_parser, main = stage_cli.entry_points(STAGE, __doc__, run, INPUT_ERRORS, summary)

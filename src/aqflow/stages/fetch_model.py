@@ -86,10 +86,4 @@ def summary(folder: Path) -> str:
     return f"model folder: {folder}"
 
 
-def build_parser():
-    return stage_cli.build_parser(STAGE, __doc__, FetchModelSettings, FetchModelPaths)
-
-
-def main(argv: list[str] | None = None) -> int:
-    settings, paths = stage_cli.parse(build_parser(), (FetchModelSettings, FetchModelPaths), argv)
-    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)
+build_parser, main = stage_cli.entry_points(STAGE, __doc__, run, INPUT_ERRORS, summary)

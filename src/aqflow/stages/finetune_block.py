@@ -127,10 +127,4 @@ def summary(record: dict) -> str:
             f"{record['relative_mse_after']:.5f} (best epoch {record['best_epoch']}, {record['seconds']:.1f} s)")
 
 
-def build_parser():
-    return stage_cli.build_parser(STAGE, __doc__, FinetuneBlockSettings, FinetuneBlockPaths)
-
-
-def main(argv: list[str] | None = None) -> int:
-    settings, paths = stage_cli.parse(build_parser(), (FinetuneBlockSettings, FinetuneBlockPaths), argv)
-    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)
+build_parser, main = stage_cli.entry_points(STAGE, __doc__, run, INPUT_ERRORS, summary)

@@ -303,10 +303,4 @@ def summary(result: dict) -> str:
             f"({len(result['missing'])} expected cells missing)")
 
 
-def build_parser():
-    return stage_cli.build_parser(STAGE, __doc__, PaperTablesSettings, PaperTablesPaths)
-
-
-def main(argv: list[str] | None = None) -> int:
-    settings, paths = stage_cli.parse(build_parser(), (PaperTablesSettings, PaperTablesPaths), argv)
-    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)
+build_parser, main = stage_cli.entry_points(STAGE, __doc__, run, INPUT_ERRORS, summary)

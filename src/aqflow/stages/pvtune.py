@@ -234,10 +234,4 @@ def summary(record: dict) -> str | None:
             f"changed -> {record['output_dir']}\nwall time: {phases}")
 
 
-def build_parser():
-    return stage_cli.build_parser(STAGE, __doc__, PvtuneSettings, PvtunePaths)
-
-
-def main(argv: list[str] | None = None) -> int:
-    settings, paths = stage_cli.parse(build_parser(), (PvtuneSettings, PvtunePaths), argv)
-    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)
+build_parser, main = stage_cli.entry_points(STAGE, __doc__, run, INPUT_ERRORS, summary)

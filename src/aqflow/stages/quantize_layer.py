@@ -172,10 +172,4 @@ def summary(metrics: dict) -> str:
             f"({metrics['total_seconds']:.1f} s, rho {metrics['rho']:.3g})")
 
 
-def build_parser():
-    return stage_cli.build_parser(STAGE, __doc__, QuantizeLayerSettings, QuantizeLayerPaths)
-
-
-def main(argv: list[str] | None = None) -> int:
-    settings, paths = stage_cli.parse(build_parser(), (QuantizeLayerSettings, QuantizeLayerPaths), argv)
-    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)
+build_parser, main = stage_cli.entry_points(STAGE, __doc__, run, INPUT_ERRORS, summary)

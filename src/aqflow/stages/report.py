@@ -63,10 +63,4 @@ def summary(table) -> str:
     return table.to_string(index=False)
 
 
-def build_parser():
-    return stage_cli.build_parser(STAGE, __doc__, ReportSettings, ReportPaths)
-
-
-def main(argv: list[str] | None = None) -> int:
-    settings, paths = stage_cli.parse(build_parser(), (ReportSettings, ReportPaths), argv)
-    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)
+build_parser, main = stage_cli.entry_points(STAGE, __doc__, run, INPUT_ERRORS, summary)

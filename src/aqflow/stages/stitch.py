@@ -61,10 +61,4 @@ def summary(output_dir: Path) -> str:
     return f"{output_dir}: AQLM checkpoint, {stored_bits_per_parameter(output_dir)['bits_per_parameter']:.3f} stored bits per quantized weight"
 
 
-def build_parser():
-    return stage_cli.build_parser(STAGE, __doc__, StitchSettings, StitchPaths)
-
-
-def main(argv: list[str] | None = None) -> int:
-    settings, paths = stage_cli.parse(build_parser(), (StitchSettings, StitchPaths), argv)
-    return stage_cli.execute(STAGE, run, settings, paths, INPUT_ERRORS, summary)
+build_parser, main = stage_cli.entry_points(STAGE, __doc__, run, INPUT_ERRORS, summary)
