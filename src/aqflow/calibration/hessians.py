@@ -36,9 +36,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..artifacts import decoding, read_parquet, save_npz, verified, write_parquet
+from ..artifacts import decoding, save_npz, verified, write_parquet
 from ..models.structure import find_decoder_blocks, find_linears
-from .site_xtx import MANIFEST_FILE, array_sha256
+from .site_xtx import MANIFEST_FILE, array_sha256, manifest_rows, read_site_xtx
 
 SITE_SEPARATOR = "+"
 PROBE_TOKENS = 16  # sharing of inputs is structural: a short probe detects it as well as a long one
@@ -383,19 +383,15 @@ def load_block_xtx(path: str | os.PathLike, block: int | None = None) -> BlockXt
     return out
 
 
-def load_manifest(out_dir: str | os.PathLike, verify: bool = False, blocks: Sequence[int] | None = None) -> pd.DataFrame:
+def load_manifest(out_dir: str | os.PathLike, verify: bool = False) -> pd.DataFrame:
     """The manifest written by `save_block_xtx` (checked against its recorded file checksum); with
-    verify=True every block file's checksum and every array's sha256 are checked too (only those
-    of `blocks`, if given: a layer job reads one block)."""
+    verify=True every block file's checksum and every site's array are checked too (the array as
+    a layer job checks it: `site_xtx.read_site_xtx`)."""
     out_dir = Path(out_dir)
-    manifest = read_parquet(out_dir / MANIFEST_FILE)
+    rows = manifest_rows(out_dir)
     if verify:
-        checked = manifest if blocks is None else manifest[manifest["block"].isin(list(blocks))]
-        for file, rows in checked.groupby("file"):
-            with decoding(verified(out_dir / file), "NPZ file"), np.load(out_dir / file, allow_pickle=False) as data:
-                for row in rows.itertuples():
-                    digest = array_sha256(data[f"xtx/{row.site}"])
-                    if digest != row.sha256:
-                        raise ValueError(f"{out_dir / file}: XᵀX of site {row.site!r} has sha256 {digest}, "
-                                         f"manifest says {row.sha256}")
-    return manifest
+        for file in sorted({row["file"] for row in rows}):
+            verified(out_dir / file)
+        for row in rows:
+            read_site_xtx(out_dir, row)
+    return pd.DataFrame(rows)
