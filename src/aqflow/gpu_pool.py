@@ -30,6 +30,19 @@ POOL_DIR_ENV = "AQFLOW_GPU_POOL_DIR"
 DEFAULT_POOL_DIR = Path(".snakemake") / "aqflow-gpu-pool"
 
 
+def pool_folder(pool_dir: str | os.PathLike | None = None) -> Path:
+    """The pool's folder: `pool_dir`, else AQFLOW_GPU_POOL_DIR, else the default."""
+    return Path(pool_dir or os.environ.get(POOL_DIR_ENV) or DEFAULT_POOL_DIR)
+
+
+def replace_json(path: Path, value) -> None:
+    """Write `value` as JSON to `path` through a temporary file of this process and a rename, so a
+    job reading it never sees half a file."""
+    staging = path.with_suffix(f".{os.getpid()}.tmp")
+    staging.write_text(json.dumps(value))
+    staging.replace(path)
+
+
 def visible_gpus(environ: Mapping[str, str] | None = None, pool_dir: str | os.PathLike | None = None) -> list[str]:
     """Ids of the cards this process may use: CUDA_VISIBLE_DEVICES's entries if it is set, else
     the indices `nvidia-smi` lists (none if it is missing or fails), listed once per boot of the
@@ -52,7 +65,7 @@ def listed_gpus(pool_dir: str | os.PathLike | None = None) -> list[str]:
     """The card indices `nvidia-smi` lists. Every GPU job of a node asks (a one-card box too), and
     nvidia-smi costs a job up to seconds of CPU, so a non-empty listing is kept in
     `<pool>/<host>.cards.json` with the boot it was made in and reused until the next boot."""
-    record = Path(pool_dir or os.environ.get(POOL_DIR_ENV) or DEFAULT_POOL_DIR) / f"{socket.gethostname()}.cards.json"
+    record = pool_folder(pool_dir) / f"{socket.gethostname()}.cards.json"
     boot = boot_id()
     try:
         kept = json.loads(record.read_text())
@@ -64,9 +77,7 @@ def listed_gpus(pool_dir: str | os.PathLike | None = None) -> list[str]:
     if boot and cards:
         try:
             record.parent.mkdir(parents=True, exist_ok=True)
-            staging = record.with_suffix(f".{os.getpid()}.tmp")
-            staging.write_text(json.dumps({"boot_id": boot, "cards": cards}))
-            staging.replace(record)
+            replace_json(record, {"boot_id": boot, "cards": cards})
         except OSError:  # a read-only working folder: list again next time
             pass
     return cards
@@ -118,7 +129,7 @@ def pin_job_gpus(count: int, pool_dir: str | os.PathLike | None = None, pid: int
     than are visible gets all of them."""
     if count < 1:  # a CPU job: no need to list the cards
         return []
-    pool_dir = Path(pool_dir or os.environ.get(POOL_DIR_ENV) or DEFAULT_POOL_DIR)
+    pool_dir = pool_folder(pool_dir)
     cards = visible_gpus(pool_dir=pool_dir)
     if not cards:
         return []
@@ -134,8 +145,6 @@ def pin_job_gpus(count: int, pool_dir: str | os.PathLike | None = None, pid: int
         chosen = least_loaded(holders, cards, count)
         for card in chosen:
             holders.setdefault(card, []).append(pid)
-        staging = state_path.with_suffix(f".{pid}.tmp")
-        staging.write_text(json.dumps(holders))
-        staging.replace(state_path)
+        replace_json(state_path, holders)
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(chosen)
     return chosen
