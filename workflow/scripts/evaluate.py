@@ -1,6 +1,5 @@
 import json
 
-from aqflow.processes import exit_now
 from aqflow.workflow_glue import block_finetune_summaries, layer_summaries, run_stage
 
 p = snakemake.params
@@ -35,4 +34,3 @@ if not domains:
 paths = {"model_dir": snakemake.input.model, "output": snakemake.output[0], "domain": domains or None,
          "pre_pv": snakemake.input.pre_pv if pvtune else None}
 run_stage(snakemake, "evaluate", settings=settings, paths=paths)
-exit_now(0)  # eval.json is written: end without the interpreter's teardown (about a second with torch loaded)
