@@ -8,6 +8,8 @@
 #                                             # parts in name order; PRESET default smollm2), once per part
 #   bash benchmarks/gpu_pipeline.sh start [snakemake args]   # detached Snakemake run of the DAG
 #   bash benchmarks/gpu_pipeline.sh grid FILE      # detached: one Snakemake run per line of FILE, in order
+#   bash benchmarks/gpu_pipeline.sh script FILE [args]  # detached: bash FILE in the staged copy (a
+#                                             # measurement; it writes under $STAGE/out)
 #   bash benchmarks/gpu_pipeline.sh wait SECONDS   # watch it; what it has made so far to $OUT
 # `grid` is for a budget shorter than the whole job list: each line of FILE (targets, or `all`) runs
 # to its end before the next starts, so the time limit leaves finished cells rather than every cell
@@ -38,7 +40,7 @@ assets)
 part)
   mkdir -p "$STAGE/parts/${3:-smollm2}" && cp "$2" "$STAGE/parts/${3:-smollm2}/" && ls -la "$STAGE/parts/${3:-smollm2}"
   ;;
-start|grid)
+start|grid|script)
   # Snakemake runs detached (its own session) in a copy outside the synced checkout, so that it
   # outlives this call and keeps its outputs between calls: the device tool replaces the
   # checkout's unignored files (results/published is committed) at every call, and a job killed at a
@@ -54,6 +56,7 @@ start|grid)
   done
   mode=$1; shift
   if [ "$mode" = grid ]; then cp "$1" "$STAGE/batches.txt"; shift; fi
+  if [ "$mode" = script ]; then cp "$1" "$STAGE/script.sh"; shift; fi
   mkdir -p "$STAGE/work"
   tar --exclude=./results --exclude=./resources --exclude=./.snakemake --exclude=./logs \
       --exclude=./.whl --exclude=./.whl2 --exclude=./.device-carry --exclude=./.git --exclude=./.venv -cf - . | tar -C "$STAGE/work" -xf -
@@ -70,7 +73,12 @@ start|grid)
     > "$STAGE/gpu_utilisation.csv" 2>/dev/null < /dev/null &
   echo $! > "$STAGE/sampler.pid"
   smk=("$PY" -m snakemake --profile "$profile" --resources gpu="$slots" --scheduler greedy --keep-going)
-  if [ "$mode" = start ]; then
+  if [ "$mode" = script ]; then
+    kill "$(cat "$STAGE/sampler.pid")"  # a measurement samples the card itself if it needs to
+    mkdir -p "$STAGE/out"
+    setsid nohup bash -c 'bash "$@"; echo $? > "'"$STAGE"'/snakemake.rc"' run "$STAGE/script.sh" "$@" \
+      > "$STAGE/snakemake.out" 2>&1 < /dev/null &
+  elif [ "$mode" = start ]; then
     setsid nohup bash -c '"$@"; echo $? > "'"$STAGE"'/snakemake.rc"; kill $(cat "'"$STAGE"'/sampler.pid")' \
       run "${smk[@]}" "$@" > "$STAGE/snakemake.out" 2>&1 < /dev/null &
   else
@@ -99,6 +107,11 @@ wait)
     echo "$(( $(date +%s) - $(cat "$STAGE/started_at") )) s: $(grep -E '^[0-9]+ of [0-9]+ steps' "$STAGE/snakemake.out" | tail -1)"
   done
   if [ -f "$STAGE/snakemake.rc" ]; then echo "snakemake exit status $(cat "$STAGE/snakemake.rc")"; else echo "snakemake still running"; fi
+  if [ -f "$STAGE/script.sh" ]; then  # a measurement: its own output folder and the tail of its log
+    cp -r "$STAGE/out/." "$OUT/" 2>/dev/null || true
+    tail -c 6000 "$STAGE/snakemake.out"
+    exit 0
+  fi
   cp "$STAGE/batches.tsv" "$OUT/" 2>/dev/null && cat "$STAGE/batches.tsv"
   grep -E "^Error in rule|^WorkflowError|Exiting because" "$STAGE/snakemake.out" || true
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader || true
