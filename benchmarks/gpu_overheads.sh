@@ -16,7 +16,7 @@ mkdir -p "$OUTDIR"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUTDIR/card.txt"
 
 # the fp16 model folder, as the pipeline's fetch_model makes it
-python3 -m snakemake --profile profiles/gpu --resources gpu=12 resources/models/smollm2 || exit 1
+python3 -m snakemake resources/models/smollm2 --profile profiles/gpu --resources gpu=12 || exit 1
 MODEL=resources/models/smollm2
 
 python3 benchmarks/layer_job_overhead.py --device cuda --model-dir "$MODEL" --repeats 5 --snakemake \

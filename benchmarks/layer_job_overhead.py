@@ -194,11 +194,16 @@ def source_tree(commit: str, work: Path) -> Path:
     return tree
 
 
+def child_pythonpath(tree: Path) -> str:
+    """The tree's src, then $SITE if set (the GPU box's staged packages, as for eval_speed.py)."""
+    return os.pathsep.join([str(tree / "src"), *filter(None, [os.environ.get("SITE")])])
+
+
 def one_job(tree: Path, args, model_dir: Path, calibration_dir: Path, out: Path) -> dict:
     """One child process on `tree`: its phases, wall and CPU seconds."""
     out.mkdir(parents=True, exist_ok=True)
     # one pool folder per tree, as one per working folder in the pipeline (its card listing is kept there)
-    env = dict(os.environ, PYTHONPATH=str(tree / "src"), AQFLOW_GPU_POOL_DIR=str(out.parent / f"gpu-pool-{tree.name}"))
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(tree), AQFLOW_GPU_POOL_DIR=str(out.parent / f"gpu-pool-{tree.name}"))
     command = [sys.executable, str(Path(__file__).resolve()), "--child", "--device", args.device, "--layer", args.layer,
                "--model-dir", str(model_dir), "--calibration-dir", str(calibration_dir), "--out", str(out)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -245,7 +250,7 @@ def snakemake_jobs(tree: Path, args, model_dir: Path, calibration_dir: Path, fol
     (folder / "Snakefile").write_text(SNAKEFILE.format(
         model=str(model_dir), calibration=str(calibration_dir), gpu=int(args.device.startswith("cuda")),
         settings=QUICK_QUANTIZER, script=str(REPO / "workflow" / "scripts" / "quantize_layer.py")))
-    env = dict(os.environ, PYTHONPATH=str(tree / "src"), AQFLOW_GPU_POOL_DIR=str(folder / "gpu-pool"))
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(tree), AQFLOW_GPU_POOL_DIR=str(folder / "gpu-pool"))
     command = [sys.executable, "-m", "snakemake", "-s", "Snakefile", *[f"out/{name}.safetensors" for name in linears],
                "--cores", "1", "--resources", "gpu=1", "--quiet", "all"]
     started = time.time()
