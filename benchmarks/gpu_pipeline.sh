@@ -8,6 +8,7 @@
 #                                             # parts in name order; PRESET default smollm2), once per part
 #   bash benchmarks/gpu_pipeline.sh start [snakemake args]   # detached Snakemake run of the DAG
 #   bash benchmarks/gpu_pipeline.sh grid FILE      # detached: one Snakemake run per line of FILE, in order
+#                                             # (FROM=N: from its line N, the lines before it done)
 #   bash benchmarks/gpu_pipeline.sh script FILE [args]  # detached: bash FILE in the staged copy (a
 #                                             # measurement; it writes under $STAGE/out)
 #   bash benchmarks/gpu_pipeline.sh wait SECONDS   # watch it; what it has made so far to $OUT
@@ -62,7 +63,7 @@ start|grid|script)
     "$PY" -c "import sys; from aqflow.models.fetch import fetch_gguf; print(fetch_gguf(sys.argv[1], sys.argv[2]), 'sha256 OK')" "$preset" "$STAGE/cache"
   done
   mode=$1; shift
-  if [ "$mode" = grid ]; then cp "$1" "$STAGE/batches.txt"; shift; fi
+  if [ "$mode" = grid ]; then tail -n +"${FROM:-1}" "$1" > "$STAGE/batches.txt"; shift; fi
   if [ "$mode" = script ]; then cp "$1" "$STAGE/script.sh"; shift; fi
   mkdir -p "$STAGE/work"
   tar --exclude=./results --exclude=./resources --exclude=./.snakemake --exclude=./logs \
