@@ -44,7 +44,9 @@ QUICK_QUANTIZER = {"max_epochs": 1, "steps_per_epoch": 1, "beam_size": 1, "oaem_
 # (module, function, phase label): wrapped in the child where the tree has them
 TIMED = (
     ("aqflow.gpu_pool", "pin_job_gpus", "pin the job's GPU (nvidia-smi)"),
-    ("aqflow.workflow_glue", "stage_call", "settings and paths (CUDA check)"),
+    ("aqflow.stage_jobs", "stage_call", "settings and paths (CUDA check)"),
+    ("aqflow.stage_jobs", "remove_stale_outputs", "stale-output cleanup"),
+    ("aqflow.workflow_glue", "stage_call", "settings and paths (CUDA check)"),  # trees before stage_jobs
     ("aqflow.workflow_glue", "remove_stale_outputs", "stale-output cleanup"),
     ("aqflow.stages.quantize_layer", "load_inputs", "read inputs"),
     ("aqflow.stages.quantize_layer", "calibration_site", "  find the XᵀX site (manifest)"),
@@ -54,9 +56,11 @@ TIMED = (
     ("aqflow.stages.quantize_layer", "write_layer_pair", "write the layer pair"),
 )
 ORDER = ["process start", "snakemake preamble imports", "import aqflow.workflow_glue",
-         "import the stage (torch, triton, ...)", *[label for _, _, label in TIMED[:6]], "  read the XᵀX array",
-         TIMED[6][2], "CUDA context", TIMED[7][2], "  of which first use of the card's kernels",
-         *[label for _, _, label in TIMED[8:]], "rest of run_stage", "interpreter exit"]
+         "import the stage (torch, triton, ...)", "pin the job's GPU (nvidia-smi)", "settings and paths (CUDA check)",
+         "stale-output cleanup", "read inputs", "  find the XᵀX site (manifest)", "  read the weight (model shard)",
+         "  read the XᵀX array", "  of which whole-file sha256", "CUDA context", "quantization",
+         "  of which first use of the card's kernels", "write the layer pair", "rest of run_stage", "interpreter exit"]
+assert {label for _, _, label in TIMED} <= set(ORDER)
 
 
 # --- the child: one job -------------------------------------------------------------------------
@@ -87,7 +91,8 @@ def child(args) -> None:
                    paths={"model_dir": args.model_dir, "calibration_dir": args.calibration_dir, "layer": args.layer,
                           "output": str(out / "layer.safetensors"), "metrics": str(out / "layer.json")})
     run_stage = time.perf_counter() - start
-    inside = sum(phases.get(label, 0.0) for _, _, label in TIMED if not label.startswith("  ")) + phases.get("CUDA context", 0.0)
+    inside = sum(phases.get(label, 0.0) for label in {label for _, _, label in TIMED} if not label.startswith("  ")) \
+        + phases.get("CUDA context", 0.0)
     phases["rest of run_stage"] = run_stage - inside
     phases["  read the XᵀX array"] = phases.get("read inputs", 0.0) - phases.get("  find the XᵀX site (manifest)", 0.0) \
         - phases.get("  read the weight (model shard)", 0.0)
@@ -128,7 +133,7 @@ def wrap_everywhere(module_name: str, function_name: str, label: str, phases: di
     that imported it by name too); nothing if the tree has no such function."""
     module = sys.modules.get(module_name)
     original = getattr(module, function_name, None)
-    if original is None:
+    if original is None or getattr(original, "timed", False):
         return
 
     def wrapper(*args, **kwargs):
@@ -148,6 +153,7 @@ def wrap_everywhere(module_name: str, function_name: str, label: str, phases: di
             phases["CUDA context"] = time.perf_counter() - begin
         return result
 
+    wrapper.timed = True
     for holder in list(sys.modules.values()):
         if getattr(holder, function_name, None) is original:
             setattr(holder, function_name, wrapper)
@@ -235,7 +241,7 @@ rule quantize_layer:
 """
 
 
-def snakemake_jobs(tree: Path, args, model_dir: Path, calibration_dir: Path, folder: Path) -> dict:
+def snakemake_jobs(tree: Path, args, model_dir: Path, calibration_dir: Path, folder: Path, warm: bool = False) -> dict:
     """The block's linears as Snakemake jobs (one at a time) of a one-rule workflow with the
     pipeline's rule script: per job, the wall and CPU seconds Snakemake's benchmark file records."""
     sys.path.insert(0, str(REPO / "src"))
@@ -252,7 +258,8 @@ def snakemake_jobs(tree: Path, args, model_dir: Path, calibration_dir: Path, fol
         settings=QUICK_QUANTIZER, script=str(REPO / "workflow" / "scripts" / "quantize_layer.py")))
     env = dict(os.environ, PYTHONPATH=child_pythonpath(tree), AQFLOW_GPU_POOL_DIR=str(folder / "gpu-pool"))
     command = [sys.executable, "-m", "snakemake", "-s", "Snakefile", *[f"out/{name}.safetensors" for name in linears],
-               "--cores", "1", "--resources", "gpu=1", "--quiet", "all"]
+               "--cores", "1", "--resources", "gpu=1", "--quiet", "all",
+               *(["--config", "execution={warm_workers: true, warm_worker_idle_seconds: 20}"] if warm else [])]
     started = time.time()
     done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True)
     if done.returncode:
@@ -310,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--snakemake", action="store_true",
                         help="also run the block's linears as Snakemake jobs with the rule script (benchmark files)")
+    parser.add_argument("--warm-workers", action="store_true",
+                        help="with --snakemake: the same jobs again with execution.warm_workers on (aqflow.warm_workers)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.child:
@@ -327,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
             runs[label].append(one_job(tree, args, model_dir, calibration_dir, work / "jobs" / f"{label}-{repeat}"))
     workflows = {label: snakemake_jobs(tree, args, model_dir, calibration_dir, work / "snakemake" / label)
                  for label, tree in trees.items()} if args.snakemake else {}
+    if args.snakemake and args.warm_workers:  # this checkout's jobs handing their call to a warm worker
+        workflows["after, warm workers"] = snakemake_jobs(REPO, args, model_dir, calibration_dir,
+                                                          work / "snakemake" / "after-warm", warm=True)
     device_name = runs["after"][0]["device_name"]
     report = {
         "machine": args.machine or device_name, "device": device_name, "layer": args.layer, "repeats": args.repeats,

@@ -9,17 +9,13 @@ command; a failing stage fails the job with the log's path in the message.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import importlib
-import shlex
-import traceback
 from typing import Any, Mapping
 
 from aqflow import stage_cli
-from aqflow.__main__ import STAGES
 from aqflow.artifacts import read_json
 from aqflow.gpu_pool import pin_job_gpus
+from aqflow.stage_jobs import execute_logged, last_error_line, stage_call
 
 
 def job_gpus(snakemake) -> int:
@@ -27,41 +23,42 @@ def job_gpus(snakemake) -> int:
     return int(getattr(snakemake.resources, "gpu", 0) or 0)
 
 
-def stage_call(stage: str, settings: Mapping[str, Any], paths: Mapping[str, Any]):
-    """(stage module, settings dataclass, paths dataclass) of `aqflow <stage>` from plain values."""
-    module = importlib.import_module(STAGES[stage])
-    settings_class, paths_class = stage_cli.stage_classes(module.run)
-    return module, stage_cli.from_dict(settings_class, settings), stage_cli.from_dict(paths_class, paths)
-
-
-def run_stage(snakemake, stage: str, settings: Mapping[str, Any], paths: Mapping[str, Any]) -> None:
-    """Run stage `stage` (`run(settings, paths)`) in this process, logging to the rule's log.
+def run_stage(snakemake, stage: str, settings: Mapping[str, Any], paths: Mapping[str, Any],
+              warm_workers: Mapping[str, Any] | None = None) -> None:
+    """Run stage `stage` (`run(settings, paths)`) for the rule, logging to the rule's log.
 
     A stage's one-line input error (exit 2) is in the log and in the job's failure message; a bug's
     traceback is written to the log too before it propagates. A GPU job is pinned to the least-busy
     card of the node (`gpu_pool`) before the stage (and torch) is imported, and the stale temporaries
-    of this job's earlier, killed runs are removed first. Call it last: see `skip_exit_collection`."""
+    of this job's earlier, killed runs are removed first. The stage runs in this process, or, with
+    `warm_workers` (the config's `execution` section) enabled, in a warm worker of the job's card
+    (`aqflow.warm_workers`). Call it last: see `skip_exit_collection`."""
     pin_job_gpus(job_gpus(snakemake))
-    log_path = snakemake.log[0]
-    try:
-        module, settings_, paths_ = stage_call(stage, settings, paths)
-    except ValueError as error:  # a settings class refusing a combination of values (__post_init__)
-        with open(log_path, "w") as log:
-            print(f"aqflow {stage}: error: {error}", file=log)
-        raise SystemExit(f"aqflow {stage}: error: {error} (log: {log_path})") from None
-    removed = remove_stale_outputs(getattr(snakemake, "output", []))
-    with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        print("aqflow", stage, shlex.join(stage_cli.to_argv(settings_, paths_)), flush=True)
-        for path in removed:
-            print(f"removed {path} (left by an interrupted run)", flush=True)
-        try:
-            code = stage_cli.run_stage_module(module, settings_, paths_)
-        except BaseException:
-            traceback.print_exc()
-            raise
+    log_path = str(snakemake.log[0])
+    outputs = [str(output) for output in getattr(snakemake, "output", [])]
+    outcome = None
+    if warm_workers and warm_workers.get("warm_workers"):
+        outcome = run_in_warm_worker(stage, settings, paths, log_path, outputs, warm_workers)
+    code, message = outcome if outcome is not None else execute_logged(stage, settings, paths, log_path, outputs)
     if code:
-        raise SystemExit(f"aqflow {stage} failed with exit code {code}: {last_error_line(log_path)} (log: {log_path})")
+        raise SystemExit(message)
     skip_exit_collection()
+
+
+def run_in_warm_worker(stage: str, settings: Mapping[str, Any], paths: Mapping[str, Any], log_path: str,
+                       outputs: list[str], execution: Mapping[str, Any]) -> tuple[int, str] | None:
+    """`execute_logged` in a warm worker of the job's card (`aqflow.warm_workers`); None where
+    workers are not supported or none could be started (the caller then runs it in process)."""
+    from pathlib import Path
+
+    from aqflow import warm_workers
+    from aqflow.gpu_pool import pool_folder
+
+    if not warm_workers.supported():
+        return None
+    request = {"stage": stage, "settings": settings, "paths": paths, "log": log_path, "outputs": outputs,
+               "cwd": str(Path.cwd())}
+    return warm_workers.run_in_worker(request, pool_folder(), float(execution.get("warm_worker_idle_seconds", 20)))
 
 
 def skip_exit_collection() -> None:
@@ -70,27 +67,6 @@ def skip_exit_collection() -> None:
     Only garbage cycles left at exit are affected (their finalizers do not run); every artifact
     and the log are closed by then."""
     gc.freeze()
-
-
-def remove_stale_outputs(outputs) -> list:
-    """Remove the `.<name>.*.tmp` / `.<name>.*.partial` leftovers of earlier, killed writes of
-    these outputs (Snakemake runs one job per output at a time, so none is a live writer's)."""
-    from aqflow.artifacts import remove_stale_temporaries
-
-    removed = []
-    for output in outputs:
-        removed += remove_stale_temporaries(output)
-    return removed
-
-
-def last_error_line(log_path) -> str:
-    """The last `aqflow ...: error:` line of a log ('' if none)."""
-    try:
-        with open(log_path, errors="replace") as log:
-            lines = [line.strip() for line in log if ": error: " in line]
-    except OSError:
-        return ""
-    return lines[-1] if lines else ""
 
 
 def block_finetune_summaries(tuned_block_dirs) -> list[dict]:

@@ -4,4 +4,5 @@ run_stage(snakemake, "quantize-layer",
           settings={"quantizer": snakemake.params.settings},
           paths={"model_dir": snakemake.input.model, "calibration_dir": snakemake.input.calibration,
                  "layer": snakemake.wildcards.layer, "output": snakemake.output.layer,
-                 "metrics": snakemake.output.metrics})
+                 "metrics": snakemake.output.metrics},
+          warm_workers=snakemake.config.get("execution"))

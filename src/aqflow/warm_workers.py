@@ -1,0 +1,224 @@
+"""Warm workers: a job's stage call run by a process that already has torch imported and the card
+set up, instead of by the job's own fresh process.
+
+A layer job's own work is short (~1.5 s of quantization for a SmolLM2 linear on an H100), and a
+fresh process spends ~5 s more before and around it: importing CUDA-enabled torch (~3.7 s) and
+the card's first use (~1.5 s: Triton kernels loaded, cuBLAS set up, CUDA graphs captured), as
+measured by benchmarks/layer_job_overhead.py. With `execution.warm_workers` in the config, a
+rule script (which imports no torch) hands its call to a worker instead:
+
+- the job takes a free *slot* of its card: an exclusive lock on `<pool>/<host>.<card>.slot<k>.lock`,
+  the lowest k free, held until the job ends, so a slot serves one job at a time;
+- it connects to the slot's worker (a Unix socket in Linux's abstract namespace, named from the
+  slot's lock file, so nothing is left on disk); the slot's first job starts the worker, a
+  detached `python -m aqflow.warm_workers serve` with the job's environment (its
+  CUDA_VISIBLE_DEVICES included) and working folder;
+- the worker runs the call exactly as the job would in its own process
+  (`stage_jobs.execute_logged`: the rule's log, stale temporaries removed, the same outputs),
+  frees the card's cached memory, answers with the exit code, and waits for the slot's next
+  job; after `idle_seconds` without one it exits.
+
+Each job is still one Snakemake job with its own log and its artifacts on disk; only the process
+that computes them lives longer. If no worker can be started, the job runs in its own process as
+before. A worker that dies during a job fails that job (its outputs are written by rename, so
+none is half-written). Linux only (abstract sockets, flock); elsewhere jobs run in process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import gc
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any, Mapping
+
+START_TIMEOUT_SECONDS = 300.0  # torch's import on a busy node can take a minute
+
+
+def supported() -> bool:
+    """Whether this platform has what the workers need (Linux's abstract Unix sockets)."""
+    return sys.platform.startswith("linux")
+
+
+def card_key(environ: Mapping[str, str] | None = None) -> str:
+    """Which card(s) a job's worker must be on: its CUDA_VISIBLE_DEVICES as `gpu_pool` set it, or
+    'default' (one card, or none)."""
+    environ = os.environ if environ is None else environ
+    cards = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return cards.replace(",", "-") if cards else "default"
+
+
+def take_slot(pool_dir: Path, card: str) -> tuple[Path, IO]:
+    """The lowest free slot of `card`: (its lock file, the open handle holding the lock). The lock
+    is released when the handle is closed or the process ends."""
+    pool_dir.mkdir(parents=True, exist_ok=True)
+    host = socket.gethostname()
+    slot = 0
+    while True:
+        path = pool_dir / f"{host}.{card}.slot{slot}.lock"
+        handle = open(path, "a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return path, handle
+        except BlockingIOError:
+            handle.close()
+            slot += 1
+
+
+def worker_address(slot_lock: Path) -> str:
+    """The abstract socket name of a slot's worker: unique per lock file (host, card, slot, pool)."""
+    digest = hashlib.sha256(str(slot_lock.resolve()).encode()).hexdigest()[:32]
+    return f"\0aqflow-warm-worker-{digest}"
+
+
+def connect(address: str) -> socket.socket | None:
+    """A connection to the worker listening at `address`, or None if none is."""
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        client.connect(address)
+    except (ConnectionRefusedError, FileNotFoundError):
+        client.close()
+        return None
+    return client
+
+
+def start_worker(address: str, idle_seconds: float, log_path: Path) -> subprocess.Popen:
+    """A detached worker for `address` (its own session, so it outlives the job that starts it),
+    with this process's environment and working folder; its own output goes to `log_path`."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "aqflow.warm_workers", "serve", "--address", address.encode().hex(),
+             "--idle-seconds", str(idle_seconds)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_worker(address: str, worker: subprocess.Popen, timeout: float = START_TIMEOUT_SECONDS
+                    ) -> socket.socket | None:
+    """A connection to the worker just started, once it listens; None if it exited first or does
+    not listen within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        client = connect(address)
+        if client is not None:
+            return client
+        if worker.poll() is not None:
+            return None
+        time.sleep(0.05)
+    return None
+
+
+def send_message(stream: IO, message: Mapping[str, Any]) -> None:
+    """One message: a JSON line (paths and other non-JSON values as strings)."""
+    stream.write(json.dumps(message, default=str) + "\n")
+    stream.flush()
+
+
+def receive_message(stream: IO) -> dict | None:
+    """The next JSON-line message, or None if the other side closed the connection first."""
+    line = stream.readline()
+    return json.loads(line) if line.endswith("\n") else None
+
+
+def run_in_worker(request: Mapping[str, Any], pool_dir: Path, idle_seconds: float) -> tuple[int, str] | None:
+    """Run a stage call (`request`: stage, settings, paths, log, outputs, cwd) in the warm worker of a
+    free slot of this job's card, starting the worker if the slot has none. Returns the call's
+    (exit code, failure message), or None when no worker could be started (run it in process)."""
+    slot_lock, held = take_slot(pool_dir, card_key())
+    try:
+        address = worker_address(slot_lock)
+        client = connect(address)
+        if client is None:
+            worker = start_worker(address, idle_seconds, slot_lock.with_suffix(".log"))
+            client = wait_for_worker(address, worker)
+            if client is None:
+                return None
+        with client, client.makefile("rw") as stream:
+            send_message(stream, request)
+            reply = receive_message(stream)
+        if reply is None:
+            return 1, (f"aqflow {request['stage']}: the warm worker running this job died (its log: "
+                       f"{slot_lock.with_suffix('.log')}; the job's log: {request['log']})")
+        return int(reply["code"]), str(reply["message"])
+    finally:
+        held.close()
+
+
+def serve_one(stream: IO, served: int) -> bool:
+    """Run one request from a connected job (this worker's job number served + 1) and answer it;
+    False if the job hung up first."""
+    from aqflow.stage_jobs import execute_logged
+
+    request = receive_message(stream)
+    if request is None:
+        return False
+    try:
+        os.chdir(request["cwd"])  # the job's relative paths are its working folder's
+        code, message = execute_logged(request["stage"], request["settings"], request["paths"], request["log"],
+                                       request["outputs"], note=f"(run by warm worker {os.getpid()}, its job {served + 1})")
+    except Exception as error:  # a bug in the stage: its traceback is in the job's log already
+        code, message = 1, f"aqflow {request['stage']} raised {type(error).__name__}: {error} (log: {request['log']})"
+    finally:
+        release_memory()
+    try:
+        send_message(stream, {"code": code, "message": message})
+    except OSError:  # the job was killed meanwhile
+        pass
+    return True
+
+
+def release_memory() -> None:
+    """What one job leaves behind is not kept for the next: its CUDA graphs and the card memory
+    torch's allocator caches (other jobs and stages on the card need it)."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        from aqflow.quant.quantize import release_cuda_graphs
+
+        release_cuda_graphs()
+        torch.cuda.empty_cache()
+
+
+def serve(address: str, idle_seconds: float) -> int:
+    """Listen at `address` and run the slot's jobs one after another; exit after `idle_seconds`
+    without a job, or at once if another worker holds the address."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(address)
+    except OSError:  # a worker for this slot is already listening
+        return 0
+    server.listen(1)
+    server.settimeout(idle_seconds)
+    import torch  # noqa: F401  (what the worker is for: imported once, before the first job)
+
+    served = 0
+    while True:
+        try:
+            connection, _ = server.accept()
+        except TimeoutError:
+            print(f"warm worker {os.getpid()}: {served} jobs, idle for {idle_seconds:g} s: exiting", flush=True)
+            return 0
+        connection.settimeout(None)
+        with connection, connection.makefile("rw") as stream:
+            served += serve_one(stream, served)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m aqflow.warm_workers", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser = commands.add_parser("serve", help="run one slot's worker (started by a job)")
+    serve_parser.add_argument("--address", required=True, help="the abstract socket name, hex-encoded")
+    serve_parser.add_argument("--idle-seconds", type=float, required=True)
+    args = parser.parse_args(argv)
+    return serve(bytes.fromhex(args.address).decode(), args.idle_seconds)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
