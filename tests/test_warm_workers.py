@@ -154,3 +154,34 @@ def test_the_dags_layer_jobs_in_warm_workers_write_what_they_write_in_their_own_
     assert len(logs) == len(layers) and len({worker_pid(log) for log in logs}) <= 2
     assert not any("warm worker" in log.read_text() for log in (runs[False][0] / "logs" / "quantize_layer").rglob("*.log"))
     print(f"tiny DAG to {target}: {runs[False][1]:.1f} s with a process per job, {runs[True][1]:.1f} s with warm workers")
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another user")
+def test_a_worker_serves_only_its_own_users_jobs(tmp_path):
+    """Another user's process reaches the abstract socket (no file permissions) but gets no answer,
+    and nothing is run for it."""
+    inputs = layer_inputs(tmp_path)
+    pool = tmp_path / "pool"
+    assert warm_workers.run_in_worker(request(tmp_path, inputs, "mine"), pool, IDLE_SECONDS) == (0, "")
+    slot_lock, held = warm_workers.take_slot(pool, warm_workers.card_key())
+    held.close()
+    address = warm_workers.worker_address(slot_lock)
+    child = os.fork()
+    if child == 0:  # as nobody: connect to the worker and ask for a job
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            client = warm_workers.connect(address)
+            with client, client.makefile("rw") as stream:
+                warm_workers.send_message(stream, request(tmp_path, inputs, "theirs"))
+                os._exit(0 if warm_workers.receive_message(stream) is None else 1)
+        except (BrokenPipeError, ConnectionResetError):  # the worker hung up at once
+            os._exit(0)
+        except BaseException as error:
+            os.write(2, f"the child as nobody: {error!r}\n".encode())
+            os._exit(2)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not (tmp_path / "theirs.safetensors").exists() and not (tmp_path / "theirs.log").exists()
+    assert warm_workers.run_in_worker(request(tmp_path, inputs, "mine-again"), pool, IDLE_SECONDS) == (0, "")
+    assert worker_pid(tmp_path / "mine.log") == worker_pid(tmp_path / "mine-again.log")

@@ -21,7 +21,10 @@ rule script (which imports no torch) hands its call to a worker instead:
 Each job is still one Snakemake job with its own log and its artifacts on disk; only the process
 that computes them lives longer. If no worker can be started, the job runs in its own process as
 before. A worker that dies during a job fails that job (its outputs are written by rename, so
-none is half-written). Linux only (abstract sockets, flock); elsewhere jobs run in process.
+none is half-written). A worker serves only its own user's jobs (the peer's uid, as an abstract
+socket has no file permissions), and runs the code it was started with: after changing aqflow's
+code, wait `idle_seconds` before the next run. Linux only (abstract sockets, flock, SO_PEERCRED);
+elsewhere jobs run in process.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import hashlib
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -127,22 +131,45 @@ def receive_message(stream: IO) -> dict | None:
     return json.loads(line) if line.endswith("\n") else None
 
 
+def greeted(client: socket.socket | None) -> tuple[socket.socket, IO] | None:
+    """The connection and its stream once the worker says it is ready for a job (it does on
+    accepting), or None if there is no worker or it hangs up first (it was exiting or dying)."""
+    if client is None:
+        return None
+    stream = client.makefile("rw")
+    try:
+        if receive_message(stream) is not None:
+            return client, stream
+    except OSError:
+        pass
+    stream.close()
+    client.close()
+    return None
+
+
 def run_in_worker(request: Mapping[str, Any], pool_dir: Path, idle_seconds: float) -> tuple[int, str] | None:
     """Run a stage call (`request`: stage, settings, paths, log, outputs, cwd) in the warm worker of a
-    free slot of this job's card, starting the worker if the slot has none. Returns the call's
-    (exit code, failure message), or None when no worker could be started (run it in process)."""
+    free slot of this job's card, starting the worker if the slot has none (or its worker is going
+    away). Returns the call's (exit code, failure message), or None when no worker could be started
+    (run it in process)."""
     slot_lock, held = take_slot(pool_dir, card_key())
     try:
         address = worker_address(slot_lock)
-        client = connect(address)
-        if client is None:
+        session = greeted(connect(address))
+        if session is None:
             worker = start_worker(address, idle_seconds, slot_lock.with_suffix(".log"))
-            client = wait_for_worker(address, worker)
-            if client is None:
+            session = greeted(wait_for_worker(address, worker))
+            if session is None:
                 return None
-        with client, client.makefile("rw") as stream:
+        client, stream = session
+        try:  # the request is sent only to a worker that said it is ready: from here on, it may be running
             send_message(stream, request)
             reply = receive_message(stream)
+        except OSError:
+            reply = None
+        finally:
+            stream.close()
+            client.close()
         if reply is None:
             return 1, (f"aqflow {request['stage']}: the warm worker running this job died (its log: "
                        f"{slot_lock.with_suffix('.log')}; the job's log: {request['log']})")
@@ -206,8 +233,21 @@ def serve(address: str, idle_seconds: float) -> int:
             print(f"warm worker {os.getpid()}: {served} jobs, idle for {idle_seconds:g} s: exiting", flush=True)
             return 0
         connection.settimeout(None)
+        if peer_uid(connection) != os.getuid():  # an abstract socket has no file permissions
+            connection.close()
+            continue
         with connection, connection.makefile("rw") as stream:
+            try:
+                send_message(stream, {"ready": os.getpid()})
+            except OSError:  # the job went away while waiting
+                continue
             served += serve_one(stream, served)
+
+
+def peer_uid(connection: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket connection (SO_PEERCRED)."""
+    credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", credentials)[1]
 
 
 def main(argv: list[str] | None = None) -> int:
