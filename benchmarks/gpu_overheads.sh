@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -m snakemake resources/models/smollm2 --profile profiles/gpu --resources gpu=12 || exit 1
 MODEL=resources/models/smollm2
 
-python3 benchmarks/layer_job_overhead.py --device cuda --model-dir "$MODEL" --repeats 5 --snakemake \
+python3 benchmarks/layer_job_overhead.py --device cuda --model-dir "$MODEL" --repeats 5 --snakemake --warm-workers \
   --work /root/ljo --json "$OUTDIR/layer_job_overhead.json"
 
 # six tasks + both perplexities, the baseline first; 512 requests a batch (the fastest setting measured)
