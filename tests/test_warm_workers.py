@@ -82,7 +82,7 @@ def test_slots_are_exclusive_while_held_and_reused_when_free(tmp_path):
         handle.close()
 
 
-def test_an_input_error_is_one_line_in_the_log_and_the_message_and_the_worker_survives_it(tmp_path):
+def test_an_input_error_or_a_bug_fails_only_its_job_and_the_worker_survives_it(tmp_path):
     inputs = layer_inputs(tmp_path)
     pool = tmp_path / "pool"
     broken = request(tmp_path, inputs | {"weight": str(tmp_path / "missing.safetensors")}, "broken")
@@ -91,6 +91,12 @@ def test_an_input_error_is_one_line_in_the_log_and_the_message_and_the_worker_su
     assert warm_workers.run_in_worker(request(tmp_path, inputs, "after"), pool, IDLE_SECONDS) == (0, "")
     assert worker_pid(tmp_path / "broken.log") == worker_pid(tmp_path / "after.log")
     assert not (tmp_path / "broken.safetensors").exists()
+    # a bug (here: a setting the stage does not have) fails its job alone, naming the error
+    code, message = warm_workers.run_in_worker(request(tmp_path, inputs, "buggy", dict(SETTINGS, bogus=1)), pool,
+                                               IDLE_SECONDS)
+    assert code == 1 and "TypeError" in message and "bogus" in message
+    assert warm_workers.run_in_worker(request(tmp_path, inputs, "survived"), pool, IDLE_SECONDS) == (0, "")
+    assert worker_pid(tmp_path / "survived.log") == worker_pid(tmp_path / "after.log")
 
 
 def test_a_worker_that_dies_during_a_job_fails_that_job_and_the_next_job_starts_a_new_one(tmp_path):

@@ -40,6 +40,7 @@ import struct
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import IO, Any, Mapping
 
@@ -190,7 +191,11 @@ def serve_one(stream: IO, served: int) -> bool:
         os.chdir(request["cwd"])  # the job's relative paths are its working folder's
         code, message = execute_logged(request["stage"], request["settings"], request["paths"], request["log"],
                                        request["outputs"], note=f"(run by warm worker {os.getpid()}, its job {served + 1})")
-    except Exception as error:  # a bug in the stage: its traceback is in the job's log already
+    except SystemExit as exit_:  # what would have ended the job's own process ends only this job
+        code = exit_.code if isinstance(exit_.code, int) else 1
+        message = f"aqflow {request['stage']} exited: {exit_.code} (log: {request['log']})"
+    except Exception as error:  # a bug: its traceback goes to the job's log (once the stage runs) and the worker's
+        traceback.print_exc()
         code, message = 1, f"aqflow {request['stage']} raised {type(error).__name__}: {error} (log: {request['log']})"
     finally:
         release_memory()
