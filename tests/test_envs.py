@@ -159,8 +159,9 @@ def test_each_rules_stage_imports_with_only_its_envs_packages():
         blocked = sorted(IMPORT_NAMES.get(dist, dist.replace("-", "_")) for dist in direct - set(pins))
         code = ("import sys\n"
                 f"for name in {blocked!r}: sys.modules[name] = None\n"
-                "import importlib, aqflow.workflow_glue\n"
-                f"importlib.import_module(aqflow.workflow_glue.STAGES[{stage!r}])\n")
+                "import importlib, aqflow.workflow_glue, aqflow.warm_workers\n"
+                "from aqflow.__main__ import STAGES\n"
+                f"importlib.import_module(STAGES[{stage!r}])\n")
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, f"rule {rule} (stage {stage}) in {env.name}: {result.stderr[-2000:]}"
     assert stages["report"] == "report" and stages["quantize_layer"] == "quantize-layer"
