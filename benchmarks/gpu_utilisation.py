@@ -1,6 +1,7 @@
 """How busy each card of a node was while a rule's jobs ran, from an nvidia-smi sample log.
 
-    python -m benchmarks.gpu_utilisation gpu_utilisation.csv logs/benchmarks [--rule quantize_layer] [--json out.json]
+    python -m benchmarks.gpu_utilisation gpu_utilisation.csv logs/benchmarks [--rule quantize_layer] [--json out.json] \
+        [--plot out.png]
 
 The CSV is what benchmarks/gpu_pipeline.sh samples twice a second while Snakemake runs
 (`nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv,nounits`).
@@ -61,15 +62,58 @@ def per_card(samples: list[dict], start: datetime, end: datetime) -> list[dict]:
     return rows
 
 
+def rolling_mean(values: list[float], width: int) -> list[float]:
+    """values [n] -> their mean over the last `width` samples at each index [n] (fewer at the start)."""
+    means, total = [], 0.0
+    for index, value in enumerate(values):
+        total += value - (values[index - width] if index >= width else 0.0)
+        means.append(total / min(index + 1, width))
+    return means
+
+
+def plot_cards(samples: list[dict], start: datetime, end: datetime, rule: str, path: Path,
+               smooth_seconds: float = 10.0) -> None:
+    """One line per card: utilisation over the whole log (a rolling mean of `smooth_seconds`), the
+    rule's span shaded; x in seconds from the first sample."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    origin = min(sample["time"] for sample in samples)
+    cards: dict[str, list[dict]] = {}
+    for sample in samples:
+        cards.setdefault(sample["card"], []).append(sample)
+    figure, axis = plt.subplots(figsize=(9, 3.6))
+    axis.axvspan((start - origin).total_seconds(), (end - origin).total_seconds(), color="0.9",
+                 label=f"{rule} jobs running")
+    for card in sorted(cards, key=int):
+        group = cards[card]
+        width = max(1, round(smooth_seconds / 0.5))  # samples come twice a second
+        axis.plot([(sample["time"] - origin).total_seconds() for sample in group],
+                  rolling_mean([sample["utilisation"] for sample in group], width), lw=1, label=f"card {card}")
+    axis.set_xlabel("seconds since the first sample")
+    axis.set_ylabel(f"utilisation %, {smooth_seconds:g} s mean")
+    axis.set_ylim(0, 100)
+    axis.legend(loc="upper right", fontsize=8, ncol=len(cards) + 1)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("samples", type=Path)
     parser.add_argument("benchmarks", type=Path, help="the jobs' benchmark folder (logs/benchmarks)")
     parser.add_argument("--rule", default="quantize_layer")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path, help="a PNG of every card's utilisation over time")
     args = parser.parse_args(argv)
     start, end = rule_window(args.benchmarks, args.rule)
-    rows = per_card(read_samples(args.samples), start, end)
+    samples = read_samples(args.samples)
+    rows = per_card(samples, start, end)
+    if args.plot:
+        plot_cards(samples, start, end, args.rule, args.plot)
     seconds = (end - start).total_seconds()
     print(f"{args.rule}: {start:%H:%M:%S} to {end:%H:%M:%S} ({seconds:.0f} s)")
     print(f"{'card':>4}{'samples':>9}{'busy %':>8}{'mean util %':>13}{'peak MiB':>10}")

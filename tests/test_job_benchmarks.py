@@ -108,3 +108,22 @@ def test_stage_times_script_reads_a_benchmark_folder(run, tmp_path):
     assert by_rule["quantize_layer"]["wall_seconds_sum"] == 16.0 and by_rule["stitch"]["max_rss_mib"] == 800.0
     assert by_rule["fetch_model"]["wall_seconds_sum"] is None  # NaN is written as null
     assert summary["first_start_to_last_end_seconds"] == 20.0
+
+
+def test_the_gpu_sample_log_gives_each_cards_share_of_busy_samples_and_a_smoothed_line():
+    """benchmarks/gpu_utilisation: per card in a window, the share of busy samples and their mean;
+    the plot's rolling mean equals the mean of the last `width` values at every index."""
+    from datetime import datetime, timedelta
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.gpu_utilisation import per_card, rolling_mean
+
+    start = datetime(2026, 1, 1)
+    samples = [{"time": start + timedelta(seconds=second), "card": card, "utilisation": value, "memory_mib": 10.0 * second}
+               for second, values in enumerate([(0, 50), (20, 0), (40, 0), (0, 100)]) for card, value in zip("01", values)]
+    rows = per_card(samples, start + timedelta(seconds=1), start + timedelta(seconds=3))
+    assert [(row["card"], row["samples"], row["busy_share"], row["mean_utilisation"], row["peak_memory_mib"])
+            for row in rows] == [("0", 3, 2 / 3, 20.0, 30.0), ("1", 3, 1 / 3, 100 / 3, 30.0)]
+    values = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0]
+    assert rolling_mean(values, 3) == pytest.approx(
+        [sum(values[max(0, i - 2): i + 1]) / len(values[max(0, i - 2): i + 1]) for i in range(len(values))])
