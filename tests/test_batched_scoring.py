@@ -156,3 +156,73 @@ def test_cached_templates_render_lm_evals_text_and_compile_each_template_once(mo
     assert sorted(compiled) == sorted(templates)  # once each, not once per document
     utils.apply_template("{{question}}", docs[0])
     assert len(compiled) == len(templates) + 1  # lm-eval's own function is back after the block
+
+
+def _reference_layout(inputs, scored):
+    """batch_layout's definition, one token at a time: what the array version must equal."""
+    padded_len = max(len(ids) for ids in inputs)
+    input_ids = [ids + [0] * (padded_len - len(ids)) for ids in inputs]
+    rows, token_rows, targets, owners = [], [], [], []
+    for batch_index, (ids, continuations) in enumerate(zip(inputs, scored)):
+        longest = max(len(cont) for cont in continuations)
+        first_row = len(rows)
+        rows.extend([batch_index, position] for position in range(len(ids) - longest, len(ids)))
+        for continuation in continuations:
+            offset = first_row + longest - len(continuation)
+            token_rows.extend(range(offset, offset + len(continuation)))
+            targets.extend(continuation)
+            owners.extend([len({owner for owner in owners})] * len(continuation))
+    return input_ids, rows, token_rows, targets, owners
+
+
+def test_the_layout_equals_its_token_by_token_definition_on_random_batches():
+    rng = random.Random(3)
+    for _ in range(50):
+        inputs, scored = [], []
+        for _ in range(rng.randint(1, 9)):
+            continuations = [[rng.randrange(100) for _ in range(rng.randint(1, 5))]]
+            if rng.random() < 0.4:  # one-token cache hits sharing the input's context
+                continuations = [[rng.randrange(100)] for _ in range(rng.randint(1, 4))]
+            context = [rng.randrange(100) for _ in range(rng.randint(1, 12))]
+            inputs.append(model_input(context, continuations[0], max_length=rng.choice([4, 64])))
+            scored.append(continuations)
+        layout = batch_layout(inputs, scored)
+        input_ids, rows, token_rows, targets, owners = _reference_layout(inputs, scored)
+        assert layout.input_ids.tolist() == input_ids
+        assert layout.rows.tolist() == rows and layout.token_rows.tolist() == token_rows
+        assert layout.targets.tolist() == targets and layout.owners.tolist() == owners
+        assert layout.num_requests == sum(len(continuations) for continuations in scored)
+
+
+def test_strings_from_the_tokenizers_backend_equal_its_own_call_and_a_differing_backend_is_not_used(tiny):
+    from aqflow.evaluation.batched_scoring import CHECKED_STRINGS, batch_input_ids
+
+    _, tokenizer = tiny
+    rng = random.Random(1)
+    words = ["the", "cat", "Café", "déjà", "vu", "?", "Answer:", "  ", "\n", "iron", "feathers", "1984"]
+    strings = ["".join(rng.choice(words) + rng.choice(["", " "]) for _ in range(rng.randint(1, 12)))
+               for _ in range(3 * CHECKED_STRINGS)]
+    for kwargs in ({}, {"add_special_tokens": False}, {"add_special_tokens": True}):
+        assert batch_input_ids(tokenizer, strings, kwargs) == tokenizer(strings, **kwargs)["input_ids"], kwargs
+
+    class WithBackend:
+        """The tokenizer's own call (counted), with `backend` as its Rust backend."""
+
+        def __init__(self, backend):
+            self._tokenizer, self.calls = backend, []
+
+        def __call__(self, batch, **kwargs):
+            self.calls.append(len(batch))
+            return tokenizer(batch, **kwargs)
+
+    class Disagreeing:  # a backend whose ids differ from the tokenizer's own call
+        truncation = padding = None
+
+        def encode_batch(self, batch, add_special_tokens=True):
+            return [type("Encoding", (), {"ids": [7]})() for _ in batch]
+
+    expected = tokenizer(strings)["input_ids"]
+    trusted, distrusted = WithBackend(tokenizer._tokenizer), WithBackend(Disagreeing())
+    assert batch_input_ids(trusted, strings, {}) == expected and trusted.calls == [CHECKED_STRINGS]
+    assert batch_input_ids(distrusted, strings, {}) == expected
+    assert distrusted.calls == [CHECKED_STRINGS, len(strings) - CHECKED_STRINGS]
