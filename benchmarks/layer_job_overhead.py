@@ -259,7 +259,9 @@ def snakemake_jobs(tree: Path, args, model_dir: Path, calibration_dir: Path, fol
     env = dict(os.environ, PYTHONPATH=child_pythonpath(tree), AQFLOW_GPU_POOL_DIR=str(folder / "gpu-pool"))
     command = [sys.executable, "-m", "snakemake", "-s", "Snakefile", *[f"out/{name}.safetensors" for name in linears],
                "--cores", "1", "--resources", "gpu=1", "--quiet", "all",
-               *(["--config", "execution={warm_workers: true, warm_worker_idle_seconds: 20}"] if warm else [])]
+               *(["--configfile", "execution.yaml"] if warm else [])]
+    if warm:  # a file, not --config: Snakemake reads nested --config values as strings
+        (folder / "execution.yaml").write_text("execution:\n  warm_workers: true\n  warm_worker_idle_seconds: 20\n")
     started = time.time()
     done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True)
     if done.returncode:
