@@ -78,12 +78,13 @@ start|grid|script)
   profile=${PROFILE:-profiles/gpu}
   cards=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
   slots=${GPU_SLOTS:-$(( 12 * cards ))}
-  setsid nohup nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv,nounits -lms 500 \
-    > "$STAGE/gpu_utilisation.csv" 2>/dev/null < /dev/null &
-  echo $! > "$STAGE/sampler.pid"
+  if [ "$mode" != script ]; then  # a measurement samples the card itself if it needs to
+    setsid nohup nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv,nounits -lms 500 \
+      > "$STAGE/gpu_utilisation.csv" 2>/dev/null < /dev/null &
+    echo $! > "$STAGE/sampler.pid"
+  fi
   smk=("$PY" -m snakemake --profile "$profile" --resources gpu="$slots" --scheduler greedy --keep-going)
   if [ "$mode" = script ]; then
-    kill "$(cat "$STAGE/sampler.pid")"  # a measurement samples the card itself if it needs to
     mkdir -p "$STAGE/out"
     setsid nohup bash -c 'bash "$@"; echo $? > "'"$STAGE"'/snakemake.rc"' run "$STAGE/script.sh" "$@" \
       > "$STAGE/snakemake.out" 2>&1 < /dev/null &

@@ -84,12 +84,12 @@ def plot_cards(samples: list[dict], start: datetime, end: datetime, rule: str, p
     cards: dict[str, list[dict]] = {}
     for sample in samples:
         cards.setdefault(sample["card"], []).append(sample)
+    width = max(1, round(smooth_seconds / 0.5))  # samples come twice a second
     figure, axis = plt.subplots(figsize=(9, 3.6))
     axis.axvspan((start - origin).total_seconds(), (end - origin).total_seconds(), color="0.9",
                  label=f"{rule} jobs running")
     for card in sorted(cards, key=int):
         group = cards[card]
-        width = max(1, round(smooth_seconds / 0.5))  # samples come twice a second
         axis.plot([(sample["time"] - origin).total_seconds() for sample in group],
                   rolling_mean([sample["utilisation"] for sample in group], width), lw=1, label=f"card {card}")
     axis.set_xlabel("seconds since the first sample")

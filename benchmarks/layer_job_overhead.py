@@ -137,7 +137,7 @@ def wrap_everywhere(module_name: str, function_name: str, label: str, phases: di
         return
 
     def wrapper(*args, **kwargs):
-        if function_name == "quantize_layer":  # kept for the second, warm call (first_use_seconds)
+        if function_name == "quantize_layer":  # kept for the second, warm call (warm_quantization_seconds)
             CALLS[function_name] = (original, args, kwargs)
         start = time.perf_counter()
         try:

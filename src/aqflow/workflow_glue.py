@@ -24,21 +24,21 @@ def job_gpus(snakemake) -> int:
 
 
 def run_stage(snakemake, stage: str, settings: Mapping[str, Any], paths: Mapping[str, Any],
-              warm_workers: Mapping[str, Any] | None = None) -> None:
+              execution: Mapping[str, Any] | None = None) -> None:
     """Run stage `stage` (`run(settings, paths)`) for the rule, logging to the rule's log.
 
     A stage's one-line input error (exit 2) is in the log and in the job's failure message; a bug's
     traceback is written to the log too before it propagates. A GPU job is pinned to the least-busy
     card of the node (`gpu_pool`) before the stage (and torch) is imported, and the stale temporaries
     of this job's earlier, killed runs are removed first. The stage runs in this process, or, with
-    `warm_workers` (the config's `execution` section) enabled, in a warm worker of the job's card
+    `execution.warm_workers` (the config's section) on, in a warm worker of the job's card
     (`aqflow.warm_workers`). Call it last: see `skip_exit_collection`."""
     pin_job_gpus(job_gpus(snakemake))
     log_path = str(snakemake.log[0])
     outputs = [str(output) for output in getattr(snakemake, "output", [])]
     outcome = None
-    if warm_workers and warm_workers.get("warm_workers"):
-        outcome = run_in_warm_worker(stage, settings, paths, log_path, outputs, warm_workers)
+    if execution and execution.get("warm_workers"):
+        outcome = run_in_warm_worker(stage, settings, paths, log_path, outputs, execution)
     code, message = outcome if outcome is not None else execute_logged(stage, settings, paths, log_path, outputs)
     if code:
         raise SystemExit(message)

@@ -5,4 +5,4 @@ run_stage(snakemake, "quantize-layer",
           paths={"model_dir": snakemake.input.model, "calibration_dir": snakemake.input.calibration,
                  "layer": snakemake.wildcards.layer, "output": snakemake.output.layer,
                  "metrics": snakemake.output.metrics},
-          warm_workers=snakemake.config.get("execution"))
+          execution=snakemake.config.get("execution"))

@@ -167,20 +167,18 @@ def batch_input_ids(tokenizer, strings: list[str], kwargs: dict) -> list[list[in
     CHECKED_STRINGS strings go through the tokenizer's own call too (which also sets the backend's
     truncation, padding and special-token state for the call), and any difference, any argument
     besides add_special_tokens or a backend with truncation or padding on keeps the own call."""
-    if not strings:
-        return []
-    sample = tokenizer(strings[:CHECKED_STRINGS], **kwargs)["input_ids"]
+    sample = tokenizer(strings[:CHECKED_STRINGS], **kwargs)["input_ids"] if strings else []
     if len(strings) <= CHECKED_STRINGS:
         return sample
     backend = getattr(tokenizer, "_tokenizer", None)
-    if (backend is None or not hasattr(backend, "encode_batch") or set(kwargs) - {"add_special_tokens"}
-            or getattr(backend, "truncation", None) is not None or getattr(backend, "padding", None) is not None):
-        return sample + tokenizer(strings[CHECKED_STRINGS:], **kwargs)["input_ids"]
-    add_special_tokens = kwargs.get("add_special_tokens", True)
-    direct = [encoding.ids for encoding in backend.encode_batch(strings, add_special_tokens=add_special_tokens)]
-    if direct[:CHECKED_STRINGS] != [list(ids) for ids in sample]:
-        return sample + tokenizer(strings[CHECKED_STRINGS:], **kwargs)["input_ids"]
-    return direct
+    usable = (hasattr(backend, "encode_batch") and not set(kwargs) - {"add_special_tokens"}
+              and getattr(backend, "truncation", None) is None and getattr(backend, "padding", None) is None)
+    if usable:
+        direct = [encoding.ids for encoding in
+                  backend.encode_batch(strings, add_special_tokens=kwargs.get("add_special_tokens", True))]
+        if direct[:CHECKED_STRINGS] == [list(ids) for ids in sample]:
+            return direct
+    return sample + tokenizer(strings[CHECKED_STRINGS:], **kwargs)["input_ids"]
 
 
 class BatchedScoringLM(HFLM):
