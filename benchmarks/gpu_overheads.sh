@@ -14,6 +14,9 @@ BEFORE=$1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 SITE="$STAGE/site"
 mkdir -p "$OUTDIR"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUTDIR/card.txt"
+PYTHONPATH="src:$SITE" python3 -c "import torch, transformers, tokenizers, lm_eval
+print('torch', torch.__version__, 'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__)" \
+  | tee -a "$OUTDIR/card.txt"
 
 # the fp16 model folder, as the pipeline's fetch_model makes it
 python3 -m snakemake resources/models/smollm2 --profile profiles/gpu --resources gpu=12 || exit 1
