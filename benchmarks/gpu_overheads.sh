@@ -20,7 +20,7 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, 'tok
 
 # the fp16 model folder, as the pipeline's fetch_model makes it
 python3 -m snakemake resources/models/smollm2 --profile profiles/gpu --resources gpu=12 || exit 1
-MODEL=resources/models/smollm2
+MODEL="$PWD/resources/models/smollm2"  # absolute: the layer jobs run in their own folders
 
 python3 benchmarks/layer_job_overhead.py --device cuda --model-dir "$MODEL" --repeats 5 --snakemake --warm-workers \
   --work /root/ljo --json "$OUTDIR/layer_job_overhead.json"

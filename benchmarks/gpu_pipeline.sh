@@ -63,6 +63,8 @@ start|grid|script)
     "$PY" -c "import sys; from aqflow.models.fetch import fetch_gguf; print(fetch_gguf(sys.argv[1], sys.argv[2]), 'sha256 OK')" "$preset" "$STAGE/cache"
   done
   mode=$1; shift
+  # an earlier run's exit status would end the next `wait` at once
+  rm -f "$STAGE/snakemake.rc" "$STAGE/script.sh"
   if [ "$mode" = grid ]; then tail -n +"${FROM:-1}" "$1" > "$STAGE/batches.txt"; shift; fi
   if [ "$mode" = script ]; then cp "$1" "$STAGE/script.sh"; shift; fi
   mkdir -p "$STAGE/work"
