@@ -146,7 +146,8 @@ def test_domain_distances_of_a_model_are_one_job_on_its_own_text(tmp_path):
 def test_published_grid_and_device_batches_are_the_config_grid(tmp_path):
     """results/published/paper/grid.json is what config.yaml's grid writes today, and the batch files
     that run it on the device machine (benchmarks/paper_batches_*.txt) name only its cells: the
-    one-card SmolLM2 file every SmolLM2 cell, the node file the ones it lists after the seeds done."""
+    one-card SmolLM2 file every SmolLM2 cell, the node file the ones it lists after the seeds done, both
+    Gemma3-270M files its every cell."""
     import json
 
     result = snakemake(tmp_path, [REPO / "config.yaml"], "-c1", "results/paper/grid.json")
@@ -160,9 +161,11 @@ def test_published_grid_and_device_batches_are_the_config_grid(tmp_path):
         lines = (REPO / "benchmarks" / name).read_text().splitlines()
         return [target for line in lines for target in line.split() if target != "all"]
 
-    one_card, node, gemma = (targets(f"paper_batches_{name}.txt") for name in ("smollm2", "smollm2_node", "gemma3"))
-    for batch in (one_card, node, gemma):
+    one_card, node, gemma, gemma_node = (targets(f"paper_batches_{name}.txt")
+                                         for name in ("smollm2", "smollm2_node", "gemma3", "gemma3_node"))
+    for batch in (one_card, node, gemma, gemma_node):
         assert len(batch) == len(set(batch)) and set(batch) <= cells
+    assert sorted(gemma_node) == sorted(gemma)
     assert set(one_card) | {"results/smollm2/2bpp/greedy/b8/eval.json", "results/smollm2/2bpp/oaem/b8/eval.json"} == {
         cell for cell in cells if cell.startswith("results/smollm2/")}
     assert set(node) < set(one_card) and set(gemma) == {cell for cell in cells if cell.startswith("results/gemma3-270m/")}
