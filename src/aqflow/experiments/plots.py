@@ -29,7 +29,8 @@ def _finish(ax, title: str, empty: bool, model: str | None) -> None:
     if empty:
         ax.text(0.5, 0.5, "no runs of this kind yet", ha="center", va="center", transform=ax.transAxes)
     else:
-        ax.legend(fontsize=7)
+        # below the axes: inside, it hid points at the panel's edges
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     ax.set_title(f"{model}: {title}" if model else title, fontsize=10)
 
 
@@ -42,7 +43,7 @@ def _per_model(runs: pd.DataFrame, out: str | Path, size: tuple[float, float],
     for model, ax in zip(models, axes[0]):
         draw(ax, runs if model is None else runs[runs["model"] == model], model)
     fig.tight_layout()
-    fig.savefig(out, dpi=110, format="png")
+    fig.savefig(out, dpi=110, format="png", bbox_inches="tight")
     plt.close(fig)
 
 
