@@ -306,3 +306,19 @@ def test_paper_tables_use_each_models_own_domain_distances(tmp_path):
     assert paper_tables.main([*map(str, paths), "--out-dir", str(out), "--domain-distances", str(files["a"])]) == 2
     assert paper_tables.main([*map(str, paths), "--out-dir", str(out), "--domain-distances", f"a={files['a']}",
                               f"a={files['b']}"]) == 2
+
+
+def test_spread_labels_keeps_order_and_gap_inside_the_axes():
+    """Crowded label heights are pushed apart to the gap, in their order, within [0, 1]; heights
+    already far enough apart stay where they are."""
+    from aqflow.experiments.plots import spread_labels
+
+    rng = np.random.default_rng(0)
+    for count in (1, 2, 5, 17, 30):
+        heights = np.sort(rng.uniform(0.4, 1.2, size=count))  # crowded, some above the axes
+        placed = spread_labels(heights, gap=0.055)
+        gap = min(0.055, 1.0 / count)
+        assert np.all(np.diff(placed) >= gap - 1e-12)
+        assert placed.min() >= 0.0 and placed.max() <= 1.0 + 1e-12
+    spaced = np.array([0.1, 0.3, 0.5, 0.9])
+    np.testing.assert_array_equal(spread_labels(spaced, gap=0.055), spaced)

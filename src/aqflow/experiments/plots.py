@@ -34,6 +34,33 @@ def _finish(ax, title: str, empty: bool, model: str | None) -> None:
     ax.set_title(f"{model}: {title}" if model else title, fontsize=10)
 
 
+def spread_labels(heights: Sequence[float], gap: float) -> np.ndarray:
+    """Label heights (axes fractions) as near `heights` as possible, each at least `gap` from the
+    next, in their order, inside [0, 1]. heights: [n] ascending; returns [n]."""
+    placed = np.asarray(heights, dtype=float).copy()
+    gap = min(gap, 1.0 / max(len(placed), 1))
+    for index in range(len(placed)):  # up from the lowest, then back down from the top
+        floor = placed[index - 1] + gap if index else 0.0
+        placed[index] = max(placed[index], floor)
+    for index in reversed(range(len(placed))):
+        ceiling = placed[index + 1] - gap if index + 1 < len(placed) else 1.0
+        placed[index] = min(placed[index], ceiling)
+    return placed
+
+
+def _label_column(ax, xs: Sequence[float], ys: Sequence[float], names: Sequence[str]) -> None:
+    """Each point's name in a column right of the axes, joined to it by a thin line: names beside
+    the points themselves overlapped wherever points crowd."""
+    ax.autoscale_view()
+    low, high = ax.get_ylim()
+    order = np.argsort(ys)
+    heights = spread_labels([(ys[index] - low) / (high - low) for index in order], gap=0.055)
+    for index, height in zip(order, heights):
+        ax.annotate(names[index], (xs[index], ys[index]), xytext=(1.03, height), textcoords="axes fraction",
+                    fontsize=6, va="center", annotation_clip=False,
+                    arrowprops={"arrowstyle": "-", "color": "grey", "linewidth": 0.4, "shrinkA": 0, "shrinkB": 2})
+
+
 def _per_model(runs: pd.DataFrame, out: str | Path, size: tuple[float, float],
                draw: Callable[[plt.Axes, pd.DataFrame, str | None], None]) -> None:
     """One panel of `size` inches per model of `runs` (one panel when it has none), each drawn by
@@ -130,10 +157,6 @@ def plot_against_domain(runs: pd.DataFrame, domains_of: Mapping[str, Sequence[st
             x = [float(distances[name]) for name in names]
             ax.errorbar(x, means, yerr=sds, marker="o", linestyle="none", capsize=3, color="tab:purple",
                         label="greedy / OA-EM")
-            for index, (name, x_value, mean) in enumerate(zip(names, x, means)):
-                # above and below in turn: neighbouring domains are often a hair apart
-                ax.annotate(name, (x_value, mean), fontsize=6, xytext=(3, 3 if index % 2 == 0 else -8),
-                            textcoords="offset points")
         elif names:
             ax.bar(np.arange(len(names)), means, yerr=sds, capsize=3, color="tab:purple", label="greedy / OA-EM")
             ax.set_xticks(np.arange(len(names)), names, rotation=30, ha="right", fontsize=8)
@@ -144,6 +167,8 @@ def plot_against_domain(runs: pd.DataFrame, domains_of: Mapping[str, Sequence[st
             title += "; nearest first)"
         ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
         ax.set_ylabel("pre-PV perplexity ratio greedy / OA-EM")
+        if names and distances is not None:
+            _label_column(ax, [float(distances[name]) for name in names], means, names)
         _finish(ax, title, not names, model)
 
     _per_model(runs, out, (7, 4.5) if measured else (6, 4), draw)
