@@ -10,6 +10,7 @@ command; a failing stage fails the job with the log's path in the message.
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 from typing import Any, Mapping
 
 from aqflow import stage_cli
@@ -49,8 +50,6 @@ def run_in_warm_worker(stage: str, settings: Mapping[str, Any], paths: Mapping[s
                        outputs: list[str], execution: Mapping[str, Any]) -> tuple[int, str] | None:
     """`execute_logged` in a warm worker of the job's card (`aqflow.warm_workers`); None where
     workers are not supported or none could be started (the caller then runs it in process)."""
-    from pathlib import Path
-
     from aqflow import warm_workers
     from aqflow.gpu_pool import pool_folder
 

@@ -92,9 +92,9 @@ def batch_layout(inputs: list[list[int]], scored: list[list[list[int]]]) -> Batc
     targets = np.fromiter(itertools.chain.from_iterable(cont for continuations in scored for cont in continuations),
                           dtype=np.int64, count=int(continuation_lengths.sum()))
     owners = np.repeat(np.arange(len(continuation_lengths)), continuation_lengths)
-    as_long = torch.from_numpy
-    return BatchLayout(as_long(input_ids), as_long(np.stack([row_batch, row_position], axis=1)), as_long(token_rows),
-                       as_long(targets), as_long(owners), len(continuation_lengths))
+    rows = np.stack([row_batch, row_position], axis=1)
+    return BatchLayout(*(torch.from_numpy(array) for array in (input_ids, rows, token_rows, targets, owners)),
+                       len(continuation_lengths))
 
 
 def score_batch(logits: torch.Tensor, layout: BatchLayout, softmax_dtype: torch.dtype | None

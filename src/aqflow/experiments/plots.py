@@ -153,10 +153,12 @@ def plot_against_domain(runs: pd.DataFrame, domains_of: Mapping[str, Sequence[st
                     means.append(ratio.mean())
                     sds.append(ratio.std() if len(ratio) > 1 else 0.0)
         title = f"the gap by domain ({bpp} bpp, b{beam}, e{max_epochs}"
+        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")  # first: it sets the y range the labels follow
         if names and distances is not None:
             x = [float(distances[name]) for name in names]
             ax.errorbar(x, means, yerr=sds, marker="o", linestyle="none", capsize=3, color="tab:purple",
                         label="greedy / OA-EM")
+            _label_column(ax, x, means, names)
         elif names:
             ax.bar(np.arange(len(names)), means, yerr=sds, capsize=3, color="tab:purple", label="greedy / OA-EM")
             ax.set_xticks(np.arange(len(names)), names, rotation=30, ha="right", fontsize=8)
@@ -165,10 +167,7 @@ def plot_against_domain(runs: pd.DataFrame, domains_of: Mapping[str, Sequence[st
             title += ")"
         else:
             title += "; nearest first)"
-        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
         ax.set_ylabel("pre-PV perplexity ratio greedy / OA-EM")
-        if names and distances is not None:
-            _label_column(ax, [float(distances[name]) for name in names], means, names)
         _finish(ax, title, not names, model)
 
     _per_model(runs, out, (7, 4.5) if measured else (6, 4), draw)
