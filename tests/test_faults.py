@@ -113,13 +113,26 @@ def kill_job(workdir: Path, run: subprocess.Popen, script: str, delay: float, re
         pid = job_process(workdir, script)
         if pid is not None and ready():
             time.sleep(delay)
-            try:
-                os.kill(pid, signal.SIGKILL)
-                return True
-            except ProcessLookupError:
-                delay /= 2
+            # a job that ended is a zombie until Snakemake reaps it, and a SIGKILL to a zombie
+            # "succeeds" without failing anything: only a live job counts as killed
+            if _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    return True
+                except ProcessLookupError:  # it ended and was reaped just now
+                    pass
+            delay /= 2
         time.sleep(0.05)
     return False
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (its /proc state is not Z, zombie, or X, dead)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")  # the state follows the parenthesised name
 
 
 def _read_log(path: Path) -> str:
@@ -462,11 +475,7 @@ def test_a_child_started_by_a_job_dies_with_it(tmp_path):
     job.wait()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            return
-        if "zombie" in Path(f"/proc/{child}/status").read_text().lower():
+        if not _alive(child):
             return
         time.sleep(0.05)
     os.kill(child, signal.SIGKILL)
