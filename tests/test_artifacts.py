@@ -3,6 +3,7 @@ any later change by name."""
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -31,6 +32,37 @@ def test_atomic_dir_replaces_on_success_and_leaves_nothing_on_failure(tmp_path):
     with pytest.raises(FileExistsError, match="out exists"):
         with atomic_dir(target, replace=False):
             pass
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "renamed-aside"])
+def test_a_folder_killed_while_being_replaced_is_whole_old_or_whole_new(tmp_path, monkeypatch, exchange):
+    """Replacing a folder (a PV-tuning state saved every step): at any point where a kill can land,
+    the target holds every file of one version, and what is left beside it is a stale temporary.
+    The kill is simulated where the old version is being removed; the second case is the path for
+    file systems without an atomic exchange."""
+    target = tmp_path / "state"
+    with atomic_dir(target) as staging:
+        for name in ("state.json", "state.safetensors"):
+            (staging / name).write_text(f"old {name}")
+    if not exchange:
+        monkeypatch.setattr(artifacts, "_exchange", lambda first, second: False)
+    real_rmtree = artifacts.shutil.rmtree
+
+    def killed_halfway(path, *args, **kwargs):  # one file gone, then the kill
+        next(iter(sorted(Path(path).iterdir()))).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(artifacts.shutil, "rmtree", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_dir(target) as staging:
+            for name in ("state.json", "state.safetensors"):
+                (staging / name).write_text(f"new {name}")
+    monkeypatch.setattr(artifacts.shutil, "rmtree", real_rmtree)
+    assert {path.name: path.read_text() for path in target.iterdir() if path.name != "SHA256SUMS"} == {
+        "state.json": "new state.json", "state.safetensors": "new state.safetensors"}
+    artifacts.verified_tree(target)
+    leftovers = artifacts.remove_stale_temporaries(target)
+    assert leftovers and sorted(path.name for path in tmp_path.iterdir()) == ["state"]
 
 
 def _write_each_kind(folder):

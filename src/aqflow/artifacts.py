@@ -338,6 +338,40 @@ def write_checksums(folder: str | os.PathLike) -> Path:
     return sums
 
 
+def replace_folder(staging: Path, target: Path) -> None:
+    """Put folder `staging` at `target` in place of the folder there, and remove the old one,
+    such that a kill at any point leaves a whole `target`: deleting the old folder first left a
+    half-deleted one (a PV-tuning state without its state.json) when killed meanwhile. Linux swaps
+    the two in one step (renameat2 RENAME_EXCHANGE); elsewhere, or where the file system refuses,
+    the old one is renamed aside first (then `target` is missing between two renames, never half).
+    The old folder is left under `staging`'s name (a stale temporary) until it is removed."""
+    if not _exchange(staging, target):
+        aside = staging.with_name(staging.name.removesuffix(".partial") + "-old.partial")
+        os.replace(target, aside)
+        os.replace(staging, target)
+        staging = aside
+    shutil.rmtree(staging)
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two paths atomically with Linux's renameat2(RENAME_EXCHANGE); False where unsupported."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:  # glibc before 2.28
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0:
+        return True
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # file system or kernel without it
+        return False
+    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(second))
+
+
 @contextlib.contextmanager
 def atomic_dir(target: str | os.PathLike, replace: bool = True) -> Iterator[Path]:
     """Yield a fresh staging folder next to `target`; if the block succeeds, SHA256SUMS of its
@@ -361,8 +395,9 @@ def atomic_dir(target: str | os.PathLike, replace: bool = True) -> Iterator[Path
             _share_files(staging)
             write_checksums(staging)
             if target.exists():
-                shutil.rmtree(target)
-            os.replace(staging, target)
+                replace_folder(staging, target)
+            else:
+                os.replace(staging, target)
         except FileExistsError:
             raise
         except OSError as error:
