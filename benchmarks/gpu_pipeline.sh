@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_pipeline.sh install   # carry the wheel folders WHEELS (default: .whl)
 #   bash benchmarks/gpu_pipeline.sh assets F  # carry F: a tar.xz of cache/ (zero-shot data) and resources/data
 #   bash benchmarks/gpu_pipeline.sh part F [PRESET]  # carry one part F of a GGUF preset's file (split -b 49M,
-#                                             # parts in name order; PRESET default smollm2), once per part
+#                                             # parts in name order; PRESET default smollm2), once per part;
+#                                             # also while a grid runs, for its later lines
 #   bash benchmarks/gpu_pipeline.sh start [snakemake args]   # detached Snakemake run of the DAG
 #   bash benchmarks/gpu_pipeline.sh grid FILE      # detached: one Snakemake run per line of FILE, in order
 #                                             # (FROM=N: from its line N, the lines before it done)
@@ -48,20 +49,34 @@ assets)
 part)
   mkdir -p "$STAGE/parts/${3:-smollm2}" && cp "$2" "$STAGE/parts/${3:-smollm2}/" && ls -la "$STAGE/parts/${3:-smollm2}"
   ;;
+join)
+  # each preset's parts joined into the file the pipeline's fetch_model looks for, where it checks
+  # the preset's sha256 (aqflow.models.fetch.fetch_gguf); a preset whose parts are not all staged
+  # yet (their join has the wrong sha256) is left for a later join: `grid` joins before every line,
+  # so parts staged while earlier lines run are there for the lines that need them
+  for parts in "$STAGE"/parts/*/; do
+    [ -d "$parts" ] || continue
+    preset=$(basename "$parts")
+    gguf="$STAGE/cache/$preset/$("$PY" -c "import sys; from aqflow.models.presets import get_preset; print(get_preset(sys.argv[1]).gguf_name)" "$preset")"
+    mkdir -p "$(dirname "$gguf")"
+    if [ ! -f "$gguf" ]; then
+      cat "$parts"* > "$gguf.tmp"
+      if "$PY" -c "import sys; from aqflow.models.presets import get_preset; from aqflow.fetching import sha256_file; \
+sys.exit(sha256_file(sys.argv[2]) != get_preset(sys.argv[1]).sha256)" "$preset" "$gguf.tmp"; then
+        mv "$gguf.tmp" "$gguf"
+      else
+        rm -f "$gguf.tmp"; echo "$preset: $(ls "$parts" | wc -l) part(s) staged, not all of them yet"; continue
+      fi
+    fi
+    "$PY" -c "import sys; from aqflow.models.fetch import fetch_gguf; print(fetch_gguf(sys.argv[1], sys.argv[2]), 'sha256 OK')" "$preset" "$STAGE/cache"
+  done
+  ;;
 start|grid|script)
   # Snakemake runs detached (its own session) in a copy outside the synced checkout, so that it
   # outlives this call and keeps its outputs between calls: the device tool replaces the
   # checkout's unignored files (results/published is committed) at every call, and a job killed at a
   # call's time limit would restart from scratch. Later `wait` calls watch it.
-  # each preset's parts joined into the file the pipeline's fetch_model looks for, where it checks
-  # the preset's sha256 (aqflow.models.fetch.fetch_gguf)
-  for parts in "$STAGE"/parts/*/; do
-    preset=$(basename "$parts")
-    gguf="$STAGE/cache/$preset/$("$PY" -c "import sys; from aqflow.models.presets import get_preset; print(get_preset(sys.argv[1]).gguf_name)" "$preset")"
-    mkdir -p "$(dirname "$gguf")"
-    if [ ! -f "$gguf" ]; then cat "$parts"* > "$gguf.tmp" && mv "$gguf.tmp" "$gguf"; fi
-    "$PY" -c "import sys; from aqflow.models.fetch import fetch_gguf; print(fetch_gguf(sys.argv[1], sys.argv[2]), 'sha256 OK')" "$preset" "$STAGE/cache"
-  done
+  bash "$0" join
   mode=$1; shift
   # an earlier run's exit status would end the next `wait` at once
   rm -f "$STAGE/snakemake.rc" "$STAGE/script.sh"
@@ -101,6 +116,7 @@ start|grid|script)
       n=0
       while IFS= read -r line; do
         n=$((n + 1)); targets=${line:-all}; begin=$(date +%s)
+        bash benchmarks/gpu_pipeline.sh join
         echo "=== batch $n: $targets"
         "$@" $targets $extra < /dev/null; rc=$?
         printf "%s\t%s\t%s\t%s\t%s\n" "$n" "$begin" "$(date +%s)" "$rc" "$targets" >> "$stage/batches.tsv"

@@ -226,3 +226,21 @@ def test_strings_from_the_tokenizers_backend_equal_its_own_call_and_a_differing_
     assert batch_input_ids(trusted, strings, {}) == expected and trusted.calls == [CHECKED_STRINGS]
     assert batch_input_ids(distrusted, strings, {}) == expected
     assert distrusted.calls == [CHECKED_STRINGS, len(strings) - CHECKED_STRINGS]
+
+
+def test_a_batch_over_the_logits_budget_is_scored_in_pieces_with_the_same_answers(tiny, monkeypatch):
+    model, tokenizer = tiny
+    requests = _requests(random.Random(1), model.config.vocab_size, 30)
+    batched = BatchedScoringLM(pretrained=model, tokenizer=tokenizer, batch_size=16, max_length=64)
+    whole = batched._loglikelihood_tokens(requests, disable_tqdm=True)
+    forwards = []
+    scored_alone = batched._score
+    monkeypatch.setattr(batched, "_score", lambda inputs, scored: forwards.append(
+        (len(inputs), max(map(len, inputs)))) or scored_alone(inputs, scored))
+    # room for the float32 logits of 192 positions: three 64-token sequences, more shorter ones
+    batched.logits_budget_bytes = 3 * 64 * model.config.vocab_size * 4
+    pieces = batched._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert all(rows * length <= 3 * 64 for rows, length in forwards)
+    assert forwards[0] == (3, 64) and len(forwards) > len(requests) / 16
+    assert [greedy for _, greedy in pieces] == [greedy for _, greedy in whole]
+    assert [value for value, _ in pieces] == pytest.approx([value for value, _ in whole], rel=1e-5, abs=1e-6)

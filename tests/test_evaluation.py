@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import json
 import math
@@ -21,6 +22,7 @@ from aqflow.data.zero_shot import (
 )
 from aqflow.evaluation import perplexity
 from aqflow.models.folder import stored_bits_per_parameter
+from aqflow.evaluation.logits_budget import sequences_within_budget
 from aqflow.evaluation.protocol import c4_windows, wikitext2_windows, windows_sha256
 from aqflow.evaluation.zero_shot import (
     HEADLINE_METRIC, TASK_TEMPLATES_DIR, average_accuracy, run_zero_shot, write_task_configs,
@@ -170,6 +172,30 @@ def test_random_tiny_model_perplexity_is_exp_mean_nll_and_about_the_vocabulary_s
     measured = perplexity(model, windows, batch_size=2, progress=False)
     assert measured == pytest.approx(by_hand, rel=1e-5)
     assert 0.8 * vocab < measured < 1.25 * vocab  # random init: near-uniform next-token distribution
+
+
+def test_perplexity_cuts_its_batch_to_the_logits_budget_and_keeps_its_value(tiny, monkeypatch):
+    module = importlib.import_module("aqflow.evaluation.perplexity")  # the package exports the function by that name
+    model, _ = tiny
+    vocab = model.config.vocab_size
+    windows = torch.randint(0, vocab, (5, 40), generator=torch.Generator().manual_seed(1))
+    whole = perplexity(model, windows, batch_size=5, progress=False, logits_budget_bytes=None)
+    forwards = []
+    scored = module.window_nll
+    monkeypatch.setattr(module, "window_nll", lambda m, batch: forwards.append(batch.shape[0]) or scored(m, batch))
+    # float32 logits of two 40-token windows fit, three do not
+    cut = perplexity(model, windows, batch_size=5, progress=False, logits_budget_bytes=2 * 40 * vocab * 4 + 1)
+    assert forwards == [2, 2, 1]
+    assert cut == pytest.approx(whole, rel=1e-6)
+
+
+def test_sequences_within_budget_is_the_most_that_fit_and_never_zero():
+    assert sequences_within_budget(32, 4096, 49152, 2, 16 * 2**30) == 32  # SmolLM2's batch stays whole
+    assert sequences_within_budget(32, 4096, 262144, 2, 16 * 2**30) == 8  # Gemma 3: 2 GiB a window
+    assert sequences_within_budget(32, 4096, 262144, 2, 2**30) == 1  # a window over the budget still runs
+    assert sequences_within_budget(7, 10, 100, 4, None) == 7
+    with pytest.raises(ValueError, match="requested"):
+        sequences_within_budget(0, 10, 100, 4, None)
 
 
 # --- zero-shot data and tasks --------------------------------------------------------------------
@@ -379,6 +405,7 @@ def test_dense_cpu_layers_give_the_logits_of_aqlms_own_kernels(tiny_dir, tmp_pat
     ({"--model-dir": "/nonexistent/model"}, "--model-dir"),
     ({"--context": "1"}, "--context"),
     ({"--task-limit": "0"}, "--task-limit"),
+    ({"--logits-budget-gib": "0"}, "--logits-budget-gib"),
     ({"--data-dir": "/nonexistent/corpora"}, "--wikitext2-corpus"),
     ({"--task-data-dir": "/nonexistent/tasks"}, "--task-data-dir"),
     ({"--settings": "BROKEN"}, "--settings"),

@@ -169,3 +169,43 @@ def test_published_grid_and_device_batches_are_the_config_grid(tmp_path):
     assert set(one_card) | {"results/smollm2/2bpp/greedy/b8/eval.json", "results/smollm2/2bpp/oaem/b8/eval.json"} == {
         cell for cell in cells if cell.startswith("results/smollm2/")}
     assert set(node) < set(one_card) and set(gemma) == {cell for cell in cells if cell.startswith("results/gemma3-270m/")}
+    # the node's last cells: the batch file's lines are what the override's cell order ranks, each
+    # cell once a line, Gemma's line with every SmolLM2 cell again
+    rest_lines = [line.split() for line in (REPO / "benchmarks" / "paper_batches_rest_node.txt").read_text().splitlines()]
+    order = yaml.safe_load((REPO / "benchmarks" / "paper_rest_node.yaml").read_text())["execution"]["cell_order"]
+    assert len(order) == len(set(order)) and set(order) <= cells and all(len(line) == len(set(line)) for line in rest_lines)
+    assert set(rest_lines[1]) == set(order) == set(rest_lines[0]) | set(gemma)
+    assert set(node[-len(rest_lines[0]):]) == set(rest_lines[0])
+
+
+def job_priorities(result: subprocess.CompletedProcess) -> dict[tuple[str, str], int]:
+    """(rule, variant folder) -> priority of every job of a dry run's listing (0 where none is shown)."""
+    priorities, rule = {}, None
+    for line in result.stdout.splitlines():
+        stripped = line.strip()
+        if stripped.startswith(("rule ", "localrule ")) and stripped.endswith(":"):
+            rule, cell, priority = stripped.split()[-1].rstrip(":"), None, 0
+        elif rule and stripped.startswith("wildcards:"):
+            values = dict(item.split("=", 1) for item in stripped.split(":", 1)[1].strip().split(", "))
+            if "variant" in values:
+                cell = f"{values['model']}/{values['bpp']}bpp/{values['init']}/{values['variant']}"
+        elif rule and stripped.startswith("priority:"):
+            priority = int(stripped.split(":", 1)[1])
+        elif rule and stripped.startswith("resources:"):
+            if cell:
+                priorities[(rule, cell)] = priority
+            rule = None
+    return priorities
+
+
+def test_cells_in_execution_cell_order_get_every_job_first_in_that_order(tmp_path):
+    config = dict(TINY, execution={"cell_order": ["results/tiny/2bpp/oaem/b2e2/eval.json",
+                                                  "results/tiny/2bpp/greedy/b2e2/eval.json"]})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cells = ["tiny/2bpp/oaem/b2e2", "tiny/2bpp/greedy/b2e2", "tiny/2bpp/greedy/b4e2"]
+    result = dry_run_configs(tmp_path, [path], *(f"results/{cell}/eval.json" for cell in cells), quiet=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    priorities = job_priorities(result)
+    for rule in ("stitch", "evaluate_quantized", "pvtune", "evaluate_pvtuned"):
+        assert [priorities[(rule, cell)] for cell in cells] == [2, 1, 0], rule

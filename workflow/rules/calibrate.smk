@@ -41,6 +41,7 @@ rule calibrate_block:
         "logs/calibrate_block/{model}/{bpp}bpp/{init}/{variant}/block{block}.log",
     benchmark:
         "logs/benchmarks/calibrate_block/{model}/{bpp}bpp/{init}/{variant}/block{block}.tsv"
+    priority: cell_priority
     conda:
         "../../envs/quantize.yaml"
     container:
@@ -76,6 +77,7 @@ rule finetune_block:
         "logs/finetune_block/{model}/{bpp}bpp/{init}/{variant}/block{block}.log",
     benchmark:
         "logs/benchmarks/finetune_block/{model}/{bpp}bpp/{init}/{variant}/block{block}.tsv"
+    priority: cell_priority
     conda:
         "../../envs/quantize.yaml"
     container:

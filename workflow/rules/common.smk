@@ -705,3 +705,19 @@ def experiment_domains(name):
 
 def experiment_evals(name):
     return [cell["eval_json"] for cell in experiment_cells(name)]
+
+
+# each listed variant's folder: its eval.json path without the file name
+CELL_ORDER = [
+    os.path.dirname(path) for path in config["execution"].get("cell_order", [])
+]
+
+
+def cell_priority(wildcards):
+    """A variant job's scheduling priority: cells named in `execution.cell_order` get theirs in that
+    order (the first the highest), every other cell 0. Every job of a cell has its cell's priority,
+    so a listed cell's stitch, PV-tuning and evaluations start as soon as its layers are done, ahead
+    of the next cell's layer jobs, and cells finish one after another instead of all at the end.
+    """
+    cell = f"results/{wildcards.model}/{wildcards.bpp}bpp/{wildcards.init}/{wildcards.variant}"
+    return len(CELL_ORDER) - CELL_ORDER.index(cell) if cell in CELL_ORDER else 0

@@ -10,6 +10,7 @@ rule evaluate_quantized:
         "logs/evaluate/{model}/{bpp}bpp/{init}/{variant}.log",
     benchmark:
         "logs/benchmarks/evaluate_quantized/{model}/{bpp}bpp/{init}/{variant}.tsv"
+    priority: cell_priority
     conda:
         "../../envs/evaluate.yaml"
     container:

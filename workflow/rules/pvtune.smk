@@ -14,6 +14,7 @@ if PV_ENABLED:
             "logs/pvtune/{model}/{bpp}bpp/{init}/{variant}.log",
         benchmark:
             "logs/benchmarks/pvtune/{model}/{bpp}bpp/{init}/{variant}.tsv"
+        priority: cell_priority
         conda:
             "../../envs/quantize.yaml"
         container:
@@ -40,6 +41,7 @@ if PV_ENABLED:
             "logs/evaluate/{model}/{bpp}bpp/{init}/{variant}-pv.log",
         benchmark:
             "logs/benchmarks/evaluate_pvtuned/{model}/{bpp}bpp/{init}/{variant}.tsv"
+        priority: cell_priority
         conda:
             "../../envs/evaluate.yaml"
         container:

@@ -9,6 +9,7 @@ rule quantize_layer:
         "logs/quantize_layer/{model}/{bpp}bpp/{init}/{variant}/{layer}.log",
     benchmark:
         "logs/benchmarks/quantize_layer/{model}/{bpp}bpp/{init}/{variant}/{layer}.tsv"
+    priority: cell_priority
     conda:
         "../../envs/quantize.yaml"
     container:
@@ -33,6 +34,7 @@ rule stitch:
         "logs/stitch/{model}/{bpp}bpp/{init}/{variant}.log",
     benchmark:
         "logs/benchmarks/stitch/{model}/{bpp}bpp/{init}/{variant}.tsv"
+    priority: cell_priority
     conda:
         "../../envs/quantize.yaml"
     container:

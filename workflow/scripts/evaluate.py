@@ -24,7 +24,10 @@ settings = {"label": p.label, "upstream": upstream, "quiet": True,
             "context": ev["context"], "c4_windows": ev["c4_windows"], "batch_size": ev["batch_size"],
             "tasks": ev["tasks"], "cpu_kernel": ev["cpu_kernel"], "gpu_kernel": ev["gpu_kernel"],
             "task_batch_size": ev.get("task_batch_size"),
-            "max_windows": ev.get("max_windows"), "task_limit": ev.get("task_limit")}
+            "max_windows": ev.get("max_windows"), "task_limit": ev.get("task_limit"),
+            # how the job runs, not what it measures: read from the config, not a rule param, so
+            # changing it reruns no evaluation
+            "logits_budget_gib": snakemake.config["execution"]["logits_budget_gib"]}
 # one perplexity per evaluation domain (config.yaml `text`): its name, protocol and corpus file
 corpora = snakemake.input.get("corpora", [])
 corpora = [corpora] if isinstance(corpora, str) else list(corpora)  # one file may come as a str

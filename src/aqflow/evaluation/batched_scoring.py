@@ -41,6 +41,8 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import Collator, _add_special_kwargs, has_bos_prefix
 from tqdm.auto import tqdm
 
+from aqflow.evaluation.logits_budget import DEFAULT_LOGITS_BUDGET_BYTES, logits_shape_bytes, sequences_within_budget
+
 
 @dataclass(frozen=True)
 class BatchLayout:
@@ -186,6 +188,7 @@ class BatchedScoringLM(HFLM):
     causal models only, fixed batch size. Its strings are tokenized in one batch first."""
 
     _encoded: dict | None = None
+    logits_budget_bytes: int | None = DEFAULT_LOGITS_BUDGET_BYTES  # the most logits one forward pass holds
 
     def _special_tokens_kwargs(self, string: str, add_special_tokens: bool | None, bos_string: str) -> dict:
         """tok_encode's arguments to the tokenizer for `string` (HFLM.tok_encode's rule)."""
@@ -241,8 +244,9 @@ class BatchedScoringLM(HFLM):
         results: list[tuple[float, bool]] = []
         progress = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
                         desc="Running loglikelihood requests (batched)")
+        vocab, bytes_per_logit = logits_shape_bytes(self.model)
         for chunk in reorder.get_batched(n=int(batch_size)):
-            inputs, scored, request_strings = [], [], []
+            inputs, scored, answered_strings = [], [], []
             for request_string, context, continuation in chunk:
                 if not context or not continuation or len(continuation) > self.max_length:
                     raise ValueError(f"lm-eval request {request_string!r}: empty context or continuation, or a "
@@ -252,16 +256,26 @@ class BatchedScoringLM(HFLM):
                 answered = list(reorder.get_cache(req_str=request_string, cxt_toks=context,
                                                   cont_toks=continuation, logits=placeholder))
                 scored.append([list(cont) for _, cont, _ in answered])
-                request_strings.extend(string for string, _, _ in answered)
-            layout = batch_layout(inputs, scored)
-            input_ids = layout.input_ids.pin_memory() if self.device.type == "cuda" else layout.input_ids
-            logits = self._model_call(input_ids.to(self.device, non_blocking=True))
-            loglikelihood, is_greedy = score_batch(logits, layout, self.softmax_dtype)
-            for request_string, value, greedy in zip(request_strings, loglikelihood.tolist(), is_greedy.tolist()):
-                answer = (value, greedy)
-                results.append(answer)
-                if request_string is not None:  # loglikelihood_rolling's requests carry None
-                    self.cache_hook.add_partial("loglikelihood", request_string, answer)
-            progress.update(len(request_strings))
+                answered_strings.append([string for string, _, _ in answered])
+            # a batch whose logits would pass the budget goes through the model in pieces (a
+            # request's numbers do not depend on the batch it is scored in)
+            piece = sequences_within_budget(len(inputs), max(map(len, inputs)), vocab, bytes_per_logit,
+                                            self.logits_budget_bytes)
+            for start in range(0, len(inputs), piece):
+                request_strings = list(itertools.chain.from_iterable(answered_strings[start:start + piece]))
+                for answer, request_string in zip(self._score(inputs[start:start + piece],
+                                                              scored[start:start + piece]), request_strings):
+                    results.append(answer)
+                    if request_string is not None:  # loglikelihood_rolling's requests carry None
+                        self.cache_hook.add_partial("loglikelihood", request_string, answer)
+                progress.update(len(request_strings))
         progress.close()
         return reorder.get_original(results)
+
+    def _score(self, inputs: list[list[int]], scored: list[list[list[int]]]) -> list[tuple[float, bool]]:
+        """(log-likelihood, greedy match) of every request answered by one forward pass over `inputs`."""
+        layout = batch_layout(inputs, scored)
+        input_ids = layout.input_ids.pin_memory() if self.device.type == "cuda" else layout.input_ids
+        logits = self._model_call(input_ids.to(self.device, non_blocking=True))
+        loglikelihood, is_greedy = score_batch(logits, layout, self.softmax_dtype)
+        return list(zip(loglikelihood.tolist(), is_greedy.tolist()))

@@ -13,6 +13,8 @@ import math
 import torch
 from tqdm.auto import tqdm
 
+from aqflow.evaluation.logits_budget import DEFAULT_LOGITS_BUDGET_BYTES, logits_shape_bytes, sequences_within_budget
+
 
 @torch.no_grad()
 def window_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -33,12 +35,15 @@ def window_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool = True) -> float:
+def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool = True,
+               logits_budget_bytes: int | None = DEFAULT_LOGITS_BUDGET_BYTES) -> float:
     """exp(mean next-token NLL) of `model` over `windows` [num_windows, T] int64 (any device;
-    moved to the model's `batch_size` windows at a time), as a Python float."""
+    moved to the model's `batch_size` windows at a time, fewer where their logits would exceed
+    `logits_budget_bytes`), as a Python float."""
     if windows.dim() != 2 or windows.shape[1] < 2:
         raise ValueError(f"windows must be [num_windows, T >= 2], got shape {tuple(windows.shape)}")
     device = next(model.parameters()).device
+    batch_size = sequences_within_budget(batch_size, windows.shape[1], *logits_shape_bytes(model), logits_budget_bytes)
     total_nats = 0.0
     for start in tqdm(range(0, windows.shape[0], batch_size), desc="perplexity", unit="batch", disable=not progress):
         batch = windows[start:start + batch_size].to(device)

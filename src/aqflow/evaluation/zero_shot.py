@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 from ..data.zero_shot import ZERO_SHOT_TASKS
+from .logits_budget import DEFAULT_LOGITS_BUDGET_BYTES
 
 TASK_TEMPLATES_DIR = Path(__file__).with_name("tasks")
 DEFAULT_BOOTSTRAP_ITERS = 1000  # only lambada's perplexity stderr is bootstrapped; 1000 draws suffice
@@ -133,7 +134,7 @@ def run_zero_shot(model, tokenizer, data_files: Mapping[str, str | os.PathLike],
                   limit: int | None = None, batch_size: int = 1, max_length: int | None = None,
                   bootstrap_iters: int = DEFAULT_BOOTSTRAP_ITERS, seed: int = 0,
                   scoring: str = "batched", datasets_cache_dir: str | os.PathLike | None = None,
-                  ) -> dict[str, dict[str, float]]:
+                  logits_budget_bytes: int | None = DEFAULT_LOGITS_BUDGET_BYTES) -> dict[str, dict[str, float]]:
     """Evaluate `model` zero-shot on the tasks of `data_files` ({task: JSONL}); return task metrics.
 
     limit: at most this many examples per task (the first ones, lm-eval's `limit`), None for all.
@@ -142,6 +143,7 @@ def run_zero_shot(model, tokenizer, data_files: Mapping[str, str | os.PathLike],
     datasets_cache_dir: where `datasets` keeps its Arrow copies of the JSONL files (keyed by path
     and modification time, so a folder shared between evaluations is reused, not mixed up);
     default `<work_dir>/datasets-cache`. The task configs go under `work_dir`.
+    logits_budget_bytes: "batched" scoring cuts a batch whose logits would hold more (None: never).
     """
     check_tasks(list(data_files))
     if scoring not in SCORING:
@@ -161,6 +163,8 @@ def run_zero_shot(model, tokenizer, data_files: Mapping[str, str | os.PathLike],
 
     lm_class = BatchedScoringLM if scoring == "batched" else HFLM
     lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+    if scoring == "batched":
+        lm.logits_budget_bytes = logits_budget_bytes
     fast_host = contextlib.ExitStack()
     if scoring == "batched":  # "lm-eval" stays lm-eval as shipped, the reference of the tests
         for context in (cached_templates(), zero_shot_tasks_only(), bootstrap_in_process()):

