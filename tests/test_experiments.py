@@ -29,7 +29,8 @@ def grid(gap_of, seeds=(0, 1, 2), noise=0.02, rng_seed=0):
     for bpp, beam, epochs, geometry, rho in cells:
         for seed in seeds:
             cell = {"model": "m", "bpp": bpp, "beam": beam, "max_epochs": epochs, "geometry": geometry, "rho": rho, "seed": seed,
-                    "nominal_bits": 3.0 if geometry == "g8m3k256" else 2.0}
+                    "nominal_bits": 3.0 if geometry == "g8m3k256" else 2.0,
+                    "bit_rate_geometry": geometry in ("g8m2k256", "g8m3k256")}
             greedy = {"init": "greedy"}
             for column, domain_gap in (("wikitext2", 1.0), ("c4", 0.0)):
                 for stage, stage_gap in (("pre_pv_", 1.0), ("", 0.2)):
@@ -37,10 +38,8 @@ def grid(gap_of, seeds=(0, 1, 2), noise=0.02, rng_seed=0):
                     greedy[f"{stage}{column}_ppl"] = 20.0 * math.exp(gap)
             rows.append({**cell, **greedy})
             rows.append({**cell, "init": "oaem", **{f"{s}{c}_ppl": 20.0 for s in ("pre_pv_", "") for c in ("wikitext2", "c4")}})
-    frame = pd.DataFrame(rows)
-    # the geometry sweep is a separate bpp label in the grid: keep it out of the default cells
-    frame.loc[frame["geometry"] == "g4m1k256", "bpp"] = 21
-    return frame
+    # the geometry sweep shares the bit rate's cells (2 bpp, b8, e100): only bit_rate_geometry tells them apart
+    return pd.DataFrame(rows)
 
 
 def test_t_critical_matches_known_quantiles():
@@ -147,7 +146,6 @@ def test_claims_take_each_models_own_claims():
 
 def test_rho_and_domain_slopes():
     frame = grid(lambda cell: 1.0 + 0.5 * math.log10(cell["rho"]), noise=0.0)
-    frame.loc[frame["bpp"] == 21, "bpp"] = 2
     slopes = gap_against_rho(frame[frame["bpp"] == 2], "pre_pv_wikitext2_ppl", beam=8, max_epochs=100)
     assert np.allclose(slopes, 0.5)
     domain = gap_against_domain_distance(grid(lambda cell: 1.0, noise=0.0), ["c4", "wikitext2"],
@@ -322,3 +320,25 @@ def test_spread_labels_keeps_order_and_gap_inside_the_axes():
         assert placed.min() >= 0.0 and placed.max() <= 1.0 + 1e-12
     spaced = np.array([0.1, 0.3, 0.5, 0.9])
     np.testing.assert_array_equal(spread_labels(spaced, gap=0.055), spaced)
+
+
+def test_runs_at_their_bit_rates_own_geometry_are_those_whose_folder_names_no_other():
+    from aqflow.experiments.runs import GEOMETRY_LABEL, at_bit_rate_geometry
+
+    assert GEOMETRY_LABEL.match("g6m2k64-b8s43") and GEOMETRY_LABEL.match("g4m1k256-b8")
+    assert not GEOMETRY_LABEL.match("b8s43") and not GEOMETRY_LABEL.match("b8e5")
+    frame = pd.DataFrame({"variant": ["b8", "g6m2k64-b8", "fp"], "bit_rate_geometry": [True, False, False]})
+    assert at_bit_rate_geometry(frame)["variant"].tolist() == ["b8"]
+    assert len(at_bit_rate_geometry(frame.drop(columns="bit_rate_geometry"))) == 3
+
+
+def test_a_post_pv_claim_on_runs_whose_pv_tuning_kept_its_start_is_not_a_verdict():
+    frame = grid(lambda cell: 1.0, noise=0.01)
+    frame["pvtune_selected_step"] = 20
+    tuned = claims_table(frame, paper_claims()).set_index("claim")
+    assert tuned.loc["post_pv_gap", "verdict"] == "holds"
+    frame["pvtune_selected_step"] = 0  # every run: the held-out KL never went below the start
+    untuned = claims_table(frame, paper_claims()).set_index("claim")
+    assert untuned.loc["post_pv_gap", "verdict"] == "inconclusive (PV-tuning kept its start in every run: nothing was tuned)"
+    assert untuned.loc["post_pv_gap", "mean"] == pytest.approx(tuned.loc["post_pv_gap", "mean"])  # still shown
+    assert untuned.loc["pre_pv_gap", "verdict"] == "holds"

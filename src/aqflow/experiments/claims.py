@@ -19,11 +19,13 @@ claim and model with runs, and the measures refuse a frame of several models.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
+
+from .runs import at_bit_rate_geometry
 
 MIN_SEEDS = 3
 NO_RUNS = "inconclusive (no runs)"
@@ -77,10 +79,11 @@ def paired_gaps(frame: pd.DataFrame, metric: str, cell: Sequence[str] = CELL, ba
     """log(ppl of `baseline`) - log(ppl of `candidate`) per cell and seed (greedy vs OA-EM by default).
 
     frame: one row per evaluated variant and seed, with the `cell` columns, `init`, `seed` and
-    `metric` (a perplexity column). Returns the cell columns, seed and gap; cells or seeds where
-    either init is missing are left out.
+    `metric` (a perplexity column), and `geometry` if it has one. Returns the cell columns (and
+    geometry), seed and gap; cells or seeds where either init is missing are left out.
     """
-    keys = [*cell, "seed"]
+    # greedy and OA-EM are paired at one geometry, never across a rho sweep's geometries
+    keys = [*cell, *(["geometry"] if "geometry" in frame and "geometry" not in cell else []), "seed"]
     subset = frame[frame["init"].isin([baseline, candidate])].dropna(subset=[metric])
     wide = subset.pivot_table(index=keys, columns="init", values=metric, aggfunc="mean")
     if baseline not in wide or candidate not in wide:
@@ -181,6 +184,20 @@ class Claim:
     effect: str
     measure: Callable[[pd.DataFrame], pd.Series]
     paper_effect: float | None
+    # why these runs cannot test the claim at all, or None: e.g. a PV-tuning that kept its start
+    unmeasurable: Callable[[pd.DataFrame], str | None] = lambda runs: None
+
+
+def untuned_reason(runs: pd.DataFrame, inits: Sequence[str], **cell) -> str | None:
+    """Why post-PV perplexities of `inits` at `cell` say nothing about PV-tuning: every such run's
+    PV-tuning kept its start (selected step 0, the held-out KL never went below it), so its
+    "after PV" numbers are its "before PV" ones. None where any run was tuned, or nothing is known."""
+    if "pvtune_selected_step" not in runs:
+        return None
+    selected = _select(runs[runs["init"].isin(inits)], **cell)["pvtune_selected_step"].dropna()
+    if len(selected) and (selected == 0).all():
+        return "PV-tuning kept its start in every run: nothing was tuned"
+    return None
 
 
 def paper_claims(domains_near_to_far: Sequence[str] = ("c4", "wikitext2"), headline: str = "wikitext2",
@@ -195,6 +212,7 @@ def paper_claims(domains_near_to_far: Sequence[str] = ("c4", "wikitext2"), headl
     slope per rank of its three domains, so it is shown only beside a slope per rank."""
     cell = {"bpp": bpp, "beam": 8, "max_epochs": 100}
     pre, post = f"pre_pv_{headline}_ppl", f"{headline}_ppl"
+    own = at_bit_rate_geometry  # every claim but rho's is about the bit rate's own geometry
     log = math.log
     if domain_distances is not None:
         domain_effect = (f"slope of the pre-PV gap against the measured distance of the evaluation text from the "
@@ -205,31 +223,33 @@ def paper_claims(domains_near_to_far: Sequence[str] = ("c4", "wikitext2"), headl
         paper_domain_effect = (log(3.49) - log(1.04)) / 2
     return [
         Claim("pre_pv_gap", f"OA-EM gives lower {headline} perplexity than greedy before PV-tuning at {bpp} bpp",
-              "log(greedy/OA-EM) pre-PV, b8 e100", lambda f: gap_at(f, pre, **cell), log(60.61 / 17.39)),
+              "log(greedy/OA-EM) pre-PV, b8 e100", lambda f: gap_at(own(f), pre, **cell), log(60.61 / 17.39)),
         Claim("post_pv_gap", "the gap persists after PV-tuning", "log(greedy/OA-EM) post-PV, b8 e100",
-              lambda f: gap_at(f, post, **cell), log(11.76 / 11.53)),
+              lambda f: gap_at(own(f), post, **cell), log(11.76 / 11.53),
+              lambda f: untuned_reason(own(f), (BASELINE, CANDIDATE), **cell)),
         Claim("beam_helps_greedy_more", f"widening the beam (b{beams[0]} -> b{beams[1]}) helps greedy more than OA-EM",
               f"gap(b{beams[0]}) - gap(b{beams[1]}) pre-PV, e100",
-              lambda f: beam_benefit_difference(f, pre, beams[0], beams[1], bpp=bpp, max_epochs=100),
+              lambda f: beam_benefit_difference(own(f), pre, beams[0], beams[1], bpp=bpp, max_epochs=100),
               log(352.39 / 16.82) - log(46.01 / 16.53)),
         Claim("gap_smaller_at_3bpp", "the gap is smaller at 3 bpp than at 2 bpp", "gap(2 bpp) - gap(3 bpp) pre-PV, b8 e100",
-              lambda f: difference_of_gaps(f, pre, {**cell, "bpp": 2}, {**cell, "bpp": 3}),
+              lambda f: difference_of_gaps(own(f), pre, {**cell, "bpp": 2}, {**cell, "bpp": 3}),
               log(60.61 / 17.39) - log(9.52 / 8.87)),
         Claim("gap_grows_with_rho", "the gap grows with the representational ratio ρ",
               f"slope of the pre-PV gap against log10 ρ over {bpp}-bit geometries, b8 e100",
               lambda f: gap_against_rho(f, pre, bpp, beam=8, max_epochs=100), None),
         Claim("gap_grows_with_domain_distance", "the gap grows with the distance of the evaluation text from the calibration text",
               domain_effect,
-              lambda f: gap_against_domain_distance(f, domains_near_to_far, lambda d: f"pre_pv_{d}_ppl",
+              lambda f: gap_against_domain_distance(own(f), domains_near_to_far, lambda d: f"pre_pv_{d}_ppl",
                                                     domain_distances, **cell),
               paper_domain_effect),
         # beyond the paper: OA-EM's start with a stop rule that waits for three slow epochs
         Claim("patient_stop_beats_oaem_before_pv", "beyond the paper: oaem-patient gives lower perplexity than OA-EM before PV-tuning",
               "log(OA-EM/oaem-patient) pre-PV, b8 e100",
-              lambda f: gap_at(f, pre, baseline=CANDIDATE, candidate="oaem-patient", **cell), None),
+              lambda f: gap_at(own(f), pre, baseline=CANDIDATE, candidate="oaem-patient", **cell), None),
         Claim("patient_stop_beats_oaem_after_pv", "beyond the paper: oaem-patient gives lower perplexity than OA-EM after PV-tuning",
               "log(OA-EM/oaem-patient) post-PV, b8 e100",
-              lambda f: gap_at(f, post, baseline=CANDIDATE, candidate="oaem-patient", **cell), None),
+              lambda f: gap_at(own(f), post, baseline=CANDIDATE, candidate="oaem-patient", **cell), None,
+              lambda f: untuned_reason(own(f), (CANDIDATE, "oaem-patient"), **cell)),
     ]
 
 
@@ -255,6 +275,9 @@ def claims_table(frame: pd.DataFrame, claims: Sequence[Claim] | Callable[[str], 
         runs = frame[frame["model"] == model]
         for claim in model_claims:
             effect = summarise_effect(list(claim.measure(runs).values))
+            reason = claim.unmeasurable(runs)
+            if reason and effect.seeds:
+                effect = replace(effect, t=math.nan, verdict=f"inconclusive ({reason})")
             if effect.seeds:
                 measured[claim.name].append(_claim_row(claim, model, effect))
     rows = []

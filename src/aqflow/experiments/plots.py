@@ -100,11 +100,14 @@ def plot_against_beam(runs: pd.DataFrame, out: str | Path, headline: str = "wiki
     _per_model(runs, out, (6, 4), draw)
 
 
-def plot_against_rho(runs: pd.DataFrame, out: str | Path, metric: str = "pre_pv_wikitext2_ppl") -> None:
-    """Perplexity ratio greedy / OA-EM against ρ (one point per bit-rate geometry), log-log."""
+def plot_against_rho(runs: pd.DataFrame, out: str | Path, metric: str = "pre_pv_wikitext2_ppl", bpp: int = 2,
+                     beam: int = 8, max_epochs: int = 100) -> None:
+    """Perplexity ratio greedy / OA-EM against ρ (one point per geometry of `bpp` bits per weight, at
+    one beam and epoch budget), log-log."""
     def draw(ax, runs: pd.DataFrame, model: str | None) -> None:
         drawn = False
         if {"geometry", "rho", metric} <= set(runs.columns):
+            runs = runs[(runs["bpp"] == bpp) & (runs["beam"] == beam) & (runs["max_epochs"] == max_epochs)]
             wide = runs.pivot_table(index=["geometry", "seed"], columns="init", values=metric, aggfunc="mean")
             if {"greedy", "oaem"} <= set(wide.columns):
                 ratio = (wide["greedy"] / wide["oaem"]).dropna().rename("ratio").reset_index()
@@ -122,7 +125,7 @@ def plot_against_rho(runs: pd.DataFrame, out: str | Path, metric: str = "pre_pv_
         ax.set_yscale("log")
         ax.set_xlabel("ρ = N / K^M (median over layers)")
         ax.set_ylabel("perplexity ratio greedy / OA-EM")
-        _finish(ax, "the gap against the representational ratio", not drawn, model)
+        _finish(ax, f"the gap against the representational ratio ({bpp} bpp, b{beam})", not drawn, model)
 
     _per_model(runs, out, (6, 4), draw)
 

@@ -8,6 +8,7 @@ the quantizer seed, the bit-rate geometry (group size, codebooks, codewords) and
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 from typing import Iterable
@@ -15,6 +16,10 @@ from typing import Iterable
 import pandas as pd
 
 from ..reporting import pipeline_settings, summary_row
+
+
+# a variant folder that names its geometry ("g6m2k64-b8"): one of a rho sweep, not its bit rate's own
+GEOMETRY_LABEL = re.compile(r"g\d+m\d+k\d+-")
 
 
 def geometry_name(group_size: int, num_codebooks: int, nbits: int) -> str:
@@ -33,10 +38,21 @@ def run_row(path: str | Path) -> dict:
     row["geometry"] = (geometry_name(quantizer["group_size"], quantizer["num_codebooks"], quantizer["nbits"])
                        if "num_codebooks" in quantizer and "nbits" in quantizer else None)
     row["rho"] = statistics.median(rhos) if rhos else None
+    row["bit_rate_geometry"] = row["geometry"] is not None and not GEOMETRY_LABEL.match(Path(path).parent.name)
     # code bits per weight of the geometry (scales and codebooks aside): M * log2 K / g
     row["nominal_bits"] = (quantizer["num_codebooks"] * quantizer["nbits"] / quantizer["group_size"]
                            if row["geometry"] else None)
     return row
+
+
+def at_bit_rate_geometry(runs: pd.DataFrame) -> pd.DataFrame:
+    """The runs at their bit rate's own geometry (config `bitrates`; variant folders that name no
+    other geometry). Every claim, table row and plot compares these, except those about ρ, which
+    compare the geometries of one bit rate; pooled with a ρ sweep's runs, a "2 bpp b8" cell would
+    average three geometries. A frame without the column is taken whole."""
+    if "bit_rate_geometry" not in runs:
+        return runs
+    return runs[runs["bit_rate_geometry"].fillna(False).astype(bool)]
 
 
 def runs_table(paths: Iterable[str | Path]) -> pd.DataFrame:

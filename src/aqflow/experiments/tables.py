@@ -7,7 +7,8 @@ from typing import Sequence
 
 import pandas as pd
 
-GROUP = ("model", "bpp", "init", "beam", "max_epochs")
+GROUP = ("model", "bpp", "geometry", "init", "beam", "max_epochs")
+PAPER_KEYS = ("bpp", "init", "beam", "max_epochs")  # what our cells and the paper's rows share
 
 
 def seed_statistics(frame: pd.DataFrame, metrics: Sequence[str], group: Sequence[str] = GROUP) -> pd.DataFrame:
@@ -31,7 +32,7 @@ def mean_sd_text(mean: float, sd: float, digits: int = 2) -> str:
 
 
 def with_paper(ours: pd.DataFrame, paper: pd.DataFrame, metrics: Sequence[str],
-               on: Sequence[str] = ("bpp", "init", "beam", "max_epochs")) -> pd.DataFrame:
+               on: Sequence[str] = PAPER_KEYS) -> pd.DataFrame:
     """Our per-cell statistics with the paper's value of each metric beside it (`paper_<metric>`),
     matched on `on` (not on the model: the paper's are larger models)."""
     paper_columns = {metric: f"paper_{metric}" for metric in metrics if metric in paper}

@@ -27,8 +27,8 @@ from aqflow.artifacts import read_json, verify_inputs
 from aqflow.experiments.claims import claims_table, paper_claims
 from aqflow.experiments.paper_numbers import PAPER_DOMAIN_RATIOS, paper_cells
 from aqflow.experiments.plots import plot_against_beam, plot_against_domain, plot_against_rho, plot_pre_to_post_pv
-from aqflow.experiments.runs import grid_evals, missing_cells, runs_table
-from aqflow.experiments.tables import frame_markdown, markdown_table, seed_statistics, with_paper
+from aqflow.experiments.runs import at_bit_rate_geometry, grid_evals, missing_cells, runs_table
+from aqflow.experiments.tables import GROUP, PAPER_KEYS, frame_markdown, markdown_table, seed_statistics, with_paper
 from aqflow.stage_cli import option
 from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
 
@@ -229,20 +229,24 @@ def write_tables(runs: pd.DataFrame, out_dir: Path, given_domains: list[str], ex
     measured_of = {model: measured_distances(domains_of[model], distances.get(model)) for model in models}
     all_metrics, labels, to_ours = cell_metrics(domains)
     metrics = [metric for metric in all_metrics if metric in quantized]
-    paper = paper_cells().rename(columns=to_ours)
-    cells = with_paper(seed_statistics(quantized, metrics), paper, metrics) if len(quantized) else pd.DataFrame()
+    # the paper's numbers are its bit rates' own geometries: none beside a rho sweep's rows
+    paper = paper_cells().rename(columns=to_ours).assign(bit_rate_geometry=True)
+    cells = (with_paper(seed_statistics(quantized, metrics, group=(*GROUP, "bit_rate_geometry")), paper, metrics,
+                        on=(*PAPER_KEYS, "bit_rate_geometry")).drop(columns="bit_rate_geometry")
+             if len(quantized) else pd.DataFrame())
     _write_table(out_dir, "cells", cells,
                  markdown_table(cells, markdown_metrics(metrics, to_ours), labels) if len(cells) else "no runs yet\n")
-    domains_frame = domain_tables(quantized, domains_of, distances)
+    own = at_bit_rate_geometry(quantized)  # what every table and plot but rho's compares
+    domains_frame = domain_tables(own, domains_of, distances)
     _write_table(out_dir, "domains", domains_frame, frame_markdown(domains_frame) if len(domains_frame) else "no runs yet\n")
     headline = headline_domain(domains)
     claims = (claims_table(quantized, lambda model: paper_claims(domains_of.get(model, domains), headline,
                                                                  domain_distances=measured_of.get(model)))
               if len(quantized) else pd.DataFrame())
     _write_table(out_dir, "claims", claims, claims_markdown(claims) if len(claims) else "no runs yet\n")
-    draws = (lambda p: plot_against_beam(quantized, p, headline),
+    draws = (lambda p: plot_against_beam(own, p, headline),
              lambda p: plot_against_rho(quantized, p, f"pre_pv_{headline}_ppl"),
-             lambda p: plot_against_domain(quantized, domains_of, p, distances_of=measured_of),
+             lambda p: plot_against_domain(own, domains_of, p, distances_of=measured_of),
              lambda p: plot_pre_to_post_pv(quantized, p, headline))
     for name, draw in zip(PLOTS, draws):
         with artifacts.atomic_path(out_dir / name) as tmp:
