@@ -199,6 +199,24 @@ def job_priorities(result: subprocess.CompletedProcess) -> dict[tuple[str, str],
     return priorities
 
 
+def model_priorities(result: subprocess.CompletedProcess) -> dict[tuple[str, str], int]:
+    """(rule, model) -> priority of the dry run's fetch_model and calibrate jobs (0 where none is shown)."""
+    priorities, rule = {}, None
+    for line in result.stdout.splitlines():
+        stripped = line.strip()
+        if stripped.startswith(("rule ", "localrule ", "checkpoint ")) and stripped.endswith(":"):
+            rule, model, priority = stripped.split()[-1].rstrip(":"), None, 0
+            rule = rule if rule in ("fetch_model", "calibrate") else None
+        elif rule and stripped.startswith("wildcards:"):
+            model = dict(item.split("=", 1) for item in stripped.split(":", 1)[1].strip().split(", "))["model"]
+        elif rule and stripped.startswith("priority:"):
+            priority = int(stripped.split(":", 1)[1])
+        elif rule and stripped.startswith("resources:"):
+            priorities[(rule, model)] = priority
+            rule = None
+    return priorities
+
+
 def test_cells_in_execution_cell_order_get_every_job_first_in_that_order(tmp_path):
     config = dict(TINY, execution={"cell_order": ["results/tiny/2bpp/oaem/b2e2/eval.json",
                                                   "results/tiny/2bpp/greedy/b2e2/eval.json"]})
@@ -210,3 +228,5 @@ def test_cells_in_execution_cell_order_get_every_job_first_in_that_order(tmp_pat
     priorities = job_priorities(result)
     for rule in ("stitch", "evaluate_quantized", "pvtune", "evaluate_pvtuned"):
         assert [priorities[(rule, cell)] for cell in cells] == [2, 1, 0], rule
+    # the model's shared jobs take its first listed cell's priority
+    assert model_priorities(result) == {("fetch_model", "tiny"): 2, ("calibrate", "tiny"): 2}

@@ -8,6 +8,7 @@ checkpoint calibrate:
         "logs/calibrate/{model}/{calib}.log",
     benchmark:
         "logs/benchmarks/calibrate/{model}/{calib}.tsv"
+    priority: model_priority
     conda:
         "../../envs/quantize.yaml"
     container:

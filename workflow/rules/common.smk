@@ -721,3 +721,15 @@ def cell_priority(wildcards):
     """
     cell = f"results/{wildcards.model}/{wildcards.bpp}bpp/{wildcards.init}/{wildcards.variant}"
     return len(CELL_ORDER) - CELL_ORDER.index(cell) if cell in CELL_ORDER else 0
+
+
+def model_priority(wildcards):
+    """A model's shared jobs (fetch, calibration) take the priority of its first cell in
+    `execution.cell_order`: every cell of the model waits on them, so they must not queue behind
+    other models' layer jobs (0 when none of its cells is listed)."""
+    ranks = [
+        len(CELL_ORDER) - index
+        for index, cell in enumerate(CELL_ORDER)
+        if cell.split("/")[1] == wildcards.model
+    ]
+    return max(ranks, default=0)

@@ -5,6 +5,7 @@ rule fetch_model:
         "logs/fetch_model/{model}.log",
     benchmark:
         "logs/benchmarks/fetch_model/{model}.tsv"
+    priority: model_priority
     conda:
         "../../envs/quantize.yaml"
     container:
