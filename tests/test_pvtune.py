@@ -390,3 +390,28 @@ def test_torchrun_runs_the_stage_on_two_processes(setup, tmp_path):
     assert two["settings"]["world_size"] == 2 and one["settings"]["world_size"] == 1
     assert two["best_heldout_kl"] == pytest.approx(one["best_heldout_kl"], rel=1e-4)
     assert (tmp_path / "two" / "config.json").is_file()
+
+
+def test_v_step_with_weight_rms_moves_every_layer_by_the_same_fraction_of_its_size():
+    """Adam's first step is about lr whatever the gradient's size: in weight units it is a 10x larger
+    move, relative to the weights, for a layer 10x smaller; in units of the layer's RMS it is not."""
+    from aqflow.pvtune.train import v_step_param_groups
+
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(16, 32, generator=generator)
+    gradient = torch.randn(16, 32, generator=generator)
+
+    def relative_move(scale: float, unit: str) -> float:
+        weight = torch.nn.Parameter(base * scale)
+        optimizer = torch.optim.Adam(v_step_param_groups([weight], 0.01, unit), betas=(0.0, 0.95))
+        weight.grad = gradient * scale  # any size: Adam normalises it
+        optimizer.step()
+        return float((weight.detach() - base * scale).norm() / (base * scale).norm())
+
+    assert relative_move(0.1, "absolute") == pytest.approx(10 * relative_move(1.0, "absolute"), rel=1e-4)
+    assert relative_move(0.1, "weight_rms") == pytest.approx(relative_move(1.0, "weight_rms"), rel=1e-4)
+    groups = v_step_param_groups([torch.nn.Parameter(base), torch.nn.Parameter(2 * base)], 0.01, "weight_rms")
+    assert [group["lr"] for group in groups] == pytest.approx([0.01 * float(base.square().mean().sqrt()) * k for k in (1, 2)])
+    assert len(v_step_param_groups([torch.nn.Parameter(base)] * 3, 0.01, "absolute")) == 1
+    with pytest.raises(ValueError, match="code_lr_scale"):
+        v_step_param_groups([torch.nn.Parameter(base)], 0.01, "relative")

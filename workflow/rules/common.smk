@@ -153,11 +153,15 @@ PVTUNE = config.get("pvtune", {"enabled": False})
 PV_ENABLED = PVTUNE["enabled"]
 # every PV-tuning setting but the switch and the corpus (an input); keys left out of the config
 # take the stage's defaults (the paper's settings)
+# settings added after runs were made enter the params only where they differ from the behaviour
+# those runs had, so adding them reruns nothing
+PVTUNE_LATER_DEFAULTS = {"code_lr_scale": "absolute"}
 PVTUNE_SETTINGS = canonical(
     {
         key: value
         for key, value in PVTUNE.items()
         if key not in ("enabled", "corpus", "save_state_every")
+        and PVTUNE_LATER_DEFAULTS.get(key, object()) != value
     }
 )
 # With PV-tuning on, eval.json is the PV-tuned model's evaluation (with the pre-PV one embedded)

@@ -43,6 +43,7 @@ from .student import PVLinear, close_weight_gradients, open_weight_gradients, pv
 from .vstep import DEFAULT_MEMORY_BUDGET_BYTES, VStep
 
 SELECTION_METRICS = ("kl", "perplexity")
+CODE_LR_SCALES = ("absolute", "weight_rms")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,11 @@ class PVSettings:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     code_lr: float = 1e-2  # V-step Adam on the straight-through weights
+    # absolute: code_lr is the V-step's Adam step in weight units; weight_rms: in units of each
+    # layer's weight RMS at the start (Adam's step hardly depends on the gradient's size, so an
+    # absolute step is a far larger move for a model whose weights are small)
+    code_lr_scale: str = field(default="absolute", metadata={"choices": CODE_LR_SCALES,
+                                                             "help": "unit of code_lr: weight units, or each layer's weight RMS"})
     code_beta1: float = 0.0
     code_beta2: float = 0.95
     max_code_change_fraction: float = 0.01  # of each layer's groups, per step
@@ -89,6 +95,8 @@ class PVSettings:
             problems.append(f"max_steps must be >= 1 or None, got {self.max_steps}")
         if not (self.update_codes or self.update_codebooks_and_scales or self.update_non_quantized):
             problems.append("nothing to train: enable the V-step, codebooks and scales, or non-quantized parameters")
+        if self.code_lr_scale not in CODE_LR_SCALES:
+            problems.append(f"code_lr_scale must be one of {CODE_LR_SCALES}, got {self.code_lr_scale!r}")
         if self.selection_metric not in SELECTION_METRICS:
             problems.append(f"selection_metric must be one of {SELECTION_METRICS}, got {self.selection_metric!r}")
         if self.amp_dtype not in (None, "bfloat16", "float16"):
@@ -125,6 +133,17 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # --- parameters ----------------------------------------------------------------------------------
+
+def v_step_param_groups(weights: list[nn.Parameter], code_lr: float, scale: str) -> list[dict]:
+    """The V-step optimiser's parameter groups: one group of every straight-through weight
+    [out, in] at `code_lr` ("absolute"), or one group per weight at code_lr x its RMS ("weight_rms")."""
+    if scale == "absolute":
+        return [{"params": list(weights), "lr": code_lr}]
+    if scale != "weight_rms":
+        raise ValueError(f"code_lr_scale must be one of {CODE_LR_SCALES}, got {scale!r}")
+    return [{"params": [weight], "lr": code_lr * float(weight.detach().float().square().mean().sqrt())}
+            for weight in weights]
+
 
 def trainable_groups(student: nn.Module, settings: PVSettings) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(P-step parameters, V-step straight-through parameters); sets requires_grad accordingly.
@@ -345,7 +364,8 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
     p_params, v_params = trainable_groups(student, settings)
     layers = list(pv_linears(student).values())
     p_optimizer = torch.optim.Adam(p_params, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2)) if p_params else None
-    v_optimizer = torch.optim.Adam(v_params, lr=settings.code_lr, betas=(settings.code_beta1, settings.code_beta2)) if v_params else None
+    v_optimizer = (torch.optim.Adam(v_step_param_groups(v_params, settings.code_lr, settings.code_lr_scale),
+                                    betas=(settings.code_beta1, settings.code_beta2)) if v_params else None)
     if settings.gradient_checkpointing:
         set_checkpointing(student, True)
     student.train()
