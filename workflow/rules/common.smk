@@ -711,29 +711,35 @@ def experiment_evals(name):
     return [cell["eval_json"] for cell in experiment_cells(name)]
 
 
-# each listed variant's folder: its eval.json path without the file name
-CELL_ORDER = [
-    os.path.dirname(path) for path in config["execution"].get("cell_order", [])
-]
+# each listed variant's folder (its eval.json path without the file name) -> its priority: the
+# first the highest
+CELL_RANK = {
+    os.path.dirname(path): len(config["execution"]["cell_order"]) - index
+    for index, path in enumerate(config["execution"]["cell_order"])
+}
 
 
 def cell_priority(wildcards):
     """A variant job's scheduling priority: cells named in `execution.cell_order` get theirs in that
-    order (the first the highest), every other cell 0. Every job of a cell has its cell's priority,
-    so a listed cell's stitch, PV-tuning and evaluations start as soon as its layers are done, ahead
-    of the next cell's layer jobs, and cells finish one after another instead of all at the end.
+    order, every other cell 0. Every job of a cell has its cell's priority, so a listed cell's
+    stitch, PV-tuning and evaluations start as soon as its layers are done, ahead of the next
+    cell's layer jobs, and cells finish one after another instead of all at the end.
     """
-    cell = f"results/{wildcards.model}/{wildcards.bpp}bpp/{wildcards.init}/{wildcards.variant}"
-    return len(CELL_ORDER) - CELL_ORDER.index(cell) if cell in CELL_ORDER else 0
+    return CELL_RANK.get(
+        f"results/{wildcards.model}/{wildcards.bpp}bpp/{wildcards.init}/{wildcards.variant}",
+        0,
+    )
 
 
 def model_priority(wildcards):
     """A model's shared jobs (fetch, calibration) take the priority of its first cell in
     `execution.cell_order`: every cell of the model waits on them, so they must not queue behind
     other models' layer jobs (0 when none of its cells is listed)."""
-    ranks = [
-        len(CELL_ORDER) - index
-        for index, cell in enumerate(CELL_ORDER)
-        if cell.split("/")[1] == wildcards.model
-    ]
-    return max(ranks, default=0)
+    return max(
+        (
+            rank
+            for cell, rank in CELL_RANK.items()
+            if cell.split("/")[1] == wildcards.model
+        ),
+        default=0,
+    )

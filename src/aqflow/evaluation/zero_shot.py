@@ -163,10 +163,9 @@ def run_zero_shot(model, tokenizer, data_files: Mapping[str, str | os.PathLike],
 
     lm_class = BatchedScoringLM if scoring == "batched" else HFLM
     lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
-    if scoring == "batched":
-        lm.logits_budget_bytes = logits_budget_bytes
     fast_host = contextlib.ExitStack()
     if scoring == "batched":  # "lm-eval" stays lm-eval as shipped, the reference of the tests
+        lm.logits_budget_bytes = logits_budget_bytes
         for context in (cached_templates(), zero_shot_tasks_only(), bootstrap_in_process()):
             fast_host.enter_context(context)
     with fast_host:
