@@ -57,7 +57,7 @@ STAGE_PHASES = (
     ("perplexity", "aqflow.stages.evaluate", "perplexity_metrics"),
     ("zero_shot", "aqflow.stages.evaluate", "run_tasks"),
     ("settings_record", "aqflow.stages.evaluate", "settings_record"),
-    ("write_json", "aqflow.artifacts", "write_json"),
+    ("write_json", "aqflow.io.artifacts", "write_json"),
 )
 LM_EVAL_PHASES = (
     ("lm_eval_simple_evaluate", "lm_eval.evaluator", "simple_evaluate"),

@@ -1,4 +1,4 @@
-"""Layer jobs on a node of several GPUs: all on one card (before) vs spread by aqflow.gpu_pool.
+"""Layer jobs on a node of several GPUs: all on one card (before) vs spread by aqflow.jobs.gpu_pool.
 
     PYTHONPATH=src python3 benchmarks/gpu_spread.py --work /root/spread --out $OUT/gpu_spread.json
 
@@ -32,7 +32,7 @@ SMOLLM2_LINEARS = [("q_proj", 576, 576), ("k_proj", 192, 576), ("v_proj", 192, 5
 # job pins its card as run_stage does, then runs the stage's CLI with its output in the job's log
 JOB = """
 import contextlib, os, sys
-from aqflow.gpu_pool import pin_job_gpus
+from aqflow.jobs.gpu_pool import pin_job_gpus
 pin_job_gpus(1)
 from aqflow.stages import quantize_layer
 with open(sys.argv[1], "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):

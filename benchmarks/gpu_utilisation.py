@@ -6,7 +6,7 @@
 The CSV is what benchmarks/gpu_pipeline.sh samples twice a second while Snakemake runs
 (`nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv,nounits`).
 The window is the rule's span in the jobs' benchmark files (first job start to last job end, as
-aqflow.job_benchmarks reads them). For each card: samples in the window, the share of samples
+aqflow.experiments.job_benchmarks reads them). For each card: samples in the window, the share of samples
 with the card busy (utilization > 0), mean utilization and peak memory. Both clocks are the node's.
 """
 
@@ -18,7 +18,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from aqflow.job_benchmarks import benchmark_files, job_table
+from aqflow.experiments.job_benchmarks import benchmark_files, job_table
 
 
 def read_samples(path: Path) -> list[dict]:

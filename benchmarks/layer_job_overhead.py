@@ -43,19 +43,19 @@ QUICK_QUANTIZER = {"max_epochs": 1, "steps_per_epoch": 1, "beam_size": 1, "oaem_
                    "kmeans_max_iter": 2}
 # (module, function, phase label): wrapped in the child where the tree has them
 TIMED = (
-    ("aqflow.gpu_pool", "pin_job_gpus", "pin the job's GPU (nvidia-smi)"),
-    ("aqflow.stage_jobs", "stage_call", "settings and paths (CUDA check)"),
-    ("aqflow.stage_jobs", "remove_stale_outputs", "stale-output cleanup"),
-    ("aqflow.workflow_glue", "stage_call", "settings and paths (CUDA check)"),  # trees before stage_jobs
-    ("aqflow.workflow_glue", "remove_stale_outputs", "stale-output cleanup"),
+    ("aqflow.jobs.gpu_pool", "pin_job_gpus", "pin the job's GPU (nvidia-smi)"),
+    ("aqflow.jobs.stage_jobs", "stage_call", "settings and paths (CUDA check)"),
+    ("aqflow.jobs.stage_jobs", "remove_stale_outputs", "stale-output cleanup"),
+    ("aqflow.jobs.workflow_glue", "stage_call", "settings and paths (CUDA check)"),  # trees before stage_jobs
+    ("aqflow.jobs.workflow_glue", "remove_stale_outputs", "stale-output cleanup"),
     ("aqflow.stages.quantize_layer", "load_inputs", "read inputs"),
     ("aqflow.stages.quantize_layer", "calibration_site", "  find the XᵀX site (manifest)"),
     ("aqflow.models.folder", "read_tensor", "  read the weight (model shard)"),
-    ("aqflow.artifacts", "file_sha256", "  of which whole-file sha256"),
+    ("aqflow.io.artifacts", "file_sha256", "  of which whole-file sha256"),
     ("aqflow.quant.quantize", "quantize_layer", "quantization"),
     ("aqflow.stages.quantize_layer", "write_layer_pair", "write the layer pair"),
 )
-ORDER = ["process start", "snakemake preamble imports", "import aqflow.workflow_glue",
+ORDER = ["process start", "snakemake preamble imports", "import aqflow.jobs.workflow_glue",
          "import the stage (torch, triton, ...)", "pin the job's GPU (nvidia-smi)", "settings and paths (CUDA check)",
          "stale-output cleanup", "read inputs", "  find the XᵀX site (manifest)", "  read the weight (model shard)",
          "  read the XᵀX array", "  of which whole-file sha256", "CUDA context", "quantization",
@@ -79,7 +79,7 @@ def child(args) -> None:
 
     timed("snakemake preamble imports", lambda: [importlib.import_module(name) for name in
                                                  ("snakemake.io", "snakemake.logging", "snakemake.iocontainers")])
-    glue = timed("import aqflow.workflow_glue", lambda: importlib.import_module("aqflow.workflow_glue"))
+    glue = timed("import aqflow.jobs.workflow_glue", lambda: importlib.import_module("aqflow.jobs.workflow_glue"))
     timed("import the stage (torch, triton, ...)", lambda: importlib.import_module("aqflow.stages.quantize_layer"))
     for module_name, function_name, label in TIMED:
         wrap_everywhere(module_name, function_name, label, phases, cuda=args.device.startswith("cuda"))
@@ -166,7 +166,7 @@ def build_inputs(args) -> tuple[Path, Path]:
     sys.path.insert(0, str(REPO / "src"))
     import torch
 
-    from aqflow import artifacts
+    from aqflow.io import artifacts
     from aqflow.calibration.hessians import BlockXtx, discover_input_sites, save_block_xtx
     from aqflow.models.fetch import load_causal_lm, prepare_local_model
     from aqflow.models.folder import split_module_name
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--snakemake", action="store_true",
                         help="also run the block's linears as Snakemake jobs with the rule script (benchmark files)")
     parser.add_argument("--warm-workers", action="store_true",
-                        help="with --snakemake: the same jobs again with execution.warm_workers on (aqflow.warm_workers)")
+                        help="with --snakemake: the same jobs again with execution.warm_workers on (aqflow.jobs.warm_workers)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.child:

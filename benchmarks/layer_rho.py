@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from aqflow.artifacts import atomic_path
+from aqflow.io.artifacts import atomic_path
 
 
 def runs_frame(paths: list[Path]) -> pd.DataFrame:

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from aqflow.artifacts import save_safetensors, write_json, write_parquet
+from aqflow.io.artifacts import save_safetensors, write_json, write_parquet
 from aqflow.calibration import collect_xtx_fp
 from aqflow.data import prepare_corpus, role_texts, sample_calibration_windows
-from aqflow.fetching import default_cache_dir
+from aqflow.io.fetching import default_cache_dir
 from aqflow.models import find_decoder_blocks, find_linears, load_causal_lm, load_tokenizer, prepare_model
 
 

@@ -25,7 +25,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from aqflow import artifacts, checkpoint
+from aqflow.io import artifacts
+from aqflow import checkpoint
 from aqflow.models.structure import meta_model
 from aqflow.models.tiny import build_tiny_llama
 from aqflow.stages.quantize_layer import quantize_every_linear

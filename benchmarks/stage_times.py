@@ -2,7 +2,7 @@
 
     python benchmarks/stage_times.py logs/benchmarks [--json stage_times.json]
 
-Reads every `<rule>/....tsv` under the folder (see aqflow.job_benchmarks): for each rule, jobs (and
+Reads every `<rule>/....tsv` under the folder (see aqflow.experiments.job_benchmarks): for each rule, jobs (and
 how many were measured), the sum, median and largest job wall time, its span (first job start to
 last job end: shorter than the sum when jobs ran in parallel), summed CPU seconds and the largest
 peak RSS; then the first job start to the last job end of all of them. A job that was killed wrote
@@ -16,7 +16,7 @@ import json
 import math
 from pathlib import Path
 
-from aqflow.job_benchmarks import benchmark_files, job_table, rule_table, run_span_seconds
+from aqflow.experiments.job_benchmarks import benchmark_files, job_table, rule_table, run_span_seconds
 
 
 def main(argv: list[str] | None = None) -> int:

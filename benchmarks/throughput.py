@@ -74,7 +74,8 @@ def nearest_codeword_codes(weight: torch.Tensor, num_codebooks: int, nbits: int,
 
 def build_student(teacher: Path, root: Path, device: str) -> Path:
     """The teacher's 2x8-bit AQLM checkpoint (`nearest_codeword_codes`), stitched by the pipeline."""
-    from aqflow import artifacts, checkpoint
+    from aqflow.io import artifacts
+    from aqflow import checkpoint
     from aqflow.models.folder import read_tensors
     from aqflow.models.structure import meta_model
     from aqflow.quant.representation import pack_codes

@@ -4,7 +4,7 @@
 # 1. At once, one job per card: the CUDA-graph V-step test; PV-tuning after this branch's changes
 #    with the V-step replayed as a CUDA graph vs run eagerly, at the SmolLM2 (cards 0, 1) and
 #    Llama-3.2-3B (cards 2, 3) shapes (same inputs, same steps as throughput.py's single-card runs).
-# 2. Layer jobs on one card vs spread over all cards by aqflow.gpu_pool (benchmarks/gpu_spread.py).
+# 2. Layer jobs on one card vs spread over all cards by aqflow.jobs.gpu_pool (benchmarks/gpu_spread.py).
 # 3. PV-tuning of the 3B shape data-parallel over all cards (torchrun), batch 32.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1

@@ -20,7 +20,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from transformers.quantizers.quantizers_utils import should_convert_module
 
-from aqflow import artifacts, checkpoint
+from aqflow.io import artifacts
+from aqflow import checkpoint
 from aqflow.models import build_tiny_llama, load_causal_lm, load_tokenizer
 from aqflow.models.folder import stored_bits_per_parameter
 from aqflow.stages.quantize_layer import quantize_every_linear

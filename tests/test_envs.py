@@ -159,7 +159,7 @@ def test_each_rules_stage_imports_with_only_its_envs_packages():
         blocked = sorted(IMPORT_NAMES.get(dist, dist.replace("-", "_")) for dist in direct - set(pins))
         code = ("import sys\n"
                 f"for name in {blocked!r}: sys.modules[name] = None\n"
-                "import importlib, aqflow.workflow_glue, aqflow.warm_workers\n"
+                "import importlib, aqflow.jobs.workflow_glue, aqflow.jobs.warm_workers\n"
                 "from aqflow.__main__ import STAGES\n"
                 f"importlib.import_module(STAGES[{stage!r}])\n")
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -6,7 +6,7 @@ import importlib
 import sys
 
 from aqflow import __version__
-from aqflow.processes import exit_now
+from aqflow.stagekit.processes import exit_now
 
 STAGES = {
     "fetch-model": "aqflow.stages.fetch_model",

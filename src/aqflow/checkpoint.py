@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from .artifacts import ArtifactError, atomic_dir, decoding, read_json, recorded_sha256, verified, verified_tree, write_json
+from aqflow.io.artifacts import ArtifactError, atomic_dir, decoding, read_json, recorded_sha256, verified, verified_tree, write_json
 from .models import folder as model_folder
 from .models.fetch import load_causal_lm, torch_dtype as to_torch_dtype
 from .models.structure import find_decoder_blocks, find_linears, meta_model

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from aqflow.models.entries import entry_problems, fetch_model_request, parse_model_entry
 from aqflow.models.folder import block_index
-from aqflow.corpus_catalog import (
+from aqflow.data.corpus_catalog import (
     BUILTIN_CORPORA,
     check_role,
     evaluation_protocol,

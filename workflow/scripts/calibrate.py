@@ -1,4 +1,4 @@
-from aqflow.workflow_glue import run_stage
+from aqflow.jobs.workflow_glue import run_stage
 
 settings = dict(snakemake.params.settings)  # config.yaml `calibration`: the stage's settings among it
 # the job's GPUs (resources.gpu): more than one shards the windows over them (same XᵀX; fp only)

@@ -1,4 +1,4 @@
-from aqflow.workflow_glue import run_stage
+from aqflow.jobs.workflow_glue import run_stage
 
 p = snakemake.params
 paths = {"model_dir": snakemake.input.model, "calibration_dir": snakemake.input.calibration,

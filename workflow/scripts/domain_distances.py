@@ -1,4 +1,4 @@
-from aqflow.workflow_glue import run_stage
+from aqflow.jobs.workflow_glue import run_stage
 
 corpora = snakemake.input.corpora
 corpora = [corpora] if isinstance(corpora, str) else list(corpora)  # one file may come as a str

@@ -1,6 +1,6 @@
 import json
 
-from aqflow.workflow_glue import block_finetune_summaries, layer_summaries, run_stage
+from aqflow.jobs.workflow_glue import block_finetune_summaries, layer_summaries, run_stage
 
 p = snakemake.params
 wildcards = dict(snakemake.wildcards)

@@ -1,4 +1,4 @@
-from aqflow.workflow_glue import run_stage
+from aqflow.jobs.workflow_glue import run_stage
 
 p = snakemake.params
 user = dict(p.user)  # a user corpus: its file and how to read it (config.yaml `corpora`); {} for built-ins

@@ -1,4 +1,4 @@
-from aqflow.workflow_glue import run_stage
+from aqflow.jobs.workflow_glue import run_stage
 
 request = dict(snakemake.params.request)
 path = request.pop("path", None)  # a local model folder is an input path; the rest are settings

@@ -1,4 +1,4 @@
-from aqflow import artifacts
+from aqflow.io import artifacts
 
 # the grid beside its tables: `python -m aqflow paper-tables --expected-cells results/paper/grid.json
 # --out-dir results/paper` redraws them from whatever cells exist

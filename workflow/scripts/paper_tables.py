@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from aqflow.workflow_glue import run_stage
+from aqflow.jobs.workflow_glue import run_stage
 
 # input.distances is one domains.json per model, in the order of params.models
 distances = [f"{model}={path}" for model, path in zip(snakemake.params.models, snakemake.input.distances, strict=True)]

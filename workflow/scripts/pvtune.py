@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from aqflow.workflow_glue import run_stage_on_gpus
+from aqflow.jobs.workflow_glue import run_stage_on_gpus
 
 out = snakemake.output
 # the PV-tuning settings of config.yaml, flat (the loop's and the data's; a key left out takes the

@@ -1,4 +1,4 @@
-from aqflow.workflow_glue import run_stage
+from aqflow.jobs.workflow_glue import run_stage
 
 run_stage(snakemake, "quantize-layer",
           settings={"quantizer": snakemake.params.settings},

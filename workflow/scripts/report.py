@@ -1,4 +1,4 @@
-from aqflow.workflow_glue import run_stage
+from aqflow.jobs.workflow_glue import run_stage
 
 out = snakemake.output
 run_stage(snakemake, "report", settings={},

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..artifacts import decoding, save_npz, verified, write_parquet
+from aqflow.io.artifacts import decoding, save_npz, verified, write_parquet
 from ..models.structure import find_decoder_blocks, find_linears
 from .site_xtx import MANIFEST_FILE, array_sha256, manifest_rows, read_site_xtx
 

@@ -36,7 +36,7 @@ from .hessians import (
     capture_block_inputs,
     discover_input_sites,
 )
-from ..artifacts import ArtifactError
+from aqflow.io.artifacts import ArtifactError
 from ..models.structure import find_decoder_blocks, find_linears
 from ..quant.representation import dequantize_weight, unpack_codes
 
@@ -173,14 +173,14 @@ def sequential_block_xtx(model: nn.Module, windows: torch.Tensor, block_index: i
 
 def save_hidden_states(path: str | os.PathLike, hidden: torch.Tensor, block: int) -> None:
     """Write a block's inputs [num_windows, T, hidden] as safetensors, atomically."""
-    from ..artifacts import save_safetensors
+    from aqflow.io.artifacts import save_safetensors
 
     save_safetensors(path, {HIDDEN_KEY: hidden.cpu()}, {"block": str(block), "what": "inputs of the block"})
 
 
 def load_hidden_states(path: str | os.PathLike, windows: torch.Tensor | None = None) -> torch.Tensor:
     """Read what `save_hidden_states` wrote; with `windows` [num_windows, T], check the shapes agree."""
-    from ..tensor_files import load_tensor
+    from aqflow.io.tensor_files import load_tensor
 
     hidden = load_tensor(path, HIDDEN_KEY)
     if windows is not None and hidden.shape[:2] != windows.shape:
@@ -191,13 +191,13 @@ def load_hidden_states(path: str | os.PathLike, windows: torch.Tensor | None = N
 
 def save_windows(path: str | os.PathLike, windows: torch.Tensor) -> None:
     """The calibration token ids [num_windows, T] int64, so sequential steps use the same windows."""
-    from ..artifacts import save_safetensors
+    from aqflow.io.artifacts import save_safetensors
 
     save_safetensors(path, {"input_ids": windows.to(torch.int64)})
 
 
 def load_windows(path: str | os.PathLike) -> torch.Tensor:
-    from ..tensor_files import load_tensor
+    from aqflow.io.tensor_files import load_tensor
 
     return load_tensor(path, "input_ids")
 

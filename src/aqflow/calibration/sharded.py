@@ -109,7 +109,7 @@ def join_process_group(device: str) -> str:
     device: the device type of every rank ("cuda" or "cpu"); rank r of a CUDA world uses
     cuda:LOCAL_RANK (NCCL), CPU worlds use gloo and split the cores between the processes.
     """
-    from aqflow.processes import die_with_parent
+    from aqflow.stagekit.processes import die_with_parent
 
     die_with_parent()  # torchrun's workers die with it (it cannot pass a SIGKILL on)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

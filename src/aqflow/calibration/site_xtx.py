@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifacts import ArtifactError, decoding, redo_hint, verified
+from aqflow.io.artifacts import ArtifactError, decoding, redo_hint, verified
 
 MANIFEST_FILE = "manifest.parquet"
 

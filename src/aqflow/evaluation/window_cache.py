@@ -69,7 +69,7 @@ def load_windows(folder: Path, key: str) -> tuple[torch.Tensor, dict] | None:
     """(windows [num_windows, context] int64, protocol extras) stored under `key`, or None."""
     from safetensors import safe_open
 
-    from aqflow.artifacts import verified
+    from aqflow.io.artifacts import verified
 
     path = folder / f"{key}.safetensors"
     if not path.is_file():
@@ -84,7 +84,7 @@ def load_windows(folder: Path, key: str) -> tuple[torch.Tensor, dict] | None:
 
 def store_windows(folder: Path, key: str, windows: torch.Tensor, extras: Mapping[str, Any]) -> None:
     """Store one domain's windows under `key` (atomically); a folder that cannot be written is skipped."""
-    from aqflow.artifacts import ArtifactError, save_safetensors
+    from aqflow.io.artifacts import ArtifactError, save_safetensors
 
     try:
         folder.mkdir(parents=True, exist_ok=True)

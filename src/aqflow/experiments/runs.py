@@ -1,6 +1,6 @@
 """One row per evaluated run of the grid, with what the claims group and pair on.
 
-Built on the report's summary row (`aqflow.reporting.summary_row`), plus the columns a grid needs:
+Built on the report's summary row (`aqflow.experiments.reporting.summary_row`), plus the columns a grid needs:
 the quantizer seed, the bit-rate geometry (group size, codebooks, codewords) and the model-level ρ
 (median over the quantized layers).
 """
@@ -15,7 +15,7 @@ from typing import Iterable
 
 import pandas as pd
 
-from ..reporting import pipeline_settings, summary_row
+from aqflow.experiments.reporting import pipeline_settings, summary_row
 
 
 # a variant folder that names its geometry ("g6m2k64-b8"): one of a rho sweep, not its bit rate's own

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ..artifacts import atomic_dir, atomic_path, write_json
-from ..fetching import default_cache_dir, pip_download_wheel, sha256_file
+from aqflow.io.artifacts import atomic_dir, atomic_path, write_json
+from aqflow.io.fetching import default_cache_dir, pip_download_wheel, sha256_file
 from ..quant.representation import GROUP_SIZE
 from .folder import (
     CONFIG_FILE,

@@ -166,7 +166,7 @@ def has_weights(model_dir: str | os.PathLike) -> bool:
 
 def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     """The safetensors files of a model folder: the shards its index names (sorted), or model.safetensors."""
-    from ..artifacts import read_json
+    from aqflow.io.artifacts import read_json
 
     model_dir = Path(model_dir)
     index = model_dir / WEIGHTS_INDEX_FILE
@@ -179,7 +179,7 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
 
 def weight_file(model_dir: str | os.PathLike, key: str) -> Path:
     """The safetensors file of `model_dir` that holds tensor `key` (KeyError if the index lacks it)."""
-    from ..artifacts import read_json
+    from aqflow.io.artifacts import read_json
 
     model_dir = Path(model_dir)
     index = model_dir / WEIGHTS_INDEX_FILE
@@ -199,7 +199,7 @@ def read_tensor(model_dir: str | os.PathLike, key: str) -> "torch.Tensor":
     the tensor is built from those very bytes. Without one (an older folder) the whole file is
     checked against its recorded checksum, where there is one (a hand-made folder has none).
     Either way a mismatch is the file's "corrupt: sha256" error (ArtifactError)."""
-    from ..artifacts import decoding, read_json, verified
+    from aqflow.io.artifacts import decoding, read_json, verified
 
     path = weight_file(model_dir, key)
     record_path = Path(model_dir) / TENSOR_SUMS_FILE
@@ -232,7 +232,7 @@ def _read_recorded_tensor(path: Path, key: str, entry: Mapping) -> "torch.Tensor
 
     import torch
 
-    from ..artifacts import ArtifactError, redo_hint, verified
+    from aqflow.io.artifacts import ArtifactError, redo_hint, verified
 
     problem = None
     with open(path, "rb") as handle:
@@ -289,7 +289,7 @@ def iter_tensors(model_dir: str | os.PathLike, skip: Iterable[str] = ()) -> Iter
     file by file: only one tensor need be held at a time."""
     from safetensors import safe_open
 
-    from ..artifacts import decoding
+    from aqflow.io.artifacts import decoding
 
     skipped = set(skip)
     for path in weight_files(model_dir):
@@ -308,7 +308,7 @@ def tensor_headers(model_dir: str | os.PathLike) -> dict[str, TensorHeader]:
     """{name: TensorHeader(dtype, shape)} of every tensor of the folder, from the headers only."""
     from safetensors import safe_open
 
-    from ..artifacts import decoding
+    from aqflow.io.artifacts import decoding
 
     headers = {}
     for path in weight_files(model_dir):
@@ -332,7 +332,7 @@ def write_weights(folder: str | os.PathLike, tensors: Mapping[str, "torch.Tensor
 def copy_side_files(model_dir: str | os.PathLike, folder: str | os.PathLike) -> list[str]:
     """Copy tokenizer files, generation config and the like from `model_dir` into `folder`: every
     file but weights, config, marker, checksums and hidden ones. Returns the names copied."""
-    from ..artifacts import SUMS_FILE
+    from aqflow.io.artifacts import SUMS_FILE
 
     own = {WEIGHTS_FILE, WEIGHTS_INDEX_FILE, CONFIG_FILE, MARKER_FILE, SUMS_FILE, TENSOR_SUMS_FILE}
     copied = []

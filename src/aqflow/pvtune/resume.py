@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..artifacts import atomic_dir, load_safetensors, read_json, save_safetensors, verified_tree, write_json
+from aqflow.io.artifacts import atomic_dir, load_safetensors, read_json, save_safetensors, verified_tree, write_json
 from ..quant.representation import pack_codes, unpack_codes
 from .student import pv_linears
 
@@ -90,7 +90,7 @@ class Resumer:
 def run_fingerprint(settings: dict, data: dict, inputs: list[str | os.PathLike]) -> dict:
     """What makes a saved state this run's: the settings, the data record and each input's
     recorded checksums (a folder's SHA256SUMS digest, a file's sidecar digest)."""
-    from ..artifacts import SUMS_FILE, file_sha256, has_record, recorded_sha256
+    from aqflow.io.artifacts import SUMS_FILE, file_sha256, has_record, recorded_sha256
 
     digests = {}
     for path in map(Path, inputs):

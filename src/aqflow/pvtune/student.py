@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..artifacts import atomic_dir, write_json
+from aqflow.io.artifacts import atomic_dir, write_json
 from ..models import folder as model_folder
 from ..models.fetch import torch_dtype
 from ..quant.representation import dequantize_weight, pack_codes, unpack_codes

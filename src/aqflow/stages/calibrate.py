@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from aqflow import artifacts, stage_cli
+from aqflow.io import artifacts
+from aqflow.stagekit import stage_cli
 from aqflow.calibration.hessians import (
     PROBE_TOKENS,
     collect_xtx_fp,
@@ -50,10 +51,10 @@ from aqflow.calibration.sequential import WINDOWS_FILE, save_windows
 from aqflow.data.offline_text import CorpusError, load_split_corpus, role_texts
 from aqflow.data.windows import sample_calibration_windows
 from aqflow.models.fetch import ModelInputError, load_causal_lm, load_tokenizer, model_compute_dtype
-from aqflow.artifacts import verify_inputs
-from aqflow.processes import die_with_parent
-from aqflow.stage_cli import option
-from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
+from aqflow.io.artifacts import verify_inputs
+from aqflow.stagekit.processes import die_with_parent
+from aqflow.stagekit.stage_cli import option
+from aqflow.stagekit.stage_errors import EXPECTED_ERRORS, StageInputError
 
 STAGE = "calibrate"
 INPUT_ERRORS = (*EXPECTED_ERRORS, CorpusError, ModelInputError, ShardingError)

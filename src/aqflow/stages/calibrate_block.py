@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from aqflow import artifacts, stage_cli
+from aqflow.io import artifacts
+from aqflow.stagekit import stage_cli
 from aqflow.calibration.hessians import save_block_xtx
 from aqflow.models.structure import find_decoder_blocks
 from aqflow.stages.calibrate import CalibrateSettings
@@ -38,11 +39,11 @@ from aqflow.calibration.sequential import (
     save_hidden_states,
     sequential_block_xtx,
 )
-from aqflow.artifacts import verify_inputs
+from aqflow.io.artifacts import verify_inputs
 from aqflow.checkpoint import CheckpointError
 from aqflow.models.fetch import ModelInputError, load_causal_lm, model_compute_dtype
-from aqflow.stage_cli import option
-from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
+from aqflow.stagekit.stage_cli import option
+from aqflow.stagekit.stage_errors import EXPECTED_ERRORS, StageInputError
 
 STAGE = "calibrate-block"
 INPUT_ERRORS = (*EXPECTED_ERRORS, CheckpointError, ModelInputError)

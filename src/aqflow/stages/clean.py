@@ -14,10 +14,10 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aqflow import stage_cli
-from aqflow.artifacts import stale_temporaries
-from aqflow.stage_cli import option
-from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
+from aqflow.stagekit import stage_cli
+from aqflow.io.artifacts import stale_temporaries
+from aqflow.stagekit.stage_cli import option
+from aqflow.stagekit.stage_errors import EXPECTED_ERRORS, StageInputError
 
 STAGE = "clean"
 INPUT_ERRORS = EXPECTED_ERRORS

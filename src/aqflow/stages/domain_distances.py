@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from aqflow import stage_cli
-from aqflow.artifacts import verify_inputs, write_json
+from aqflow.stagekit import stage_cli
+from aqflow.io.artifacts import verify_inputs, write_json
 from aqflow.data.domain_distance import near_to_far, sampled_distance, text_token_counts
 from aqflow.data.offline_text import CALIBRATION, EVALUATION, CorpusError, load_split_corpus, role_texts
 from aqflow.models.fetch import ModelInputError, load_tokenizer
-from aqflow.stage_cli import option
-from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
+from aqflow.stagekit.stage_cli import option
+from aqflow.stagekit.stage_errors import EXPECTED_ERRORS, StageInputError
 
 STAGE = "domain-distances"
 INPUT_ERRORS = (*EXPECTED_ERRORS, CorpusError, ModelInputError)

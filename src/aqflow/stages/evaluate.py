@@ -36,26 +36,27 @@ from typing import Iterator
 
 import torch
 
-from aqflow import artifacts, stage_cli
+from aqflow.io import artifacts
+from aqflow.stagekit import stage_cli
 from aqflow.data.zero_shot import ZERO_SHOT_TASKS, TaskDataError, prepare_zero_shot_data, read_manifest, task_data_files
 from aqflow.evaluation import window_cache
 from aqflow.evaluation.dense_aqlm import dequantize_aqlm_linears
 from aqflow.models.folder import quantization_config, stored_bits_per_parameter
 from aqflow.evaluation.logits_budget import DEFAULT_LOGITS_BUDGET_BYTES
 from aqflow.evaluation.perplexity import perplexity
-from aqflow.corpus_catalog import BUILTIN_PROTOCOLS, PROTOCOLS
+from aqflow.data.corpus_catalog import BUILTIN_PROTOCOLS, PROTOCOLS
 from aqflow.evaluation.protocol import (
     DEFAULT_C4_SEED, DEFAULT_C4_WINDOWS, c4_windows, texts_sha256, wikitext2_windows, windows_sha256,
 )
 from aqflow.evaluation.zero_shot import DEFAULT_BOOTSTRAP_ITERS, average_accuracy, run_zero_shot
-from aqflow.fetching import default_cache_dir
-from aqflow.finite import NonFiniteMetricError, require_finite
+from aqflow.io.fetching import default_cache_dir
+from aqflow.io.finite import NonFiniteMetricError, require_finite
 from aqflow.models.fetch import load_causal_lm, load_tokenizer, model_compute_dtype
-from aqflow.artifacts import verify_inputs
+from aqflow.io.artifacts import verify_inputs
 from aqflow.data.offline_text import CorpusError
 from aqflow.models.fetch import ModelInputError
-from aqflow.stage_cli import option
-from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
+from aqflow.stagekit.stage_cli import option
+from aqflow.stagekit.stage_errors import EXPECTED_ERRORS, StageInputError
 
 PERPLEXITY_SETS = ("wikitext2", "c4")
 STANDIN_FILES = {"wikitext2": "wikitext2-standin.parquet", "c4": "c4-standin.parquet"}

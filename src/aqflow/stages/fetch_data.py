@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aqflow import stage_cli
-from aqflow.corpus_catalog import HUB_CORPORA, STANDIN_CORPORA
+from aqflow.stagekit import stage_cli
+from aqflow.data.corpus_catalog import HUB_CORPORA, STANDIN_CORPORA
 from aqflow.data.offline_text import CorpusError
-from aqflow.stage_cli import option
-from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
+from aqflow.stagekit.stage_cli import option
+from aqflow.stagekit.stage_errors import EXPECTED_ERRORS, StageInputError
 
 STAGE = "fetch-data"
 INPUT_ERRORS = (*EXPECTED_ERRORS, CorpusError)
@@ -65,7 +65,7 @@ def run(settings: FetchDataSettings, paths: FetchDataPaths):
         return prepare_hub_corpus(settings.corpus, paths.output)
     if settings.corpus in STANDIN_CORPORA:
         from aqflow.data.offline_text import prepare_corpus
-        from aqflow.fetching import default_cache_dir
+        from aqflow.io.fetching import default_cache_dir
 
         return prepare_corpus(settings.corpus, paths.cache_dir or default_cache_dir(), paths.output,
                               settings.calibration_fraction, settings.seed)

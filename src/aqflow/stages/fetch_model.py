@@ -18,7 +18,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aqflow import artifacts, stage_cli
+from aqflow.io import artifacts
+from aqflow.stagekit import stage_cli
 from aqflow.models.fetch import MARKER_FILE, ModelInputError, prepare_hub_model, prepare_local_model, prepare_model
 from aqflow.models.folder import write_tensor_checksums
 from aqflow.models.hub import HubModelError
@@ -26,8 +27,8 @@ from aqflow.models.presets import PRESETS, TINY_PRESET
 from aqflow.models.support import UnsupportedModelError
 from aqflow.models.tiny import build_tiny_llama
 from aqflow.quant.quantize import QuantizerSettings
-from aqflow.stage_cli import option
-from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
+from aqflow.stagekit.stage_cli import option
+from aqflow.stagekit.stage_errors import EXPECTED_ERRORS, StageInputError
 
 STAGE = "fetch-model"
 INPUT_ERRORS = (*EXPECTED_ERRORS, HubModelError, ModelInputError, UnsupportedModelError)

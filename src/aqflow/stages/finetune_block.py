@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from aqflow import artifacts, stage_cli
+from aqflow.io import artifacts
+from aqflow.stagekit import stage_cli
 from aqflow.calibration.block_finetune import BlockFinetuneSettings, QuantizedLinearParams, cast_floats, finetune_block
 from aqflow.calibration.hessians import block_forward
 from aqflow.models.structure import find_decoder_blocks
@@ -33,11 +34,11 @@ from aqflow.calibration.sequential import (
     load_hidden_states,
     load_windows,
 )
-from aqflow.artifacts import load_safetensors, verify_inputs
+from aqflow.io.artifacts import load_safetensors, verify_inputs
 from aqflow.models.fetch import ModelInputError, load_causal_lm, model_compute_dtype
 from aqflow.quant.representation import pack_codes, unpack_codes
-from aqflow.stage_cli import option
-from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
+from aqflow.stagekit.stage_cli import option
+from aqflow.stagekit.stage_errors import EXPECTED_ERRORS, StageInputError
 
 STAGE = "finetune-block"
 INPUT_ERRORS = (*EXPECTED_ERRORS, ModelInputError)

@@ -22,15 +22,16 @@ from typing import Mapping, Sequence
 
 import pandas as pd
 
-from aqflow import artifacts, stage_cli
-from aqflow.artifacts import read_json, verify_inputs
+from aqflow.io import artifacts
+from aqflow.stagekit import stage_cli
+from aqflow.io.artifacts import read_json, verify_inputs
 from aqflow.experiments.claims import claims_table, paper_claims
 from aqflow.experiments.paper_numbers import PAPER_DOMAIN_RATIOS, paper_cells
 from aqflow.experiments.plots import plot_against_beam, plot_against_domain, plot_against_rho, plot_pre_to_post_pv
 from aqflow.experiments.runs import at_bit_rate_geometry, grid_evals, missing_cells, runs_table
 from aqflow.experiments.tables import GROUP, PAPER_KEYS, frame_markdown, markdown_table, seed_statistics, with_paper
-from aqflow.stage_cli import option
-from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
+from aqflow.stagekit.stage_cli import option
+from aqflow.stagekit.stage_errors import EXPECTED_ERRORS, StageInputError
 
 STAGE = "paper-tables"
 DEFAULT_DOMAINS = ("c4", "wikitext2")

@@ -25,19 +25,20 @@ from pathlib import Path
 
 import torch
 
-from aqflow import artifacts, stage_cli
-from aqflow.artifacts import verify_inputs
+from aqflow.io import artifacts
+from aqflow.stagekit import stage_cli
+from aqflow.io.artifacts import verify_inputs
 from aqflow.data.offline_text import CorpusError
-from aqflow.finite import NonFiniteMetricError, require_finite
+from aqflow.io.finite import NonFiniteMetricError, require_finite
 from aqflow.models.fetch import ModelInputError, load_tokenizer, model_compute_dtype
-from aqflow.processes import die_with_parent
+from aqflow.stagekit.processes import die_with_parent
 from aqflow.pvtune.data import pv_windows
 from aqflow.pvtune.resume import Resumer, run_fingerprint
 from aqflow.pvtune.student import StudentError, load_student, load_teacher, pv_linears, save_student
 from aqflow.pvtune.train import PVSettings, settings_record, train, world
 from aqflow.quant.representation import pack_codes
-from aqflow.stage_cli import option
-from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
+from aqflow.stagekit.stage_cli import option
+from aqflow.stagekit.stage_errors import EXPECTED_ERRORS, StageInputError
 
 STAGE = "pvtune"
 INPUT_ERRORS = (*EXPECTED_ERRORS, NonFiniteMetricError, StudentError, CorpusError, ModelInputError)

@@ -22,15 +22,16 @@ from pathlib import Path
 
 import torch
 
-from aqflow import artifacts, stage_cli
-from aqflow.finite import NonFiniteMetricError, require_finite
+from aqflow.io import artifacts
+from aqflow.stagekit import stage_cli
+from aqflow.io.finite import NonFiniteMetricError, require_finite
 from aqflow.models.folder import split_module_name
 from aqflow.quant.quantize import QuantizerSettings, layer_summary, quantize_layer
 from aqflow.quant.representation import pack_codes
 from aqflow.quant.validation import QuantizationInputError
-from aqflow.stage_cli import option
-from aqflow.stage_errors import EXPECTED_ERRORS, StageInputError
-from aqflow.tensor_files import load_tensor
+from aqflow.stagekit.stage_cli import option
+from aqflow.stagekit.stage_errors import EXPECTED_ERRORS, StageInputError
+from aqflow.io.tensor_files import load_tensor
 
 STAGE = "quantize-layer"
 INPUT_ERRORS = (*EXPECTED_ERRORS, NonFiniteMetricError, QuantizationInputError)

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aqflow import artifacts, job_benchmarks, stage_cli
-from aqflow.artifacts import verify_inputs
-from aqflow.reporting import plot_layers, plot_pareto, plot_pv_curves, summary_table
-from aqflow.stage_cli import option
-from aqflow.stage_errors import EXPECTED_ERRORS
+from aqflow.io import artifacts
+from aqflow.experiments import job_benchmarks
+from aqflow.stagekit import stage_cli
+from aqflow.io.artifacts import verify_inputs
+from aqflow.experiments.reporting import plot_layers, plot_pareto, plot_pv_curves, summary_table
+from aqflow.stagekit.stage_cli import option
+from aqflow.stagekit.stage_errors import EXPECTED_ERRORS
 
 STAGE = "report"
 INPUT_ERRORS = EXPECTED_ERRORS

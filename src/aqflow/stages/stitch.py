@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aqflow import stage_cli
-from aqflow.artifacts import load_safetensors, verify_inputs
+from aqflow.stagekit import stage_cli
+from aqflow.io.artifacts import load_safetensors, verify_inputs
 from aqflow.checkpoint import CheckpointError, write_aqlm_checkpoint
 from aqflow.models.fetch import config_dtype
 from aqflow.models.folder import stored_bits_per_parameter
 from aqflow.quant.quantize import QuantizerSettings
-from aqflow.stage_cli import option
-from aqflow.stage_errors import EXPECTED_ERRORS
+from aqflow.stagekit.stage_cli import option
+from aqflow.stagekit.stage_errors import EXPECTED_ERRORS
 
 STAGE = "stitch"
 INPUT_ERRORS = (*EXPECTED_ERRORS, CheckpointError)

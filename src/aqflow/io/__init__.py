@@ -1,0 +1,1 @@
+"""Files between stages: atomic, checksummed artifacts (`artifacts`), tensor files, fetching from package registries, finiteness checks."""

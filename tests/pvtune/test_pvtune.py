@@ -1,0 +1,417 @@
+"""PV-tuning on a tiny random Llama, on CPU: it lowers the held-out loss, the V-step moves codes
+within its budget, the P-step never touches them, the selected state is the best held-out one,
+and the written checkpoint reloads in transformers + aqlm and evaluates."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from aqflow import checkpoint
+from aqflow.data.offline_text import CALIBRATION, load_split_corpus, split_documents, write_split_corpus
+from aqflow.models import build_tiny_llama, load_causal_lm, load_tokenizer
+from aqflow.stages.quantize_layer import quantize_every_linear
+from aqflow.pvtune import train as pvtrain
+from aqflow.pvtune.data import pv_windows
+from aqflow.pvtune.loss import chunked_kl_sum, output_logits
+from aqflow.pvtune.student import PVLinear, load_student, pv_linears
+from aqflow.pvtune.vstep import group_squared_errors, groups_to_update, reencode_groups, v_step_layer
+from aqflow.quant.representation import dequantize_weight
+from aqflow.stagekit.stage_cli import run_stage_module
+from aqflow.stages import evaluate, pvtune
+
+NBITS, NUM_CODEBOOKS = 6, 2
+WORDS = ("the quick brown fox jumps over lazy dog additive quantization codebook group weight model token "
+         "calibration evaluation split document beam search").split()
+QUICK = dict(batch_size=8, micro_batch_size=4, eval_every_steps=2, kl_chunk_tokens=50, lr=1e-4, code_lr=1e-3)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny Llama, its stitched 2x6-bit AQLM checkpoint (every linear quantized by the
+    quantize-layer stage) and a split corpus of 24 synthetic documents."""
+    root = tmp_path_factory.mktemp("pv")
+    model_dir = build_tiny_llama(root / "fp", hidden_size=64, intermediate_size=128, seed=0)
+    layers = root / "layers"
+    quantize_every_linear(model_dir, layers, NBITS, NUM_CODEBOOKS)
+    aqlm_dir = checkpoint.write_aqlm_checkpoint(model_dir, layers, root / "aqlm", num_codebooks=NUM_CODEBOOKS,
+                                                nbits=NBITS, dtype="float32")
+    rng = np.random.default_rng(0)
+    docs = pd.DataFrame({"doc_id": [f"doc{i:02d}" for i in range(24)],
+                         "text": [" ".join(rng.choice(WORDS, 300)) for _ in range(24)], "source": "synthetic"})
+    corpus = root / "corpus.parquet"
+    write_split_corpus(split_documents(docs, 0.5, 0), corpus, 0, 0.5)
+    data = pv_windows(corpus, load_tokenizer(model_dir), num_samples=16, heldout_samples=8, window_tokens=48,
+                      heldout_fraction=0.25, seed=0)
+    return {"root": root, "model_dir": model_dir, "aqlm_dir": aqlm_dir, "corpus": corpus, "data": data, "layers": layers}
+
+
+def _teacher(setup):
+    teacher = load_causal_lm(setup["model_dir"])
+    teacher.requires_grad_(False)
+    return teacher
+
+
+def _codes(student) -> dict[str, torch.Tensor]:
+    return {name: layer.codes.clone() for name, layer in pv_linears(student).items()}
+
+
+# --- pieces ------------------------------------------------------------------------------------
+
+def test_student_is_the_stitched_model(setup):
+    student = load_student(setup["aqlm_dir"])
+    reference = checkpoint.dequantized_model(setup["model_dir"], setup["layers"])
+    input_ids = setup["data"].heldout.input_ids[:2]
+    with torch.no_grad():
+        torch.testing.assert_close(student(input_ids).logits, reference(input_ids).logits, rtol=1e-4, atol=1e-4)
+    assert len(pv_linears(student)) == 14
+
+
+def test_straight_through_weight_gets_the_weight_gradient_and_changes_no_output(rng):
+    codebooks = torch.randn(2, 16, 8, generator=rng)
+    codes = torch.randint(0, 16, (5, 3, 2), generator=rng)
+    scales, bias = torch.rand(5, generator=rng) + 0.5, torch.randn(5, generator=rng)
+    layer = PVLinear(codes, codebooks, scales, bias)
+    layer.enable_straight_through()
+    with torch.no_grad():
+        layer.straight_through.add_(1.0)  # the float copy may drift: the output must not follow it
+    x = torch.randn(7, 24, generator=rng)
+    weight = dequantize_weight(codes, codebooks, scales).requires_grad_(True)
+    expected = F.linear(x, weight, bias)
+    torch.testing.assert_close(layer(x), expected)
+    layer(x).square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(layer.straight_through.grad, weight.grad)
+    assert layer.codebooks.grad is not None and layer.scales.grad is not None
+
+
+def test_weight_gradients_summed_per_step_equal_autograd_through_every_call(setup):
+    """Two micro-batches with activation checkpointing: the open/close path (dL/dW summed, then
+    pushed through the dequantization once) gives the gradients of plain autograd through every
+    call's dequantization, for straight-through weights, codebooks, scales and the rest."""
+    from aqflow.pvtune.student import close_weight_gradients, open_weight_gradients
+
+    settings = pvtrain.PVSettings(**QUICK)
+    windows = setup["data"].train.input_ids[:4]
+    teacher = _teacher(setup)
+    gradients = []
+    for summed in (False, True):
+        student = load_student(setup["aqlm_dir"])
+        layers = list(pv_linears(student).values())
+        p_params, v_params = pvtrain.trainable_groups(student, settings)
+        pvtrain.set_checkpointing(student, True)
+        student.train()
+        if summed:
+            open_weight_gradients(layers)
+            assert all(layer.weight_gradient is layer.straight_through.grad for layer in layers)
+        for micro in (windows[:2], windows[2:]):
+            pvtrain.micro_batch_kl(student, teacher, micro, settings, torch.device("cpu")).backward()
+        if summed:
+            close_weight_gradients(layers)
+            assert all(layer.weight_gradient is None for layer in layers)
+        names = {id(p): n for n, p in student.named_parameters()}
+        gradients.append({names[id(p)]: p.grad.clone() for p in p_params + v_params})
+    plain, summed = gradients
+    assert plain.keys() == summed.keys() and any(name.endswith("straight_through") for name in plain)
+    for name in plain:
+        torch.testing.assert_close(summed[name], plain[name], rtol=1e-4, atol=1e-7, msg=name)
+        assert plain[name].abs().sum() > 0, name
+
+
+def test_chunked_kl_equals_the_full_kl_and_its_gradient(setup):
+    student, teacher = load_student(setup["aqlm_dir"]), _teacher(setup)
+    hidden_s = torch.randn(37, 64, requires_grad=True)
+    hidden_t = torch.randn(37, 64)
+    chunked = chunked_kl_sum(student, teacher, hidden_s, hidden_t, chunk_tokens=10)
+    (grad_chunked,) = torch.autograd.grad(chunked, hidden_s)
+    log_q = F.log_softmax(output_logits(student, hidden_s), -1)
+    log_p = F.log_softmax(output_logits(teacher, hidden_t), -1)
+    full = (log_p.exp() * (log_p - log_q)).sum()
+    (grad_full,) = torch.autograd.grad(full, hidden_s)
+    torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_chunked, grad_full, rtol=1e-4, atol=1e-7)
+
+
+def test_pv_data_comes_from_disjoint_calibration_documents(setup):
+    frame = load_split_corpus(setup["corpus"])
+    calibration = set(frame.loc[frame["role"] == CALIBRATION, "doc_id"])
+    train_docs, heldout_docs = set(setup["data"].train.doc_ids), set(setup["data"].heldout.doc_ids)
+    assert train_docs <= calibration and heldout_docs <= calibration
+    assert not train_docs & heldout_docs
+    assert set(setup["data"].record["heldout_doc_ids"]) >= heldout_docs
+
+
+def test_groups_to_update_takes_the_largest_errors_within_the_fraction():
+    errors = torch.tensor([[0.0, 5.0, 1.0, 3.0], [2.0, 0.5, 4.0, 0.0]])  # 8 groups
+    assert groups_to_update(errors, 0.25).tolist() == [1, 6]  # ceil(0.25 * 8) = 2 largest
+    assert groups_to_update(errors, 0.3).tolist() == [1, 6, 3]  # ceil(2.4) = 3
+    assert sorted(groups_to_update(errors, 1.0).tolist()) == [1, 2, 3, 4, 5, 6]  # zero-error groups never
+
+
+def test_reencoding_moves_only_chosen_groups_and_never_away_from_the_target(rng):
+    codebooks = torch.randn(2, 16, 8, generator=rng)
+    codes = torch.randint(0, 16, (6, 4, 2), generator=rng)
+    scales = torch.rand(6, generator=rng) + 0.5
+    current = dequantize_weight(codes, codebooks, scales)
+    target = current + 0.8 * torch.randn(current.shape, generator=rng)
+    errors = group_squared_errors(target, current, 8)
+    chosen = groups_to_update(errors, 0.25)
+    new_codes = reencode_groups(target, codes, codebooks, scales, chosen, beam_size=4)
+    new_errors = group_squared_errors(target, dequantize_weight(new_codes, codebooks, scales), 8)
+    changed = (new_codes != codes).any(-1).reshape(-1)
+    assert changed.any() and set(changed.nonzero().flatten().tolist()) <= set(chosen.tolist())
+    assert (new_errors.reshape(-1) <= errors.reshape(-1) + 1e-6).all()
+    assert new_errors.sum() < errors.sum()
+
+
+def test_v_step_changes_at_most_the_configured_fraction_of_each_layer(setup, rng):
+    layer = next(iter(pv_linears(load_student(setup["aqlm_dir"])).values()))
+    layer.enable_straight_through()
+    before = layer.codes.clone()
+    with torch.no_grad():
+        layer.straight_through.add_(0.05 * torch.randn(layer.straight_through.shape, generator=rng))
+    num_groups = before.shape[0] * before.shape[1]
+    changed = v_step_layer(layer, max_fraction=0.05, beam_size=2)
+    assert 0 < changed <= math.ceil(0.05 * num_groups)
+    assert changed == int((layer.codes != before).any(-1).sum())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_v_step_replayed_as_a_cuda_graph_equals_the_eager_v_step(setup, rng):
+    """Three V-steps with the straight-through weights moved in place between them: the recorded
+    and replayed graph leaves the same codes, step by step, as running every layer eagerly."""
+    from aqflow.pvtune.vstep import VStep
+
+    students = [load_student(setup["aqlm_dir"], "cuda") for _ in range(2)]
+    runners = []
+    for student, use_graph in zip(students, (False, True)):
+        layers = list(pv_linears(student).values())
+        for layer in layers:
+            layer.enable_straight_through()
+        runners.append((layers, VStep(layers, 0.05, 1, use_graph=use_graph)))
+    assert runners[1][1].use_graph and not runners[0][1].use_graph
+    for _ in range(3):
+        noise = [0.05 * torch.randn(layer.straight_through.shape, generator=rng) for layer in runners[0][0]]
+        counts = []
+        for layers, v_step in runners:
+            with torch.no_grad():
+                for layer, delta in zip(layers, noise):
+                    layer.straight_through.add_(delta.cuda())
+            counts.append(v_step())
+        assert counts[0] == counts[1] > 0
+        for eager, replayed in zip(runners[0][0], runners[1][0]):
+            assert torch.equal(eager.codes, replayed.codes)
+
+
+# --- training ----------------------------------------------------------------------------------
+
+def test_p_step_alone_never_touches_codes(setup):
+    student, teacher = load_student(setup["aqlm_dir"]), _teacher(setup)
+    codes = _codes(student)
+    codebooks = {name: layer.codebooks.detach().clone() for name, layer in pv_linears(student).items()}
+    settings = pvtrain.PVSettings(epochs=1, update_codes=False, **QUICK)
+    result = pvtrain.train(student, teacher, setup["data"].train.input_ids, setup["data"].heldout.input_ids, settings,
+                           "cpu", progress=False)
+    assert result.steps == 2
+    for name, layer in pv_linears(student).items():
+        assert torch.equal(layer.codes, codes[name]) and layer.straight_through is None
+    assert all(row["codes_changed_fraction"] == 0 for row in result.log if row["split"] == "train")
+    moved = [not torch.equal(layer.codebooks.detach(), codebooks[name]) for name, layer in pv_linears(student).items()]
+    assert result.best_step == 0 or all(moved)
+
+
+def test_selected_state_is_the_best_heldout_one(setup):
+    """A large learning rate makes the later states worse than some earlier one; whatever
+    happens, the student ends in the state of the logged held-out minimum."""
+    student, teacher = load_student(setup["aqlm_dir"]), _teacher(setup)
+    settings = pvtrain.PVSettings(epochs=3, **(QUICK | dict(lr=3e-2, code_lr=3e-2, eval_every_steps=1)))
+    heldout = setup["data"].heldout.input_ids
+    result = pvtrain.train(student, teacher, setup["data"].train.input_ids, heldout, settings, "cpu", progress=False)
+    evals = [row for row in result.log if row["split"] == "heldout"]
+    assert len(evals) == result.steps + 1 == 7
+    best = min(evals, key=lambda row: row["kl"])
+    assert result.best_step == best["step"]
+    final = pvtrain.heldout_metrics(student, teacher, heldout, settings, torch.device("cpu"))
+    assert final["kl"] == pytest.approx(best["kl"], rel=1e-5)
+
+
+def test_stage_lowers_heldout_loss_changes_codes_and_writes_a_loadable_checkpoint(setup):
+    root = setup["root"]
+    out, log_path, metrics_path = root / "pv-model", root / "train_log.parquet", root / "pvtune.json"
+    max_fraction = 0.02
+    settings = pvtune.PvtuneSettings(
+        num_samples=16, heldout_samples=8, window_tokens=48, heldout_fraction=0.25, device="cpu", quiet=True,
+        training=pvtrain.PVSettings(epochs=3, batch_size=8, micro_batch_size=4, eval_every_steps=2, lr=1e-4,
+                                    code_lr=1e-3, max_code_change_fraction=max_fraction))
+    paths = pvtune.PvtunePaths(model_dir=setup["model_dir"], checkpoint_dir=setup["aqlm_dir"], corpus=setup["corpus"],
+                               output_dir=out, train_log=log_path, metrics=metrics_path)
+    assert run_stage_module(pvtune, settings, paths) == 0
+    metrics = json.loads(metrics_path.read_text())
+    log = pd.read_parquet(log_path)
+    assert metrics["best_heldout_kl"] < metrics["initial_heldout_kl"]
+    heldout = log[log["split"] == "heldout"]
+    assert heldout["selected"].sum() == 1
+    assert heldout.loc[heldout["selected"], "kl"].item() == heldout["kl"].min() == metrics["best_heldout_kl"]
+    # V-step: codes move, never more than ceil(fraction * groups) per layer and step
+    student = load_student(setup["aqlm_dir"])
+    groups = [layer.codes.shape[0] * layer.codes.shape[1] for layer in pv_linears(student).values()]
+    budget = sum(math.ceil(max_fraction * n) for n in groups) / sum(groups)
+    train_rows = log[log["split"] == "train"]
+    assert (train_rows["codes_changed_fraction"] > 0).any()
+    assert (train_rows["codes_changed_fraction"] <= budget + 1e-12).all()
+    tuned = load_student(out)
+    assert any(not torch.equal(a.codes, b.codes) for a, b in zip(pv_linears(tuned).values(), pv_linears(student).values()))
+    assert metrics["codes_changed_fraction"] > 0
+    # the output is a standard AQLM checkpoint: transformers + aqlm load it, and it scores the
+    # held-out KL that was selected
+    reloaded = evaluate.load_model(out, "float32", "cpu", "aqlm")
+    assert any(type(m).__name__ == "QuantizedLinear" for m in reloaded.modules())
+    settings = pvtrain.PVSettings(**QUICK)
+    again = pvtrain.heldout_metrics(reloaded, _teacher(setup), setup["data"].heldout.input_ids, settings, torch.device("cpu"))
+    assert again["kl"] == pytest.approx(metrics["best_heldout_kl"], rel=1e-3)
+    eval_path = root / "eval.json"
+    corpus = str(setup["corpus"])
+    assert run_stage_module(evaluate, evaluate.EvaluateSettings(perplexity=("wikitext2",), context=48, max_windows=4,
+                                                                tasks=(), device="cpu", quiet=True),
+                            evaluate.EvaluatePaths(model_dir=out, output=eval_path, wikitext2_corpus=Path(corpus),
+                                                   c4_corpus=Path(corpus))) == 0
+    record = json.loads(eval_path.read_text())
+    assert math.isfinite(record["metrics"]["wikitext2"]["perplexity"])
+    assert record["storage"]["format"] == "aqlm"
+
+
+def test_stage_refuses_a_plain_model_as_student(setup, capsys):
+    root = setup["root"]
+    code = pvtune.main(["--model-dir", str(setup["model_dir"]), "--checkpoint-dir", str(setup["model_dir"]),
+                        "--corpus", str(setup["corpus"]), "--output-dir", str(root / "x"), "--train-log", str(root / "x.parquet"),
+                        "--metrics", str(root / "x.json"), "--num-samples", "4", "--heldout-samples", "2",
+                        "--window-tokens", "48", "--device", "cpu", "--quiet"])
+    assert code == 2 and "not an AQLM checkpoint" in capsys.readouterr().err
+    assert not (root / "x").exists()
+
+
+# --- torch.distributed ---------------------------------------------------------------------------
+
+def _distributed_worker(rank: int, world_size: int, init_file: str, setup: dict, out_dir: str, update_codes: bool) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        student, teacher = load_student(setup["aqlm_dir"]), _teacher(setup)
+        settings = pvtrain.PVSettings(epochs=1, update_codes=update_codes, **(QUICK | dict(micro_batch_size=2)))
+        pvtrain.train(student, teacher, setup["data"].train.input_ids, setup["data"].heldout.input_ids, settings, "cpu",
+                      progress=False)
+        state = {name: tensor.contiguous() for name, tensor in pvtrain.snapshot(student, list(student.parameters())).items()}
+        save_file(state, os.path.join(out_dir, f"rank{rank}.safetensors"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("update_codes", [False, True])
+def test_two_processes_average_gradients_like_one(setup, tmp_path, update_codes):
+    """Two gloo processes (each half of every batch) end where one process does: the same
+    parameters up to float summation order; with the V-step, the two ranks also hold identical codes."""
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+
+    setup_plain = {key: setup[key] for key in ("aqlm_dir", "model_dir", "data")}
+    mp.start_processes(_distributed_worker, args=(2, str(tmp_path / "init"), setup_plain, str(tmp_path), update_codes),
+                       nprocs=2, join=True, start_method="spawn")
+    ranks = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(2)]
+    student, teacher = load_student(setup["aqlm_dir"]), _teacher(setup)
+    settings = pvtrain.PVSettings(epochs=1, update_codes=update_codes, **(QUICK | dict(micro_batch_size=2)))
+    pvtrain.train(student, teacher, setup["data"].train.input_ids, setup["data"].heldout.input_ids, settings, "cpu",
+                  progress=False)
+    single = pvtrain.snapshot(student, list(student.parameters()))
+    assert ranks[0].keys() == single.keys()
+    for name in single:
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+        if name.endswith(".codes"):
+            agree = (ranks[0][name] == single[name]).float().mean().item()
+            assert agree == 1.0 if not update_codes else agree > 0.99, name
+        else:
+            torch.testing.assert_close(ranks[0][name], single[name], rtol=1e-3, atol=1e-5)
+
+
+def test_every_config_setting_reaches_the_stage_as_written():
+    """config.yaml's pvtune keys (as the rule passes them) are exactly fields of the stage's
+    settings, and keys left out of the config fall back to the same values (the paper's)."""
+    from pathlib import Path
+
+    import yaml
+
+    from aqflow.stagekit.stage_cli import from_dict
+
+    section = yaml.safe_load((Path(__file__).resolve().parents[2] / "config.yaml").read_text())["pvtune"]
+    settings = {key: value for key, value in section.items() if key not in ("enabled", "corpus")}
+    parsed, defaults = from_dict(pvtune.PvtuneSettings, settings), pvtune.PvtuneSettings()
+
+    def value_of(built, key):
+        return getattr(built.training, key) if hasattr(built.training, key) else getattr(built, key)
+
+    for key, value in settings.items():
+        assert value_of(parsed, key) == value, key
+        assert value_of(defaults, key) == value, key
+
+
+def test_torchrun_runs_the_stage_on_two_processes(setup, tmp_path):
+    """`torchrun -m aqflow pvtune` on CPU (gloo): one set of outputs, written by process 0, with
+    the held-out numbers of the single-process run of the same settings."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    common = ["--model-dir", str(setup["model_dir"]), "--checkpoint-dir", str(setup["aqlm_dir"]),
+              "--corpus", str(setup["corpus"]), "--num-samples", "16", "--heldout-samples", "8", "--window-tokens", "48",
+              "--heldout-fraction", "0.25", "--epochs", "1", "--batch-size", "8", "--micro-batch-size", "2",
+              "--eval-every-steps", "1", "--no-update-codes", "--device", "cpu", "--quiet"]
+
+    def outputs(name):
+        return ["--output-dir", str(tmp_path / name), "--train-log", str(tmp_path / f"{name}.parquet"),
+                "--metrics", str(tmp_path / f"{name}.json")]
+
+    result = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "aqflow", "pvtune",
+                             *common, *outputs("two")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("wall time:") == 1
+    assert pvtune.main([*common, *outputs("one")]) == 0
+    two, one = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("two", "one"))
+    assert two["settings"]["world_size"] == 2 and one["settings"]["world_size"] == 1
+    assert two["best_heldout_kl"] == pytest.approx(one["best_heldout_kl"], rel=1e-4)
+    assert (tmp_path / "two" / "config.json").is_file()
+
+
+def test_v_step_with_weight_rms_moves_every_layer_by_the_same_fraction_of_its_size():
+    """Adam's first step is about lr whatever the gradient's size: in weight units it is a 10x larger
+    move, relative to the weights, for a layer 10x smaller; in units of the layer's RMS it is not."""
+    from aqflow.pvtune.train import v_step_param_groups
+
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(16, 32, generator=generator)
+    gradient = torch.randn(16, 32, generator=generator)
+
+    def relative_move(scale: float, unit: str) -> float:
+        weight = torch.nn.Parameter(base * scale)
+        optimizer = torch.optim.Adam(v_step_param_groups([weight], 0.01, unit), betas=(0.0, 0.95))
+        weight.grad = gradient * scale  # any size: Adam normalises it
+        optimizer.step()
+        return float((weight.detach() - base * scale).norm() / (base * scale).norm())
+
+    assert relative_move(0.1, "absolute") == pytest.approx(10 * relative_move(1.0, "absolute"), rel=1e-4)
+    assert relative_move(0.1, "weight_rms") == pytest.approx(relative_move(1.0, "weight_rms"), rel=1e-4)
+    groups = v_step_param_groups([torch.nn.Parameter(base), torch.nn.Parameter(2 * base)], 0.01, "weight_rms")
+    assert [group["lr"] for group in groups] == pytest.approx([0.01 * float(base.square().mean().sqrt()) * k for k in (1, 2)])
+    assert len(v_step_param_groups([torch.nn.Parameter(base)] * 3, 0.01, "absolute")) == 1
+    with pytest.raises(ValueError, match="code_lr_scale"):
+        v_step_param_groups([torch.nn.Parameter(base)], 0.01, "relative")
