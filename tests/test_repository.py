@@ -1,5 +1,6 @@
 """The repository stands on its own: nothing in it sends users to files outside the checkout."""
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -21,3 +22,18 @@ def test_no_tracked_file_points_outside_the_repository():
         text = path.read_text(errors="ignore")
         offenders += [f"{path.relative_to(REPO)}: {needle}" for needle in OUTSIDE_POINTERS if needle in text]
     assert not offenders, f"files pointing outside the repository: {offenders}"
+
+
+MARKDOWN_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_relative_links_in_the_readme_and_docs_point_at_files_that_exist():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in MARKDOWN_LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue  # a web address or an anchor in the same page
+            if not (page.parent / target.split("#")[0]).exists():
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+    assert len(pages) > 1 and not broken, f"links to missing files: {broken}"
