@@ -5,7 +5,9 @@ Two kernels compute y[t, o] = scales[o] * sum_j sum_m <codebooks[m, codes[o, j, 
 (+ bias[o]); both tile the output rows and split the input groups over programs (split-K):
 
 - `direct`: per (row, group) gather the M codewords of g values (the codebooks of a layer are a
-  few KB: they stay in L1) and dot their sum with the g inputs, in fp32. Any geometry, any nbits.
+  few KB: they stay in L1) and dot each with the g inputs, in fp32. Any geometry, any nbits.
+  `direct16` is the same with each codeword's g products summed in the codebooks' 16-bit type
+  (paired multiply-adds, half the instructions; one token), then accumulated in fp32.
 - `lut`: first a table lut[j, m, k] = <codebooks[m, k, :], x[j*g:(j+1)*g]> for every input group j
   (M*K*g multiply-adds per group, shared by all rows), then per (row, group) M table look-ups and
   adds: no multiply per weight, as the paper's CPU decode. One token, K <= 256.
@@ -140,22 +142,25 @@ def packed_dense_weight(packed: PackedWeights) -> torch.Tensor:
 # ---------------------------------------------------------------- kernels
 
 @triton.jit
-def _code_tile(codes_ptr, rows, group0, ROWS, G, M: tl.constexpr, MP: tl.constexpr,
-               BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr):
-    """codes of rows [BLOCK_O] x groups group0.. [BLOCK_G] -> [BLOCK_O, BLOCK_G, MP] int32 (0 where masked)."""
+def _code_columns(codes_ptr, rows, group0, ROWS, G, M: tl.constexpr, MP: tl.constexpr, BLOCK_G: tl.constexpr,
+                  IN_RANGE: tl.constexpr):
+    """codes of rows [BLOCK_O] for groups group0.. [BLOCK_G] -> [BLOCK_O, BLOCK_G*MP] int32, column
+    j*MP + m holding codebook m of group group0 + j (0 where masked or m >= M). IN_RANGE: every row
+    and group of every tile exists (no mask, so the loads can be wide)."""
     row_offsets = rows.to(tl.int64) * (G * M)
+    cols = tl.arange(0, BLOCK_G * MP)
     if M == MP:
-        # one contiguous run of BLOCK_G*M codes per row: wide loads
-        cols = tl.arange(0, BLOCK_G * MP)
+        # one contiguous run of BLOCK_G*M codes per row
         ptrs = codes_ptr + row_offsets[:, None] + group0 * M + cols[None, :]
-        mask = (rows[:, None] < ROWS) & (group0 * M + cols[None, :] < G * M)
-        codes = tl.load(ptrs, mask=mask, other=0)
-        codes = tl.reshape(codes, (BLOCK_O, BLOCK_G, MP))
+        if IN_RANGE:
+            codes = tl.load(ptrs)
+        else:
+            codes = tl.load(ptrs, mask=(rows[:, None] < ROWS) & (group0 * M + cols[None, :] < G * M), other=0)
     else:
-        groups = group0 + tl.arange(0, BLOCK_G)
-        mm = tl.arange(0, MP)
-        ptrs = codes_ptr + row_offsets[:, None, None] + groups[None, :, None] * M + mm[None, None, :]
-        mask = (rows[:, None, None] < ROWS) & (groups[None, :, None] < G) & (mm[None, None, :] < M)
+        groups = group0 + cols // MP
+        books = cols % MP
+        ptrs = codes_ptr + row_offsets[:, None] + (groups * M + books)[None, :]
+        mask = (rows[:, None] < ROWS) & (groups[None, :] < G) & (books[None, :] < M)
         codes = tl.load(ptrs, mask=mask, other=0)
     return codes.to(tl.int32)
 
@@ -204,35 +209,60 @@ def _direct_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, part
                    T, ROWS, G, groups_per_split, bound1, bound2, bound3, stride_xt, stride_ot,
                    M: tl.constexpr, MP: tl.constexpr, K: tl.constexpr, GS: tl.constexpr, GP: tl.constexpr,
                    TP: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr,
-                   STEPS: tl.constexpr, HAS_BIAS: tl.constexpr):
+                   STEPS: tl.constexpr, IN_RANGE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   HALF_MATH: tl.constexpr = False):
     """x [T, G*GS]; codes [ROWS, G, M]; codebooks [n, M, K, GS] -> out [T, ROWS]. Grid (row blocks, SPLIT);
-    a program takes groups_per_split = STEPS * BLOCK_G groups."""
+    a program takes groups_per_split = STEPS * BLOCK_G groups.
+
+    A step's tile is [BLOCK_O rows, BLOCK_G*MP codes]: each code is a column of its own (codebook m
+    of group j at column j*MP + m), whose codeword is dotted with group j's inputs; the sums stay per
+    (row, column) until the end, so the loop has no reduction across threads."""
     pid_o = tl.program_id(0)
     pid_s = tl.program_id(1)
     rows = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
     tokens = tl.arange(0, TP)
-    mm = tl.arange(0, MP)
+    cols = tl.arange(0, BLOCK_G * MP)
+    col_group = cols // MP
+    col_book = cols % MP
     ii = tl.arange(0, GP)
-    codeword_base = (_matrix_of_rows(rows, ROWS, bound1, bound2, bound3) * M)[:, None, None] + mm[None, None, :]
-    codeword_base = codeword_base * K  # [BLOCK_O, 1, MP]: first codeword of each row's codebook m
-    value_ok = (mm[None, None, :, None] < M) & (ii[None, None, None, :] < GS)
-    acc = tl.zeros((TP, BLOCK_O), dtype=tl.float32)
+    matrix = _matrix_of_rows(rows, ROWS, bound1, bound2, bound3)
+    book_base = (matrix[:, None] * M + col_book[None, :]) * K  # [BLOCK_O, BLOCK_G*MP]: codeword 0 of the column's codebook
+    acc = tl.zeros((TP, BLOCK_O, BLOCK_G * MP), dtype=tl.float32)
     group_start = pid_s * groups_per_split
     group_end = tl.minimum(group_start + groups_per_split, G)
     for step in range(STEPS):
         group0 = group_start + step * BLOCK_G
-        codes = _code_tile(codes_ptr, rows, group0, ROWS, G, M, MP, BLOCK_O, BLOCK_G)
-        codeword = codeword_base + codes  # [BLOCK_O, BLOCK_G, MP]
-        values = tl.load(cb_ptr + codeword[:, :, :, None] * GS + ii[None, None, None, :], mask=value_ok, other=0.0)
-        weights = tl.sum(values.to(tl.float32), axis=2)  # [BLOCK_O, BLOCK_G, GP]
-        groups = group0 + tl.arange(0, BLOCK_G)
-        x_ptrs = x_ptr + tokens[:, None, None] * stride_xt + groups[None, :, None] * GS + ii[None, None, :]
-        x_ok = (tokens[:, None, None] < T) & (groups[None, :, None] < group_end) & (ii[None, None, :] < GS)
-        xs = tl.load(x_ptrs, mask=x_ok, other=0.0).to(tl.float32)  # [TP, BLOCK_G, GP]
-        products = weights[None, :, :, :] * xs[:, None, :, :]  # [TP, BLOCK_O, BLOCK_G, GP]
-        acc += tl.sum(tl.sum(products, axis=3), axis=2)
-    _finish(acc, rows, tokens, pid_o, pid_s, scales_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
-            T, ROWS, stride_ot, SPLIT, HAS_BIAS)
+        codes = _code_columns(codes_ptr, rows, group0, ROWS, G, M, MP, BLOCK_G, IN_RANGE)
+        cb_ptrs = cb_ptr + (book_base + codes)[:, :, None] * GS + ii[None, None, :]
+        # a mask that varies along the g axis would split a codeword's load into single elements
+        if GS == GP and M == MP:
+            values = tl.load(cb_ptrs)  # masked codes read as 0: in range
+        elif GS == GP:
+            values = tl.load(cb_ptrs, mask=(col_book < M)[None, :, None], other=0.0)
+        else:
+            values = tl.load(cb_ptrs, mask=(col_book < M)[None, :, None] & (ii < GS)[None, None, :], other=0.0)
+        groups = group0 + col_group
+        x_ok = groups < group_end
+        if GS != GP:
+            x_ok = x_ok[:, None] & (ii < GS)[None, :]
+        else:
+            x_ok = x_ok[:, None]
+        if TP == 1:
+            # one token: [BLOCK_O, BLOCK_G*MP, GP] products, the inputs broadcast over the rows
+            xs = tl.load(x_ptr + groups[:, None] * GS + ii[None, :], mask=x_ok, other=0.0)
+            if HALF_MATH:
+                # a codeword's g products summed in the codebooks' 16-bit type (paired multiply-adds), then fp32
+                group_sums = tl.sum(values * xs.to(values.dtype)[None, :, :], axis=2, dtype=values.dtype)
+                acc += group_sums.to(tl.float32)[None, :, :]
+            else:
+                acc += tl.sum(values.to(tl.float32) * xs.to(tl.float32)[None, :, :], axis=2)[None, :, :]
+        else:
+            x_ptrs = x_ptr + tokens[:, None, None] * stride_xt + groups[None, :, None] * GS + ii[None, None, :]
+            xs = tl.load(x_ptrs, mask=(tokens[:, None, None] < T) & x_ok[None, :, :], other=0.0).to(tl.float32)
+            products = values.to(tl.float32)[None, :, :, :] * xs[:, None, :, :]  # [TP, BLOCK_O, BLOCK_G*MP, GP]
+            acc += tl.sum(products, axis=3)
+    _finish(tl.sum(acc, axis=2), rows, tokens, pid_o, pid_s, scales_ptr, bias_ptr, out_ptr, partial_ptr,
+            counter_ptr, T, ROWS, stride_ot, SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -260,25 +290,32 @@ def _lut_kernel(lut_ptr, codes_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, 
                 ROWS, G, groups_per_split, bound1, bound2, bound3,
                 M: tl.constexpr, MP: tl.constexpr, K: tl.constexpr,
                 BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,
-                HAS_BIAS: tl.constexpr):
+                IN_RANGE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """One token: out[rows] = scales * sum over groups and codebooks of lut[n(row), j, m, codes[row, j, m]]."""
     pid_o = tl.program_id(0)
     pid_s = tl.program_id(1)
     rows = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
     tokens = tl.arange(0, 1)
-    mm = tl.arange(0, MP)
+    cols = tl.arange(0, BLOCK_G * MP)
+    col_group = cols // MP
+    col_book = cols % MP
     matrix = _matrix_of_rows(rows, ROWS, bound1, bound2, bound3)
-    acc = tl.zeros((1, BLOCK_O), dtype=tl.float32)
+    # entry of code 0 for each (row, column) at group 0: the loop only adds the step's offset and the codes
+    entry0 = matrix[:, None] * (G * M * K) + ((col_group * M + col_book) * K)[None, :]
+    acc = tl.zeros((BLOCK_O, BLOCK_G * MP), dtype=tl.float32)
     group_start = pid_s * groups_per_split
     group_end = tl.minimum(group_start + groups_per_split, G)
     for step in range(STEPS):
         group0 = group_start + step * BLOCK_G
-        codes = _code_tile(codes_ptr, rows, group0, ROWS, G, M, MP, BLOCK_O, BLOCK_G)
-        groups = group0 + tl.arange(0, BLOCK_G)
-        entry = ((matrix[:, None, None] * G + groups[None, :, None]) * M + mm[None, None, :]) * K + codes
-        ok = (groups[None, :, None] < group_end) & (mm[None, None, :] < M)
-        values = tl.load(lut_ptr + entry, mask=ok, other=0.0)  # [BLOCK_O, BLOCK_G, MP] fp32
-        acc += tl.sum(tl.sum(values, axis=2), axis=1)[None, :]
+        codes = _code_columns(codes_ptr, rows, group0, ROWS, G, M, MP, BLOCK_G, IN_RANGE)
+        groups = group0 + col_group
+        entry = entry0 + group0 * (M * K) + codes
+        if IN_RANGE and M == MP:
+            acc += tl.load(lut_ptr + entry)  # [BLOCK_O, BLOCK_G*MP]
+        else:
+            ok = (groups[None, :] < group_end) & (col_book[None, :] < M)
+            acc += tl.load(lut_ptr + entry, mask=ok, other=0.0)
+    acc = tl.sum(acc, axis=1)[None, :]
     _finish(acc, rows, tokens, pid_o, pid_s, scales_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
             1, ROWS, 0, SPLIT, HAS_BIAS)
 
@@ -308,7 +345,7 @@ class KernelConfig:
         return KernelConfig(VARIANTS[variant], block_rows, block_groups, split, num_warps)
 
 
-VARIANTS = ("direct", "lut")
+VARIANTS = ("direct", "lut", "direct16")
 _TUNED: dict[tuple, KernelConfig] = {}
 
 
@@ -343,7 +380,13 @@ def split_for(packed: PackedWeights, block_rows: int, block_groups: int, program
     row_blocks = triton.cdiv(packed.rows, block_rows)
     target = programs_per_sm * _multiprocessors(packed.codes.device)
     most = max(1, triton.cdiv(packed.num_groups, 2 * block_groups))
-    return max(1, min(most, triton.cdiv(target, row_blocks)))
+    wanted = max(1, min(most, triton.cdiv(target, row_blocks)))
+    steps, ragged = divmod(packed.num_groups, block_groups)
+    if ragged:
+        return wanted
+    # the nearest split that divides the steps: no partial tile, so no masks in the inner loop
+    divisors = [d for d in range(1, min(steps, most) + 1) if steps % d == 0]
+    return min(divisors, key=lambda d: (abs(math.log(d / wanted)), -d))
 
 
 def default_config(packed: PackedWeights, tokens: int) -> KernelConfig:
@@ -357,11 +400,13 @@ def config_for(packed: PackedWeights, tokens: int) -> KernelConfig:
 
 
 def candidate_configs(packed: PackedWeights, tokens: int) -> list[KernelConfig]:
-    """The configurations `tune` times for a shape: tile shapes and warps of both variants, each at a few
+    """The configurations `tune` times for a shape: tile shapes and warps of each variant, each at a few
     split-K depths (programs per multiprocessor)."""
-    tiles = {"direct": [(16, 16, 4), (32, 8, 4), (8, 32, 4), (16, 32, 8), (32, 16, 8), (64, 8, 8)],
-             "lut": [(64, 16, 4), (128, 8, 4), (32, 32, 4), (128, 16, 8), (256, 8, 8), (64, 32, 8)]}
-    variants = ["direct"] + (["lut"] if lut_applies(packed, tokens) else [])
+    direct_tiles = [(16, 16, 4), (32, 8, 4), (64, 4, 4), (32, 16, 8), (64, 8, 8), (128, 4, 8)]
+    # lut: 16 code columns per row and step (lanes along rows, so a warp's look-ups share one table)
+    tiles = {"direct": direct_tiles, "direct16": direct_tiles,
+             "lut": [(128, 8, 4), (64, 8, 4), (256, 8, 8), (128, 16, 8), (64, 16, 4)]}
+    variants = ["direct"] + (["direct16", "lut"] if lut_applies(packed, tokens) else [])
     seen, configs = set(), []
     for variant in variants:
         for block_rows, block_groups, warps in tiles[variant]:
@@ -407,6 +452,7 @@ def _launch(x: torch.Tensor, packed: PackedWeights, config: KernelConfig, out: t
     grid = (row_blocks, split)
     common = dict(M=m, MP=triton.next_power_of_2(m), K=k, BLOCK_O=config.block_rows,
                   BLOCK_G=config.block_groups, SPLIT=split, STEPS=groups_per_split // config.block_groups,
+                  IN_RANGE=packed.rows % config.block_rows == 0 and groups == split * groups_per_split,
                   HAS_BIAS=packed.bias is not None,
                   num_warps=config.num_warps)
     if config.variant == "lut":
@@ -421,10 +467,11 @@ def _launch(x: torch.Tensor, packed: PackedWeights, config: KernelConfig, out: t
             GP=triton.next_power_of_2(gs), BLOCK_J=block_j, num_warps=4)
         _lut_kernel[grid](lut, packed.codes, packed.scales, bias, out, partial, counters,
                           packed.rows, groups, groups_per_split, b1, b2, b3, **common)
-    elif config.variant == "direct":
+    elif config.variant in ("direct", "direct16"):
         _direct_kernel[grid](x, packed.codes, packed.codebooks, packed.scales, bias, out, partial, counters,
                              tokens, packed.rows, groups, groups_per_split, b1, b2, b3, x.stride(0), out.stride(0),
-                             GS=gs, GP=triton.next_power_of_2(gs), TP=triton.next_power_of_2(tokens), **common)
+                             GS=gs, GP=triton.next_power_of_2(gs), TP=triton.next_power_of_2(tokens),
+                             HALF_MATH=config.variant == "direct16" and tokens == 1, **common)
     else:
         raise ValueError(f"unknown kernel variant {config.variant!r}; known: {VARIANTS}")
     return out
