@@ -80,16 +80,23 @@ def test_pack_refuses_mixed_geometries(rng):
         gk.pack_weights([a, b])
 
 
-def test_split_k_counters_are_left_at_zero(rng):
-    """The last program of each row block resets its counter, so back-to-back launches stay right."""
-    w = random_weights(24, 8, 2, 8, 8, bias=True, generator=rng)
+@pytest.mark.parametrize("split", [4, gk.ATOMIC_SPLIT])
+def test_split_k_state_is_left_at_zero(split, rng):
+    """The last program of each row block resets its counter (and the atomic accumulator), so
+    back-to-back launches stay right."""
+    w = random_weights(24, 16, 2, 8, 8, bias=True, generator=rng)
     packed = gk.as_packed(w)
-    config = gk.KernelConfig("direct", 8, 2, 4, 4)
-    x = torch.randn(1, 64, generator=rng)
-    first = run_poisoned(x, packed, config)
-    second = run_poisoned(x, packed, config)
-    assert torch.equal(first, second)
-    assert int(gk._counters(x.device).abs().sum()) == 0
+    x = torch.randn(2, 128, generator=rng)
+    for variant in ("direct", "lut"):
+        tokens = 1 if variant == "lut" else 2
+        config = gk.KernelConfig(variant, 8, 2, split, 4)
+        first = run_poisoned(x[:tokens], packed, config)
+        second = run_poisoned(x[:tokens], packed, config)
+        assert torch.equal(first, second)
+        torch.testing.assert_close(first.double(), exact_reference(x[:tokens], w), rtol=1e-5, atol=1e-5)
+        assert int(gk._counters(x.device).abs().sum()) == 0
+        if split >= gk.ATOMIC_SPLIT:
+            assert float(gk._accumulator(x.device, 1).abs().sum()) == 0.0
 
 
 def test_bfloat16_within_bf16_rounding(rng):

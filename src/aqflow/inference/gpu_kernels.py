@@ -186,33 +186,46 @@ def _write_rows(acc, rows, tokens, scales_ptr, bias_ptr, out_ptr, T, ROWS, strid
 
 @triton.jit
 def _finish(acc, rows, tokens, pid_o, pid_s, scales_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
-            T, ROWS, stride_ot, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Write this program's sums; with split-K, the last program of the row block adds the partials."""
-    if SPLIT == 1:
+            T, ROWS, stride_ot, SPLIT, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
+    """Write this program's sums. With split-K (SPLIT programs per row block) the programs store
+    partials [SPLIT, T, ROWS] (or, ATOMIC, add into a zeroed fp32 accumulator [T, ROWS], which suits
+    deep splits: the last program then reads one row block, not SPLIT), and the last program of the
+    row block to arrive finishes it and leaves counter and accumulator at zero for the next launch."""
+    if not SPLIT_K:
         _write_rows(acc, rows, tokens, scales_ptr, bias_ptr, out_ptr, T, ROWS, stride_ot, HAS_BIAS)
     else:
         mask = (tokens[:, None] < T) & (rows[None, :] < ROWS)
-        tl.store(partial_ptr + (pid_s * T + tokens[:, None]) * ROWS + rows[None, :], acc, mask=mask)
-        tl.debug_barrier()  # every thread's partials stored before the release below
+        if ATOMIC:
+            tl.atomic_add(partial_ptr + tokens[:, None] * ROWS + rows[None, :], acc, mask=mask, sem="relaxed")
+        else:
+            tl.store(partial_ptr + (pid_s * T + tokens[:, None]) * ROWS + rows[None, :], acc, mask=mask)
+        tl.debug_barrier()  # every thread's partials written before the release below
         arrived = tl.atomic_add(counter_ptr + pid_o, 1, sem="acq_rel")
         if arrived == SPLIT - 1:
-            total = tl.zeros_like(acc)
-            for s in range(SPLIT):
-                total += tl.load(partial_ptr + (s * T + tokens[:, None]) * ROWS + rows[None, :], mask=mask,
-                                 other=0.0, cache_modifier=".cg")
+            if ATOMIC:
+                sums = partial_ptr + tokens[:, None] * ROWS + rows[None, :]
+                total = tl.load(sums, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(sums, tl.zeros_like(total), mask=mask)
+            else:
+                total = tl.zeros_like(acc)
+                s = 0
+                while s < SPLIT:
+                    total += tl.load(partial_ptr + (s * T + tokens[:, None]) * ROWS + rows[None, :], mask=mask,
+                                     other=0.0, cache_modifier=".cg")
+                    s += 1
             _write_rows(total, rows, tokens, scales_ptr, bias_ptr, out_ptr, T, ROWS, stride_ot, HAS_BIAS)
             tl.atomic_xchg(counter_ptr + pid_o, 0)  # ready for the next launch
 
 
 @triton.jit
 def _direct_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
-                   T, ROWS, G, groups_per_split, bound1, bound2, bound3, stride_xt, stride_ot,
+                   T, ROWS, G, groups_per_split, SPLIT, bound1, bound2, bound3, stride_xt, stride_ot,
                    M: tl.constexpr, MP: tl.constexpr, K: tl.constexpr, GS: tl.constexpr, GP: tl.constexpr,
-                   TP: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr,
-                   STEPS: tl.constexpr, IN_RANGE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   TP: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr,
+                   IN_RANGE: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
                    HALF_MATH: tl.constexpr = False):
     """x [T, G*GS]; codes [ROWS, G, M]; codebooks [n, M, K, GS] -> out [T, ROWS]. Grid (row blocks, SPLIT);
-    a program takes groups_per_split = STEPS * BLOCK_G groups.
+    a program takes groups_per_split (a multiple of BLOCK_G) groups.
 
     A step's tile is [BLOCK_O rows, BLOCK_G*MP codes]: each code is a column of its own (codebook m
     of group j at column j*MP + m), whose codeword is dotted with group j's inputs; the sums stay per
@@ -230,8 +243,8 @@ def _direct_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, part
     acc = tl.zeros((TP, BLOCK_O, BLOCK_G * MP), dtype=tl.float32)
     group_start = pid_s * groups_per_split
     group_end = tl.minimum(group_start + groups_per_split, G)
-    for step in range(STEPS):
-        group0 = group_start + step * BLOCK_G
+    group0 = group_start
+    while group0 < group_start + groups_per_split:  # a while loop: runtime bounds run in the interpreter too
         codes = _code_columns(codes_ptr, rows, group0, ROWS, G, M, MP, BLOCK_G, IN_RANGE)
         cb_ptrs = cb_ptr + (book_base + codes)[:, :, None] * GS + ii[None, None, :]
         # a mask that varies along the g axis would split a codeword's load into single elements
@@ -261,8 +274,9 @@ def _direct_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, part
             xs = tl.load(x_ptrs, mask=(tokens[:, None, None] < T) & x_ok[None, :, :], other=0.0).to(tl.float32)
             products = values.to(tl.float32)[None, :, :, :] * xs[:, None, :, :]  # [TP, BLOCK_O, BLOCK_G*MP, GP]
             acc += tl.sum(products, axis=3)
+        group0 += BLOCK_G
     _finish(tl.sum(acc, axis=2), rows, tokens, pid_o, pid_s, scales_ptr, bias_ptr, out_ptr, partial_ptr,
-            counter_ptr, T, ROWS, stride_ot, SPLIT, HAS_BIAS)
+            counter_ptr, T, ROWS, stride_ot, SPLIT, SPLIT_K, HAS_BIAS, ATOMIC)
 
 
 @triton.jit
@@ -287,10 +301,10 @@ def _lut_build_kernel(x_ptr, cb_ptr, lut_ptr, G, M: tl.constexpr, K: tl.constexp
 
 @triton.jit
 def _lut_kernel(lut_ptr, codes_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
-                ROWS, G, groups_per_split, bound1, bound2, bound3,
+                ROWS, G, groups_per_split, SPLIT, bound1, bound2, bound3,
                 M: tl.constexpr, MP: tl.constexpr, K: tl.constexpr,
-                BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,
-                IN_RANGE: tl.constexpr, HAS_BIAS: tl.constexpr):
+                BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr,
+                IN_RANGE: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
     """One token: out[rows] = scales * sum over groups and codebooks of lut[n(row), j, m, codes[row, j, m]]."""
     pid_o = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -305,8 +319,8 @@ def _lut_kernel(lut_ptr, codes_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, 
     acc = tl.zeros((BLOCK_O, BLOCK_G * MP), dtype=tl.float32)
     group_start = pid_s * groups_per_split
     group_end = tl.minimum(group_start + groups_per_split, G)
-    for step in range(STEPS):
-        group0 = group_start + step * BLOCK_G
+    group0 = group_start
+    while group0 < group_start + groups_per_split:
         codes = _code_columns(codes_ptr, rows, group0, ROWS, G, M, MP, BLOCK_G, IN_RANGE)
         groups = group0 + col_group
         entry = entry0 + group0 * (M * K) + codes
@@ -315,9 +329,10 @@ def _lut_kernel(lut_ptr, codes_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, 
         else:
             ok = (groups[None, :] < group_end) & (col_book[None, :] < M)
             acc += tl.load(lut_ptr + entry, mask=ok, other=0.0)
+        group0 += BLOCK_G
     acc = tl.sum(acc, axis=1)[None, :]
     _finish(acc, rows, tokens, pid_o, pid_s, scales_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
-            1, ROWS, 0, SPLIT, HAS_BIAS)
+            1, ROWS, 0, SPLIT, SPLIT_K, HAS_BIAS, ATOMIC)
 
 
 # ---------------------------------------------------------------- configurations
@@ -404,8 +419,9 @@ def candidate_configs(packed: PackedWeights, tokens: int) -> list[KernelConfig]:
     split-K depths (programs per multiprocessor)."""
     direct_tiles = [(16, 16, 4), (32, 8, 4), (64, 4, 4), (32, 16, 8), (64, 8, 8), (128, 4, 8)]
     # lut: 16 code columns per row and step (lanes along rows, so a warp's look-ups share one table)
+    # lut: the table of the program's groups is read once per program from L2, so tall row blocks
     tiles = {"direct": direct_tiles, "direct16": direct_tiles,
-             "lut": [(128, 8, 4), (64, 8, 4), (256, 8, 8), (128, 16, 8), (64, 16, 4)]}
+             "lut": [(128, 8, 4), (256, 8, 8), (512, 8, 16), (256, 8, 4), (512, 8, 8), (1024, 8, 16)]}
     variants = ["direct"] + (["direct16", "lut"] if lut_applies(packed, tokens) else [])
     seen, configs = set(), []
     for variant in variants:
@@ -423,6 +439,8 @@ def candidate_configs(packed: PackedWeights, tokens: int) -> list[KernelConfig]:
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _COUNTER_SLOTS = 1 << 16
+_ACCUMULATORS: dict[torch.device, torch.Tensor] = {}
+ATOMIC_SPLIT = 8  # from this split-K depth on, programs add into one accumulator instead of storing partials
 
 
 def _counters(device: torch.device) -> torch.Tensor:
@@ -432,6 +450,16 @@ def _counters(device: torch.device) -> torch.Tensor:
         counters = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
         _COUNTERS[device] = counters
     return counters
+
+
+def _accumulator(device: torch.device, size: int) -> torch.Tensor:
+    """A per-device zeroed fp32 accumulator of at least size elements (the atomic split-K's; the last
+    program of each row block zeroes what it read)."""
+    accumulator = _ACCUMULATORS.get(device)
+    if accumulator is None or accumulator.numel() < size:
+        accumulator = torch.zeros(max(size, 1 << 20), dtype=torch.float32, device=device)
+        _ACCUMULATORS[device] = accumulator
+    return accumulator
 
 
 def _launch(x: torch.Tensor, packed: PackedWeights, config: KernelConfig, out: torch.Tensor) -> torch.Tensor:
@@ -444,14 +472,19 @@ def _launch(x: torch.Tensor, packed: PackedWeights, config: KernelConfig, out: t
         raise ValueError(f"{packed.rows} rows in blocks of {config.block_rows}: more row blocks than counters")
     groups_per_split = triton.cdiv(triton.cdiv(groups, config.split), config.block_groups) * config.block_groups
     split = triton.cdiv(groups, groups_per_split)  # no program without groups
-    partial = (torch.empty(split * tokens * packed.rows, dtype=torch.float32, device=x.device) if split > 1
-               else out)
+    atomic = split >= ATOMIC_SPLIT
+    if atomic:
+        partial = _accumulator(x.device, tokens * packed.rows)
+    elif split > 1:
+        partial = torch.empty(split * tokens * packed.rows, dtype=torch.float32, device=x.device)
+    else:
+        partial = out
     counters = _counters(x.device) if split > 1 else out
     bias = packed.bias if packed.bias is not None else packed.scales
     b1, b2, b3 = packed.bounds()
     grid = (row_blocks, split)
     common = dict(M=m, MP=triton.next_power_of_2(m), K=k, BLOCK_O=config.block_rows,
-                  BLOCK_G=config.block_groups, SPLIT=split, STEPS=groups_per_split // config.block_groups,
+                  BLOCK_G=config.block_groups, SPLIT_K=split > 1, ATOMIC=atomic,
                   IN_RANGE=packed.rows % config.block_rows == 0 and groups == split * groups_per_split,
                   HAS_BIAS=packed.bias is not None,
                   num_warps=config.num_warps)
@@ -466,10 +499,11 @@ def _launch(x: torch.Tensor, packed: PackedWeights, config: KernelConfig, out: t
             x, packed.codebooks, lut, groups, M=m, K=k, MKP=triton.next_power_of_2(m * k), GS=gs,
             GP=triton.next_power_of_2(gs), BLOCK_J=block_j, num_warps=4)
         _lut_kernel[grid](lut, packed.codes, packed.scales, bias, out, partial, counters,
-                          packed.rows, groups, groups_per_split, b1, b2, b3, **common)
+                          packed.rows, groups, groups_per_split, split, b1, b2, b3, **common)
     elif config.variant in ("direct", "direct16"):
         _direct_kernel[grid](x, packed.codes, packed.codebooks, packed.scales, bias, out, partial, counters,
-                             tokens, packed.rows, groups, groups_per_split, b1, b2, b3, x.stride(0), out.stride(0),
+                             tokens, packed.rows, groups, groups_per_split, split, b1, b2, b3, x.stride(0),
+                             out.stride(0),
                              GS=gs, GP=triton.next_power_of_2(gs), TP=triton.next_power_of_2(tokens),
                              HALF_MATH=config.variant == "direct16" and tokens == 1, **common)
     else:
