@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -426,7 +427,7 @@ def candidate_configs(packed: PackedWeights, tokens: int) -> list[KernelConfig]:
     seen, configs = set(), []
     for variant in variants:
         for block_rows, block_groups, warps in tiles[variant]:
-            for per_sm in (2, 4, 8, 16):
+            for per_sm in (4, 8, 16):
                 split = split_for(packed, block_rows, block_groups, per_sm)
                 config = KernelConfig(variant, block_rows, block_groups, split, warps)
                 if config not in seen:
@@ -571,19 +572,34 @@ def fused_quantized_matmul(x: torch.Tensor, ws: Sequence[QuantizedWeights], *,
 
 # ---------------------------------------------------------------- tuning
 
-def time_config(x: torch.Tensor, packed: PackedWeights, config: KernelConfig, *, warmup_ms: int = 5,
-                rep_ms: int = 25) -> float:
-    """Median seconds of one launch (triton's do_bench, which flushes L2 before every launch)."""
+def median_seconds(fn, *, warmup_ms: int = 5, rep_ms: int = 25) -> float:
+    """Median seconds of fn() on the GPU (triton's do_bench: L2 flushed before every call, so weights
+    come from memory as in decoding), or by the wall clock on a CPU (the interpreter's dry runs)."""
+    if torch.cuda.is_available() and not _interpreting():
+        return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") / 1e3
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[1]
+
+
+def time_config(x: torch.Tensor, packed: PackedWeights, config: KernelConfig) -> float:
+    """Median seconds of one launch of this configuration."""
     out = torch.empty(x.shape[0], packed.rows, dtype=x.dtype, device=x.device)
-    return triton.testing.do_bench(lambda: _launch(x, packed, config, out), warmup=warmup_ms, rep=rep_ms,
-                                   return_mode="median") / 1e3
+    return median_seconds(lambda: _launch(x, packed, config, out))
 
 
 def tune(packed: PackedWeights, tokens: int = 1, *, configs: Sequence[KernelConfig] | None = None,
-         check: bool = True, rtol: float = 2e-2, log=None) -> list[tuple[KernelConfig, float | None, str]]:
+         check: bool = True, rtol: float = 2e-2, log=None,
+         deadline: float | None = None) -> list[tuple[KernelConfig, float | None, str]]:
     """Times each candidate configuration on random inputs (after checking it against the dense
     reference, when check) and records the fastest for this shape. Returns (config, seconds or None,
-    note) for every candidate; a candidate that fails or is wrong is skipped, not fatal."""
+    note) for every candidate; a candidate that fails or is wrong is skipped, not fatal; past deadline
+    (a time.perf_counter() value) the remaining candidates are skipped."""
+
     device = packed.codes.device
     generator = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, packed.in_features, device=device, dtype=packed.codebooks.dtype, generator=generator)
@@ -593,6 +609,9 @@ def tune(packed: PackedWeights, tokens: int = 1, *, configs: Sequence[KernelConf
                      + (0 if packed.bias is None else packed.bias.double()))
     results = []
     for config in configs if configs is not None else candidate_configs(packed, tokens):
+        if deadline is not None and time.perf_counter() > deadline:
+            results.append((config, None, "skipped: tuning time used up"))
+            continue
         try:
             if reference is not None:
                 out = torch.full((tokens, packed.rows), float("nan"), dtype=x.dtype, device=device)
@@ -620,3 +639,25 @@ def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     if not torch.isfinite(value).all():
         return math.inf
     return ((value - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------- a module
+
+class KernelQuantizedLinear(torch.nn.Module):
+    """A minimal AQLM linear that runs these kernels (the 2-bit tensors are its buffers); `quantized_weights()`
+    lets `decode.fuse_projections` pack it with its siblings. Models the pipeline writes use the
+    inference package's FastQuantizedLinear, which dispatches by device; this one serves benchmarks and tests."""
+
+    def __init__(self, w: QuantizedWeights):
+        super().__init__()
+        self.in_features, self.out_features, self.nbits = w.in_features, w.out_features, w.nbits
+        self.register_buffer("codes", w.codes)
+        self.register_buffer("codebooks", w.codebooks)
+        self.register_buffer("scales", w.scales)
+        self.register_buffer("bias", w.bias)
+
+    def quantized_weights(self) -> QuantizedWeights:
+        return QuantizedWeights(self.codes, self.codebooks, self.scales, self.bias, self.nbits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quantized_matmul(x, self.quantized_weights())
