@@ -86,3 +86,38 @@ def test_fused_projections_give_equal_logits(build):
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
     tokens, _ = greedy_decode(model, sequence, 5)
     assert tokens.tolist() == hf_greedy(model, sequence, 5)
+
+
+def test_quantized_model_decodes_as_its_dense_equivalent():
+    """A tiny Llama whose projections are 2x8 kernel linears (Triton's interpreter here) decodes the
+    same tokens, with the same logits, as the model holding their dense weights; fused q/k/v and
+    gate/up (one launch each) too."""
+    from aqflow.inference.gpu_kernels import KernelQuantizedLinear
+    from aqflow.inference.layout import QuantizedWeights, dense_weight
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None,
+                         pad_token_id=None)
+    quantized, dense = LlamaForCausalLM(config).eval(), LlamaForCausalLM(config).eval()
+    dense.load_state_dict(quantized.state_dict())
+    generator = torch.Generator().manual_seed(3)
+    for (name, module), dense_module in zip(list(quantized.named_modules()), list(dense.modules())):
+        if isinstance(module, torch.nn.Linear) and name.startswith("model.layers"):
+            w = QuantizedWeights(
+                codes=torch.randint(0, 256, (module.out_features, module.in_features // 8, 2), generator=generator).to(torch.uint8),
+                codebooks=torch.randn(2, 256, 8, generator=generator) * 0.1, scales=torch.rand(module.out_features, generator=generator) + 0.5,
+                bias=None, nbits=8)
+            parent, _, attribute = name.rpartition(".")
+            setattr(quantized.get_submodule(parent), attribute, KernelQuantizedLinear(w))
+            dense_module.weight.data = dense_weight(w)
+    sequence = prompt(5)
+    with torch.no_grad():
+        torch.testing.assert_close(quantized(sequence).logits, dense(sequence).logits, rtol=1e-4, atol=1e-4)
+    expected, _ = greedy_decode(dense, sequence, 3)
+    tokens, _ = greedy_decode(quantized, sequence, 3)
+    assert tokens.tolist() == expected.tolist()
+    assert len(fuse_projections(quantized)) == 2
+    assert type(quantized.model.layers[0].self_attn.q_proj.fused).__name__ == "FusedQuantizedLinear"
+    with torch.no_grad():
+        torch.testing.assert_close(quantized(sequence).logits, dense(sequence).logits, rtol=1e-4, atol=1e-4)

@@ -323,9 +323,10 @@ def _fused_owner(members: Sequence[torch.nn.Module]) -> torch.nn.Module | None:
             return None
         return FusedDenseLinear(members)
     weights = [quantized_weights_of(m) for m in members]
-    if all(w is not None for w in weights) and weights[0].codes.is_cuda:
+    if all(w is not None for w in weights):
         from aqflow.inference import gpu_kernels
 
-        if gpu_kernels.can_pack(weights):
+        # the kernels run on CUDA (or in Triton's interpreter, in tests)
+        if (weights[0].codes.is_cuda or gpu_kernels._interpreting()) and gpu_kernels.can_pack(weights):
             return FusedQuantizedLinear(weights)
     return None
