@@ -331,7 +331,7 @@ def bench_model(shape_name: str, args, device, dtype) -> dict:
     guarded(ours, "profile", profile_step, model, args, device)
     record["speedup"] = decode_speedup(record)
     log(f"model {shape_name}: ours / best bf16 decode = {record['speedup']}")
-    if args.aqlm and aqlm_available() and remaining(args) > (60 if AQLM_BUILT else 200):
+    if args.aqlm and aqlm_available() and remaining(args) > (60 if AQLM_BUILT else 240):  # first use builds CUDA code
         log(f"model {shape_name}: random 2x8 codes (aqlm)")
         quantize_randomly(model, "aqlm")
         record["aqlm"] = {"resident_bytes": resident_bytes(model)}
@@ -482,7 +482,9 @@ def summary_lines(payload: dict) -> list[str]:
             lines.append(f"{model_name}: FAILED {record['error']}")
             continue
         for kind in ("bf16", "ours", "aqlm"):
-            runs = record.get(kind, {})
+            if kind not in record:
+                continue
+            runs = record[kind]
             cells = [f"{mode} {run['decode_tokens_per_second']:.1f}" for mode, run in runs.items()
                      if isinstance(run, dict) and "decode_tokens_per_second" in run]
             errors = [mode for mode, run in runs.items() if isinstance(run, dict) and "error" in run]
@@ -521,7 +523,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", help="an AQLM checkpoint directory the pipeline wrote")
     parser.add_argument("--fp", help="the fp model directory of that checkpoint")
     parser.add_argument("--skip-kernels", action="store_true", help="no tuning: default configurations")
-    parser.add_argument("--budget-seconds", type=float, default=510,
+    parser.add_argument("--budget-seconds", type=float, default=480,
                         help="optional parts (compile, prefill, aqlm, the per-linear table) are skipped past this")
     parser.add_argument("--tune-seconds", type=float, default=150, help="kernel tuning time, all models together")
     parser.add_argument("--no-aqlm", dest="aqlm", action="store_false", help="skip aqlm (it builds CUDA code at first use)")
@@ -543,12 +545,24 @@ def main() -> None:
                      "geometry": GEOMETRY, "args": vars(args), "kernels": {}, "models": {}}
     log(f"device {payload['device']}, torch {payload['torch']}, triton {payload['triton']}, "
         f"transformers {payload['transformers']}, aqlm {payload['aqlm']}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every part: a run stopped at its time limit still leaves its results
+        for name in ("3b", "8b"):
+            payload[f"gpu_decode_speedup_{name}"] = payload["models"].get(name, {}).get("speedup")
+        payload["tuned_configs"] = {str(k): v.label() for k, v in gk.tuned_configs().items()}
+        payload["seconds"] = elapsed()
+        (out / "inference_gpu.json").write_text(json.dumps(payload, indent=1, default=str))
+
     tune_seconds = args.tune_seconds / len(models)
     for name in models:
         if not args.skip_kernels:  # the decode step's shapes first: the model runs the winners
             guarded(payload["kernels"], name, bench_kernels, name, args, device, dtype, DECODE_LINEARS,
                     tune_seconds, False)
+            save()
         guarded(payload["models"], name, bench_model, name, args, device, dtype)
+        save()
     if not args.skip_kernels and not args.quick:  # the per-linear table, aqlm's kernel beside ours
         for name in models:
             if remaining(args) < 60:
@@ -561,17 +575,13 @@ def main() -> None:
                                min(remaining(args) - 45, args.tune_seconds / 2) / len(models), args.aqlm)
                 if isinstance(rows, dict) and "error" not in rows:
                     table.update(rows)
+                save()
     if args.checkpoint:
         guarded(payload, "checkpoint", bench_checkpoint, args.checkpoint, args, device, dtype, True)
+        save()
     if args.fp:
         guarded(payload, "fp", bench_checkpoint, args.fp, args, device, dtype, False)
-    for name in ("3b", "8b"):
-        payload[f"gpu_decode_speedup_{name}"] = payload["models"].get(name, {}).get("speedup")
-    payload["tuned_configs"] = {str(k): v.label() for k, v in gk.tuned_configs().items()}
-    payload["seconds"] = elapsed()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "inference_gpu.json").write_text(json.dumps(payload, indent=1, default=str))
+    save()
     for line in summary_lines(payload):
         print(line)
     print(f"wrote {out / 'inference_gpu.json'}")

@@ -495,7 +495,7 @@ def _launch(x: torch.Tensor, packed: PackedWeights, config: KernelConfig, out: t
                              f"{k} codewords")
         n = packed.codebooks.shape[0]
         lut = torch.empty(n * groups * m * k, dtype=torch.float32, device=x.device)
-        block_j = 4
+        block_j = 16 if groups >= 1024 else 8  # each program reads the whole codebook once: not too many
         _lut_build_kernel[(triton.cdiv(groups, block_j), n)](
             x, packed.codebooks, lut, groups, M=m, K=k, MKP=triton.next_power_of_2(m * k), GS=gs,
             GP=triton.next_power_of_2(gs), BLOCK_J=block_j, num_warps=4)
