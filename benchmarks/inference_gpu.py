@@ -1,0 +1,591 @@
+"""Batch-1 decoding on the GPU: our Triton AQLM kernels against bf16 (cuBLAS) and aqlm's own kernel,
+per linear and end to end, at the Llama-3.2-3B and Llama-3.1-8B shapes (issue 27).
+
+1. kernels: per linear shape (q/k/v/o, gate/up/down, and q+k+v, gate+up as one launch) every
+   candidate configuration of every variant is first checked against the dense reference on the GPU
+   (relative error; a wrong or failing candidate is reported and dropped), then timed (do_bench
+   median; L2 flushed before each launch, so the codes come from memory); beside it bf16 F.linear
+   and aqlm's 2x8 kernel (if the aqlm package imports), with achieved GB/s of the bytes each must read.
+   The fastest correct configuration per shape is what the models below run.
+2. models: the 3B- and 8B-shaped Llama built from their configs with seeded random bf16 weights on
+   the GPU, then the same model with random 2x8 codes (built directly, not quantized): decode
+   tokens/s (32-token prompt + 256 new tokens by default) through aqflow.inference.decode for bf16
+   eager, bf16 graphed, bf16 compiled+graphed, ours graphed (projections fused), ours
+   compiled+graphed, aqlm graphed; prefill tokens/s at a long prompt; weight bytes resident; peak memory.
+3. profile: one decode step of bf16 and of ours under torch.profiler: kernel count and GPU time by
+   kind (GEMV, attention, other small kernels) and the bf16 head alone, to show the fixed cost.
+4. --checkpoint DIR (an AQLM checkpoint the pipeline wrote) and --fp DIR (its fp source) are decoded too.
+
+Every part catches its own failures (printed, recorded, the run goes on). Prints a short table last
+and writes JSON (--out, default $OUT/inference_gpu.json) with gpu_decode_speedup_3b / _8b: ours
+(best of graphed, compiled+graphed) over the best bf16 decode of the same model.
+
+CPU dry run of the whole script (kernels through Triton's interpreter, tiny model):
+    python benchmarks/inference_gpu.py --device cpu --tiny --out /tmp/inference_dry
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernels run in Triton's interpreter on a CPU
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")  # aqlm's CPU kernel races with more threads
+
+import torch
+
+from aqflow.inference import gpu_kernels as gk
+from aqflow.inference.decode import fuse_projections, greedy_decode, new_static_cache, step_logits
+from aqflow.inference.layout import QuantizedWeights
+
+SHAPES = {
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8, vocab_size=128256, head_dim=128, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, head_dim=128, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, head_dim=16, tie_word_embeddings=False),
+}
+GEOMETRY = dict(num_codebooks=2, nbits=8, group_size=8)  # 2x8: 2 bits per weight
+STARTED = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - STARTED:6.1f}s] {message}", flush=True)
+
+
+def elapsed() -> float:
+    return time.perf_counter() - STARTED
+
+
+def guarded(record: dict, key: str, fn, *args, **kwargs):
+    """Runs fn, storing its result (or its error) under record[key]; never raises."""
+    try:
+        record[key] = fn(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - one failing part must not end the run
+        record[key] = {"error": f"{type(error).__name__}: {error}"}
+        log(f"{key} FAILED: {type(error).__name__}: {error}")
+        traceback.print_exc(limit=4)
+    return record[key]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------- weights
+
+def random_quantized(out_features: int, in_features: int, device, dtype, generator: torch.Generator,
+                     bias: bool = False) -> QuantizedWeights:
+    """Random 2x8 codes, codebooks of unit-variance codewords and scales giving weights of ~0.02 RMS."""
+    m, nbits, g = GEOMETRY["num_codebooks"], GEOMETRY["nbits"], GEOMETRY["group_size"]
+    k = 1 << nbits
+    codes = torch.randint(0, k, (out_features, in_features // g, m), generator=generator, device=device,
+                          dtype=torch.int32).to(torch.uint8)
+    codebooks = torch.randn(m, k, g, generator=generator, device=device).to(dtype)
+    scales = torch.full((out_features,), 0.02 / m ** 0.5, device=device, dtype=dtype)
+    bias_values = torch.randn(out_features, generator=generator, device=device).to(dtype) * 0.02 if bias else None
+    return QuantizedWeights(codes, codebooks, scales, bias_values, nbits)
+
+
+def linear_shapes(shape: dict) -> dict[str, tuple[list[int], int]]:
+    """Linear name -> (output sizes, in_features); fused entries list several outputs."""
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    kv = shape["num_key_value_heads"] * shape["head_dim"]
+    q = shape["num_attention_heads"] * shape["head_dim"]
+    return {"q_proj": ([q], h), "k_proj": ([kv], h), "v_proj": ([kv], h), "o_proj": ([h], q),
+            "gate_proj": ([i], h), "up_proj": ([i], h), "down_proj": ([h], i),
+            "qkv (fused)": ([q, kv, kv], h), "gate+up (fused)": ([i, i], h)}
+
+
+# ---------------------------------------------------------------- aqlm
+
+def aqlm_available() -> str | None:
+    try:
+        import aqlm  # noqa: F401
+
+        return getattr(aqlm, "__version__", "?")
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def aqlm_linear(w: QuantizedWeights) -> torch.nn.Module:
+    """aqlm's QuantizedLinear holding the same codes (signed as aqlm stores them)."""
+    from aqlm import QuantizedLinear
+
+    m, k, g = w.codebooks.shape
+    layer = QuantizedLinear(w.in_features, w.out_features, in_group_size=g, out_group_size=1, num_codebooks=m,
+                            nbits_per_codebook=w.nbits, bias=w.bias is not None, device=w.codes.device,
+                            dtype=w.codebooks.dtype)
+    signed = w.codes.to(torch.int16)
+    signed = torch.where(signed >= (1 << (w.nbits - 1)), signed - (1 << w.nbits), signed)
+    layer.codes.data = signed.to(layer.codes.dtype).contiguous()
+    layer.codebooks.data = w.codebooks[:, :, None, :].contiguous()
+    layer.scales.data = w.scales.view(-1, 1, 1, 1).contiguous()
+    if w.bias is not None:
+        layer.bias.data = w.bias.clone()
+    return layer
+
+
+# ---------------------------------------------------------------- 1. kernels
+
+DECODE_LINEARS = ("qkv (fused)", "o_proj", "gate+up (fused)", "down_proj")  # what a decode step runs
+
+
+def bench_kernels(shape_name: str, args, device, dtype, names, budget_seconds: float, with_aqlm: bool) -> dict:
+    """Tunes and times the named linears of the shape within about budget_seconds."""
+    shape = SHAPES[shape_name]
+    generator = torch.Generator(device=device).manual_seed(0)
+    results = {}
+    names = [n for n in names if n in linear_shapes(shape)]
+    started = time.perf_counter()
+    for index, name in enumerate(names):
+        outs, in_features = linear_shapes(shape)[name]
+        deadline = started + budget_seconds * (index + 1) / len(names)
+        row = results[name] = {"out": sum(outs), "in": in_features}
+        ws = [random_quantized(o, in_features, device, dtype, generator) for o in outs]
+        packed = gk.pack_weights(ws)
+        x = torch.randn(1, in_features, device=device, generator=generator).to(dtype)
+        dense = torch.randn(sum(outs), in_features, device=device, generator=generator).to(dtype) * 0.02
+        bf16_seconds = gk.median_seconds(lambda: torch.nn.functional.linear(x, dense))
+        row["bf16_us"] = bf16_seconds * 1e6
+        row["bf16_GBps"] = dense.numel() * dense.element_size() / bf16_seconds / 1e9
+        del dense
+        if with_aqlm and aqlm_available() and len(ws) == 1:
+            guarded(row, "aqlm", bench_aqlm_linear, ws[0], x)
+        candidates = gk.candidate_configs(packed, 1)
+        if args.tiny:  # the interpreter is slow: one candidate per variant, and one deep split
+            candidates = list({c.variant: c for c in reversed(candidates)}.values()) + [max(candidates, key=lambda c: c.split)]
+        log(f"{shape_name} {name} [{sum(outs)} x {in_features}]: bf16 {row['bf16_us']:.1f} us; "
+            f"{len(candidates)} candidates")
+        tuned = gk.tune(packed, 1, configs=candidates, check=True, rtol=args.rtol, log=log if args.verbose else None,
+                        deadline=deadline)
+        row["candidates"] = [{"config": c.label(), "us": None if s is None else s * 1e6, "note": note}
+                             for c, s, note in tuned]
+        timed = [(c, s) for c, s, _ in tuned if s is not None]
+        failed = [(c.label(), note) for c, s, note in tuned if s is None]
+        if failed:
+            log(f"  {len(failed)} candidates dropped, e.g. {failed[0]}")
+        if not timed:
+            row["ours"] = {"error": "no candidate passed"}
+            continue
+        best, seconds = min(timed, key=lambda cs: cs[1])
+        per_variant = {}
+        for config, s in timed:
+            if config.variant not in per_variant or s < per_variant[config.variant][1]:
+                per_variant[config.variant] = (config, s)
+        error = kernel_error(packed, x, best)
+        row["ours"] = {"config": best.label(), "us": seconds * 1e6, "rel_error": error,
+                       "GBps": packed.code_bytes() / seconds / 1e9,
+                       "best_per_variant": {v: {"config": c.label(), "us": s * 1e6} for v, (c, s) in per_variant.items()}}
+        row["speedup_over_bf16"] = bf16_seconds / seconds
+        log(f"  ours {best.label()} {seconds * 1e6:.1f} us ({row['ours']['GBps']:.0f} GB/s of codes, rel. error "
+            f"{error:.1e}), x{row['speedup_over_bf16']:.2f} over bf16; per variant: "
+            + ", ".join(f"{v} {s * 1e6:.1f}" for v, (c, s) in per_variant.items()))
+    return results
+
+
+def kernel_error(packed: gk.PackedWeights, x: torch.Tensor, config: gk.KernelConfig) -> float:
+    reference = x.double() @ gk.packed_dense_weight(packed).double().T
+    out = torch.full((x.shape[0], packed.rows), float("nan"), dtype=x.dtype, device=x.device)
+    gk._launch(x, packed, config, out)
+    return gk.relative_error(out, reference)
+
+
+def bench_aqlm_linear(w: QuantizedWeights, x: torch.Tensor) -> dict:
+    layer = aqlm_linear(w)
+    mark_aqlm_built()
+    with torch.no_grad():
+        y = layer(x)
+        error = gk.relative_error(y, x.double() @ gk.packed_dense_weight(gk.as_packed(w)).double().T)
+        seconds = gk.median_seconds(lambda: layer(x))
+    return {"us": seconds * 1e6, "rel_error": error, "GBps": w.codes.numel() / seconds / 1e9}
+
+
+# ---------------------------------------------------------------- 2. models
+
+def build_llama(shape_name: str, device, dtype, seed: int = 0):
+    """A Llama of the named shape with seeded random weights (std 0.02, norms at 1), in dtype on device."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPES[shape_name], max_position_embeddings=8192, rope_theta=500000.0,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config._attn_implementation = "sdpa"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.fill_(1.0)
+            else:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, device=device, dtype=torch.float32)
+                                .mul_(0.02).to(dtype))
+    return model.eval()
+
+
+def block_linears(model) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
+    """(parent, attribute, module) of every projection in the decoder layers."""
+    found = []
+    for layer in model.model.layers:
+        for block_name, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                  ("mlp", ("gate_proj", "up_proj", "down_proj"))):
+            block = getattr(layer, block_name)
+            found += [(block, n, getattr(block, n)) for n in names]
+    return found
+
+
+def quantize_randomly(model, kind: str, seed: int = 1) -> None:
+    """Replaces every decoder projection by a random 2x8 layer: ours ('ours') or aqlm's ('aqlm')."""
+    device = model.get_input_embeddings().weight.device
+    dtype = model.get_input_embeddings().weight.dtype
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for parent, name, module in block_linears(model):
+        w = random_quantized(module.out_features, module.in_features, device, dtype, generator,
+                             bias=getattr(module, "bias", None) is not None)
+        setattr(parent, name, gk.KernelQuantizedLinear(w) if kind == "ours" else aqlm_linear(w))
+        del module
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def resident_bytes(model) -> int:
+    tensors = {t.data_ptr(): t for t in list(model.parameters()) + list(model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def decode_run(model, args, device, *, graphs: bool, compile: bool = False) -> dict:
+    generator = torch.Generator().manual_seed(7)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, args.prompt_tokens), generator=generator)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    tokens, timings = greedy_decode(model, prompt, args.new_tokens, graphs=graphs, compile=compile)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    result = {"mode": timings.mode, "decode_tokens_per_second": timings.decode_tokens_per_second,
+              "ms_per_token": 1e3 / timings.decode_tokens_per_second, "timed_steps": timings.timed_steps,
+              "capture_seconds": timings.capture_seconds, "peak_bytes": peak, "first_tokens": tokens[:8].tolist()}
+    log(f"  decode {result['mode']:14s} {result['decode_tokens_per_second']:8.1f} tokens/s "
+        f"({result['ms_per_token']:.2f} ms/token; setup {timings.capture_seconds:.1f} s)")
+    return result
+
+
+def prefill_run(model, args, device) -> dict:
+    generator = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.prefill_tokens), generator=generator)
+    runs = [greedy_decode(model, prompt, 1, graphs=False)[1] for _ in range(2)]  # the first warms up
+    seconds = runs[-1].prefill_seconds
+    result = {"prompt_tokens": args.prefill_tokens, "seconds": seconds,
+              "tokens_per_second": args.prefill_tokens / seconds}
+    log(f"  prefill {args.prefill_tokens} tokens: {result['tokens_per_second']:.0f} tokens/s")
+    return result
+
+
+def remaining(args) -> float:
+    return args.budget_seconds - elapsed()
+
+
+def bench_model(shape_name: str, args, device, dtype) -> dict:
+    record: dict = {"shape": SHAPES[shape_name]}
+    cuda = device.type == "cuda"
+    log(f"model {shape_name}: building bf16")
+    model = build_llama(shape_name, device, dtype)
+    bf16 = record["bf16"] = {"resident_bytes": resident_bytes(model)}
+    fuse_projections(model)  # the same fusion for both: one GEMV for q/k/v and one for gate/up
+    eager_args = argparse.Namespace(**{**vars(args), "new_tokens": min(args.new_tokens, 64)})
+    guarded(bf16, "eager", decode_run, model, eager_args, device, graphs=False)
+    if cuda:
+        guarded(bf16, "graph", decode_run, model, args, device, graphs=True)
+        if want_compile(args, shape_name) and remaining(args) > 150:
+            guarded(bf16, "compile+graph", decode_run, model, args, device, graphs=True, compile=True)
+    if not args.quick and remaining(args) > 60:
+        guarded(bf16, "prefill", prefill_run, model, args, device)
+    guarded(bf16, "profile", profile_step, model, args, device)
+    guarded(bf16, "head", time_head, model)
+    log(f"model {shape_name}: random 2x8 codes (ours)")
+    quantize_randomly(model, "ours")
+    ours = record["ours"] = {"resident_bytes": resident_bytes(model)}
+    ours["fused_groups"] = len(fuse_projections(model))
+    if cuda:
+        guarded(ours, "graph", decode_run, model, args, device, graphs=True)
+        if want_compile(args, shape_name) and remaining(args) > 120:
+            guarded(ours, "compile+graph", decode_run, model, args, device, graphs=True, compile=True)
+    else:
+        guarded(ours, "eager", decode_run, model, eager_args, device, graphs=False)
+    if not args.quick and remaining(args) > 45:
+        guarded(ours, "prefill", prefill_run, model, args, device)
+    guarded(ours, "profile", profile_step, model, args, device)
+    record["speedup"] = decode_speedup(record)
+    log(f"model {shape_name}: ours / best bf16 decode = {record['speedup']}")
+    if args.aqlm and aqlm_available() and remaining(args) > (60 if AQLM_BUILT else 240):  # first use builds CUDA code
+        log(f"model {shape_name}: random 2x8 codes (aqlm)")
+        quantize_randomly(model, "aqlm")
+        record["aqlm"] = {"resident_bytes": resident_bytes(model)}
+        guarded(record["aqlm"], "graph" if cuda else "eager", decode_run, model, args if cuda else eager_args,
+                device, graphs=cuda)
+        mark_aqlm_built()
+    del model
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return record
+
+
+AQLM_BUILT = False
+
+
+def mark_aqlm_built() -> None:
+    global AQLM_BUILT
+    AQLM_BUILT = True
+
+
+def want_compile(args, shape_name: str) -> bool:
+    return args.compile == "all" or (args.compile == "3b" and shape_name in ("3b", "tiny"))
+
+
+def best_rate(record: dict) -> float | None:
+    rates = [run["decode_tokens_per_second"] for run in record.values()
+             if isinstance(run, dict) and "decode_tokens_per_second" in run]
+    return max(rates) if rates else None
+
+
+def decode_speedup(record: dict) -> float | None:
+    ours, bf16 = best_rate(record.get("ours", {})), best_rate(record.get("bf16", {}))
+    return ours / bf16 if ours and bf16 else None
+
+
+# ---------------------------------------------------------------- 3. profile
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    if any(k in lowered for k in ("gemv", "gemm", "nvjet", "cutlass", "xmma", "_direct_kernel", "_lut_kernel",
+                                   "_lut_build", "code2x8", "code1x16", "splitk", "cublas")):
+        return "gemv"
+    if any(k in lowered for k in ("flash", "fmha", "attention", "sdpa", "efficient")):
+        return "attention"
+    return "other"
+
+
+def profile_step(model, args, device) -> dict:
+    """One eager decode step under torch.profiler: kernels and GPU microseconds by kind."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(9))
+    cache = new_static_cache(model, args.prompt_tokens + 4)
+    positions = torch.arange(args.prompt_tokens + 2, device=device)[None]
+    with torch.inference_mode():
+        model(input_ids=prompt.to(device), position_ids=positions[:, :args.prompt_tokens], past_key_values=cache,
+              use_cache=True, logits_to_keep=1)
+        token = prompt[:, -1:].to(device)
+        step_logits(model, cache, token, positions[:, args.prompt_tokens:args.prompt_tokens + 1])  # warm
+        synchronize(device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            step_logits(model, cache, token, positions[:, args.prompt_tokens + 1:])
+            synchronize(device)
+    kinds: dict[str, dict] = {}
+    for name, microseconds in profiled_kernels(prof, device):
+        entry = kinds.setdefault(kernel_kind(name), {"kernels": 0, "us": 0.0})
+        entry["kernels"] += 1
+        entry["us"] += microseconds
+    total = {"kernels": sum(k["kernels"] for k in kinds.values()), "us": sum(k["us"] for k in kinds.values())}
+    log("  one step: " + ", ".join(f"{kind} {v['kernels']} kernels {v['us']:.0f} us" for kind, v in kinds.items())
+        + f"; total {total['kernels']} kernels {total['us']:.0f} us")
+    return {"by_kind": kinds, "total": total}
+
+
+def profiled_kernels(prof, device) -> list[tuple[str, float]]:
+    """(name, microseconds) of every GPU kernel the profile saw (on a CPU: every aten op, for dry runs)."""
+    events = list(prof.events())
+    if device.type != "cuda":
+        return [(e.name, e.cpu_time_total) for e in events if e.name.startswith("aten::") and e.cpu_parent is None]
+    kernels = [(e.name, e.time_range.elapsed_us()) for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:  # older layouts keep kernels only under their launching CPU op
+        kernels = [(k.name, k.duration) for e in events for k in getattr(e, "kernels", [])]
+    return kernels
+
+
+def time_head(model) -> dict:
+    head = model.get_output_embeddings().weight
+    x = torch.randn(1, head.shape[1], device=head.device, dtype=head.dtype)
+    seconds = gk.median_seconds(lambda: torch.nn.functional.linear(x, head))
+    return {"us": seconds * 1e6, "bytes": head.numel() * head.element_size()}
+
+
+# ---------------------------------------------------------------- 4. checkpoints
+
+def bench_checkpoint(path: str, args, device, dtype, quantized: bool) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    record: dict = {"path": path}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    record["resident_bytes"] = resident_bytes(model)
+    mode = "graph" if device.type == "cuda" else "eager"
+    if quantized:
+        guarded(record, f"aqlm {mode}", decode_run, model, args, device, graphs=device.type == "cuda")
+        from aqflow.inference.layout import from_quantized_linear
+
+        replaced = 0
+        for name, module in list(model.named_modules()):
+            if type(module).__name__ == "QuantizedLinear":
+                parent_name, _, attribute = name.rpartition(".")
+                setattr(model.get_submodule(parent_name), attribute,
+                        gk.KernelQuantizedLinear(from_quantized_linear(module)))
+                replaced += 1
+        record["replaced_linears"] = replaced
+        record["fused"] = len(fuse_projections(model))
+        record["ours_resident_bytes"] = resident_bytes(model)
+        guarded(record, f"ours {mode}", decode_run, model, args, device, graphs=device.type == "cuda")
+    else:
+        fuse_projections(model)
+        guarded(record, f"fp {mode}", decode_run, model, args, device, graphs=device.type == "cuda")
+    del model
+    gc.collect()
+    return record
+
+
+# ---------------------------------------------------------------- report
+
+def summary_lines(payload: dict) -> list[str]:
+    lines = ["", "=== per linear (1 token): microseconds (ours: best correct configuration) ==="]
+    lines.append(f"{'model':5s} {'linear':16s} {'out x in':>13s} {'bf16':>8s} {'aqlm':>8s} {'ours':>8s} {'x bf16':>7s}  config")
+    for model_name, rows in payload.get("kernels", {}).items():
+        if not isinstance(rows, dict) or "error" in rows:
+            lines.append(f"{model_name:5s} kernels failed: {rows}")
+            continue
+        for name, row in rows.items():
+            ours = row.get("ours", {})
+            aqlm = row.get("aqlm", {})
+            if "aqlm" in row and "error" in aqlm:
+                lines.append(f"      aqlm failed on {name}: {aqlm['error'][:150]}")
+            lines.append(f"{model_name:5s} {name:16s} {row['out']:>6d}x{row['in']:<6d} {row['bf16_us']:8.1f} "
+                         f"{aqlm.get('us', float('nan')):8.1f} {ours.get('us', float('nan')):8.1f} "
+                         f"{row.get('speedup_over_bf16', float('nan')):7.2f}  {ours.get('config', ours.get('error', ''))}")
+    lines.append("")
+    lines.append("=== batch-1 decode, tokens/s ===")
+    for model_name, record in payload.get("models", {}).items():
+        if "error" in record:
+            lines.append(f"{model_name}: FAILED {record['error']}")
+            continue
+        for kind in ("bf16", "ours", "aqlm"):
+            if kind not in record:
+                continue
+            runs = record[kind]
+            cells = [f"{mode} {run['decode_tokens_per_second']:.1f}" for mode, run in runs.items()
+                     if isinstance(run, dict) and "decode_tokens_per_second" in run]
+            errors = [mode for mode, run in runs.items() if isinstance(run, dict) and "error" in run]
+            resident = runs.get("resident_bytes")
+            prefill = runs.get("prefill", {}).get("tokens_per_second")
+            lines.append(f"{model_name:5s} {kind:5s} " + ", ".join(cells)
+                         + (f"; prefill {prefill:.0f}/s" if prefill else "")
+                         + (f"; weights {resident / 1e9:.2f} GB" if resident else "")
+                         + (f"; FAILED {errors}" if errors else ""))
+        profile = record.get("bf16", {}).get("profile", {}), record.get("ours", {}).get("profile", {})
+        for kind, prof in zip(("bf16", "ours"), profile):
+            if "by_kind" in prof:
+                lines.append(f"{model_name:5s} {kind:5s} one step: " + ", ".join(
+                    f"{k} {v['kernels']}x {v['us']:.0f}us" for k, v in prof["by_kind"].items()))
+        lines.append(f"{model_name:5s} speed-up ours / best bf16: {record.get('speedup')}")
+    for key in ("gpu_decode_speedup_3b", "gpu_decode_speedup_8b"):
+        lines.append(f"{key} = {payload.get(key)}")
+    lines.append(f"total {elapsed():.0f} s")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="a tiny model instead of 3B/8B (dry runs)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a ~2-minute subset: decode shapes only, 40 s of tuning, no compile, prefill or aqlm")
+    parser.add_argument("--models", default="3b,8b")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--prefill-tokens", type=int, default=2048)
+    parser.add_argument("--compile", default="3b", choices=["none", "3b", "all"],
+                        help="which models also decode with torch.compile (tens of seconds per model and kind)")
+    parser.add_argument("--rtol", type=float, default=1e-2, help="largest relative error a kernel may have")
+    parser.add_argument("--checkpoint", help="an AQLM checkpoint directory the pipeline wrote")
+    parser.add_argument("--fp", help="the fp model directory of that checkpoint")
+    parser.add_argument("--skip-kernels", action="store_true", help="no tuning: default configurations")
+    parser.add_argument("--budget-seconds", type=float, default=480,
+                        help="optional parts (compile, prefill, aqlm, the per-linear table) are skipped past this")
+    parser.add_argument("--tune-seconds", type=float, default=150, help="kernel tuning time, all models together")
+    parser.add_argument("--no-aqlm", dest="aqlm", action="store_false", help="skip aqlm (it builds CUDA code at first use)")
+    parser.add_argument("--verbose", action="store_true", help="print every candidate configuration's time")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # aqlm's CPU kernel takes fp32 only
+    models = ["tiny"] if args.tiny else [m.strip() for m in args.models.split(",") if m.strip()]
+    if args.tiny:  # the interpreter runs the kernels: a few tokens, no time limits
+        args.prompt_tokens, args.new_tokens, args.prefill_tokens = min(args.prompt_tokens, 8), min(args.new_tokens, 6), 16
+        args.budget_seconds, args.tune_seconds = float("inf"), float("inf")
+    if args.quick:
+        args.compile = "none" if args.compile == "3b" else args.compile
+        args.tune_seconds, args.budget_seconds = min(args.tune_seconds, 40), min(args.budget_seconds, 110)
+        args.new_tokens, args.aqlm = min(args.new_tokens, 128), False
+    payload: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                     "torch": torch.__version__, "triton": __import__("triton").__version__,
+                     "transformers": __import__("transformers").__version__, "aqlm": aqlm_available(),
+                     "geometry": GEOMETRY, "args": vars(args), "kernels": {}, "models": {}}
+    log(f"device {payload['device']}, torch {payload['torch']}, triton {payload['triton']}, "
+        f"transformers {payload['transformers']}, aqlm {payload['aqlm']}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every part: a run stopped at its time limit still leaves its results
+        for name in ("3b", "8b"):
+            payload[f"gpu_decode_speedup_{name}"] = payload["models"].get(name, {}).get("speedup")
+        payload["tuned_configs"] = {str(k): v.label() for k, v in gk.tuned_configs().items()}
+        payload["seconds"] = elapsed()
+        (out / "inference_gpu.json").write_text(json.dumps(payload, indent=1, default=str))
+
+    tune_seconds = args.tune_seconds / len(models)
+    for name in models:
+        if not args.skip_kernels:  # the decode step's shapes first: the model runs the winners
+            guarded(payload["kernels"], name, bench_kernels, name, args, device, dtype, DECODE_LINEARS,
+                    tune_seconds, False)
+            save()
+        guarded(payload["models"], name, bench_model, name, args, device, dtype)
+        save()
+    if not args.skip_kernels and not args.quick:  # the per-linear table, aqlm's kernel beside ours
+        for name in models:
+            if remaining(args) < 60:
+                log(f"per-linear table of {name} skipped: budget")
+                continue
+            extra = [n for n in linear_shapes(SHAPES[name]) if n not in DECODE_LINEARS]
+            table = payload["kernels"].setdefault(name, {})
+            if isinstance(table, dict) and "error" not in table:
+                rows = guarded({}, "rows", bench_kernels, name, args, device, dtype, extra,
+                               min(remaining(args) - 45, args.tune_seconds / 2) / len(models), args.aqlm)
+                if isinstance(rows, dict) and "error" not in rows:
+                    table.update(rows)
+                save()
+    if args.checkpoint:
+        guarded(payload, "checkpoint", bench_checkpoint, args.checkpoint, args, device, dtype, True)
+        save()
+    if args.fp:
+        guarded(payload, "fp", bench_checkpoint, args.fp, args, device, dtype, False)
+    save()
+    for line in summary_lines(payload):
+        print(line)
+    print(f"wrote {out / 'inference_gpu.json'}")
+
+
+if __name__ == "__main__":
+    main()
