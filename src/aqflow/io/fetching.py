@@ -27,7 +27,7 @@ def default_cache_dir() -> Path:
     env = os.environ.get("AQFLOW_CACHE")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "resources" / "cache"
+    return Path(__file__).resolve().parents[3] / "resources" / "cache"  # src/aqflow/io/ -> the repository
 
 
 def _normalise(name: str) -> str:
