@@ -18,6 +18,11 @@ launch does the whole product. Several matrices that share the input (q/k/v, gat
 by rows (`pack_weights`) with per-row codebooks, and run as one launch. More tokens than
 `MAX_KERNEL_TOKENS` go through a dequantized weight and cuBLAS (prefill).
 
+On CUDA, 2x8 linears (2 codebooks of 256 over groups of 8) have a third kernel, in CUDA C++
+(`cuda_kernels`: the tables of a chunk of groups built in shared memory, a conflict-free look-up per
+code): variants `cuda_lut32` and `cuda_lut16` (fp32 / fp16 table entries), built at first use; a build
+failure leaves the Triton kernels in charge.
+
 The product is the custom op `aqflow::packed_matmul`, opaque to torch.compile and CUDA graphs.
 Kernel configurations are chosen per shape from a table that `tune` fills by timing candidates,
 else by a heuristic.
@@ -35,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from aqflow.inference import cuda_kernels
 from aqflow.inference.layout import QuantizedWeights
 
 MAX_FUSED_MATRICES = 4
@@ -340,8 +346,9 @@ def _lut_kernel(lut_ptr, codes_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """variant 'direct' or 'lut'; a program computes block_rows rows over 1/split of the input groups,
-    block_groups groups per step; num_warps per program."""
+    """variant 'direct', 'direct16' or 'lut' (Triton): a program computes block_rows rows over 1/split of
+    the input groups, block_groups groups per step; num_warps per program. 'cuda_lut32' / 'cuda_lut16'
+    (CUDA): a CTA of 8 warps takes block_rows rows and block_groups groups (split = the resulting depth)."""
 
     variant: str = "direct"
     block_rows: int = 16
@@ -361,7 +368,7 @@ class KernelConfig:
         return KernelConfig(VARIANTS[variant], block_rows, block_groups, split, num_warps)
 
 
-VARIANTS = ("direct", "lut", "direct16")
+VARIANTS = ("direct", "lut", "direct16", "cuda_lut32", "cuda_lut16")
 _TUNED: dict[tuple, KernelConfig] = {}
 
 
@@ -405,8 +412,22 @@ def split_for(packed: PackedWeights, block_rows: int, block_groups: int, program
     return min(divisors, key=lambda d: (abs(math.log(d / wanted)), -d))
 
 
+def cuda_kernel_usable(packed: PackedWeights, tokens: int) -> bool:
+    """The CUDA kernel takes this shape and its extension is (or can be) built: the first call builds it."""
+    if not (cuda_kernels.enabled() and cuda_kernels.applies(packed, tokens)):
+        return False
+    try:
+        cuda_kernels.load_extension()
+    except RuntimeError:
+        return False
+    return True
+
+
 def default_config(packed: PackedWeights, tokens: int) -> KernelConfig:
-    """The configuration used for a shape nobody tuned: direct, 16 x 16 tiles, ~8 programs per SM."""
+    """The configuration used for a shape nobody tuned: the CUDA kernel's heuristic where it applies, else
+    Triton's direct kernel, 16 x 16 tiles, ~8 programs per SM."""
+    if cuda_kernel_usable(packed, tokens):
+        return cuda_kernels.default_config(packed, tokens, _multiprocessors(packed.codes.device))
     config = KernelConfig("direct", 16, 16, 1, 4)
     return replace(config, split=split_for(packed, config.block_rows, config.block_groups, 8))
 
@@ -415,16 +436,23 @@ def config_for(packed: PackedWeights, tokens: int) -> KernelConfig:
     return _TUNED.get(shape_key(packed, tokens)) or default_config(packed, tokens)
 
 
-def candidate_configs(packed: PackedWeights, tokens: int) -> list[KernelConfig]:
-    """The configurations `tune` times for a shape: tile shapes and warps of each variant, each at a few
-    split-K depths (programs per multiprocessor)."""
+def candidate_configs(packed: PackedWeights, tokens: int, *, triton_tiles: dict | None = None) -> list[KernelConfig]:
+    """The configurations `tune` times for a shape: the CUDA kernel's first (when its extension is loaded
+    and the shape is 2x8), then tile shapes and warps of each Triton variant, each at a few split-K depths
+    (programs per multiprocessor). triton_tiles: {variant: [(block_rows, block_groups, warps), ...]}
+    replaces the Triton search space (a short list keeps tuning fast)."""
+    cuda_configs = []
+    if cuda_kernels.ready() and cuda_kernels.applies(packed, tokens):
+        cuda_configs = cuda_kernels.candidate_configs(packed, tokens, _multiprocessors(packed.codes.device))
     direct_tiles = [(16, 16, 4), (32, 8, 4), (64, 4, 4), (32, 16, 8), (64, 8, 8), (128, 4, 8)]
     # lut: 16 code columns per row and step (lanes along rows, so a warp's look-ups share one table)
     # lut: the table of the program's groups is read once per program from L2, so tall row blocks
     tiles = {"direct": direct_tiles, "direct16": direct_tiles,
              "lut": [(128, 8, 4), (256, 8, 8), (512, 8, 16), (256, 8, 4), (512, 8, 8), (1024, 8, 16)]}
-    variants = ["direct"] + (["direct16", "lut"] if lut_applies(packed, tokens) else [])
-    seen, configs = set(), []
+    if triton_tiles is not None:
+        tiles = triton_tiles
+    variants = [v for v in ["direct"] + (["direct16", "lut"] if lut_applies(packed, tokens) else []) if v in tiles]
+    seen, configs = set(cuda_configs), list(cuda_configs)
     for variant in variants:
         for block_rows, block_groups, warps in tiles[variant]:
             for per_sm in (4, 8, 16):
@@ -466,6 +494,9 @@ def _accumulator(device: torch.device, size: int) -> torch.Tensor:
 def _launch(x: torch.Tensor, packed: PackedWeights, config: KernelConfig, out: torch.Tensor) -> torch.Tensor:
     """x [T, in] contiguous rows, T <= MAX_KERNEL_TOKENS -> out [T, rows] (written in full)."""
     tokens = x.shape[0]
+    if config.variant in cuda_kernels.VARIANT_ENTRY_BITS:
+        return cuda_kernels.launch(x, packed, config, out, _accumulator(x.device, tokens * packed.rows),
+                                   _counters(x.device))
     m, k, gs = packed.num_codebooks, packed.codebook_size, packed.group_size
     groups = packed.num_groups
     row_blocks = triton.cdiv(packed.rows, config.block_rows)

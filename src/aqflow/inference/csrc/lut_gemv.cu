@@ -1,0 +1,342 @@
+// A lookup-table GEMV for AQLM 2x8 linears (2 codebooks of 256 codewords over groups of 8 inputs) at
+// decode time: one token (or up to four), weights read only as codes, codebooks and scales.
+//
+// y[t, row] = scales[row] * sum_j sum_m lut_t[j, m, codes[row, j, m]] + bias[row],
+// lut_t[j, m, k] = <codebooks[m, k, :], x[t, 8j:8j+8]>.
+//
+// Grid (row blocks, splits); a CTA of 8 warps owns rows_per_cta rows of one matrix and
+// 16 * chunks_per_cta input groups. It
+// 1. builds the tables of its groups in shared memory with tensor-core products (mma m16n8k8: 16 groups x
+//    8 inputs times 8 inputs x (4 codewords x 2 codebooks), fp32 accumulation; the bf16/fp16 products
+//    are exact in fp32), then
+// 2. sweeps its rows 256 at a time: each thread loads 4 bytes of codes (2 groups x 2 codebooks) of 8
+//    rows per chunk, and per code does one shared-memory read and one fp32 add.
+//
+// Shared-memory layout, chosen so that the look-ups never conflict on a bank: a chunk's table of 16
+// groups x 2 codebooks x 256 codewords is 256 lines of 32 words; entry (j, m, k) lies in line k, bank
+// 2j + m. In a warp, 8 lanes read the 8 x 4 code bytes of one row's chunk (lane i: groups 2i, 2i+1), four
+// rows per warp; at look-up step s, the lane of row p reads byte (s + p) mod 4, so the 32 lanes read 32
+// different (group, codebook) pairs: 32 banks, one wavefront per 32 random look-ups. With fp16 entries two
+// chunks share a word (low half: even chunk, high half: odd chunk).
+//
+// Split-K: CTAs of one row block add their per-row sums into an fp32 workspace (red.global.add); the last
+// to arrive (a counter per row block) applies scales and bias, writes the output and zeroes workspace and
+// counter, so a CUDA graph can replay the launch. With one split the sums go straight to the output.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "lut_gemv.h"
+
+namespace aqflow {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRowSlots = 8;                          // rows per thread per batch
+constexpr int kRowsPerBatch = kRowSlots * kWarps * 4;  // 256: 4 rows per warp per slot
+constexpr int kGroupsPerChunk = 16;
+constexpr int kCodewords = 256;
+constexpr int kTableBytes = kCodewords * 32 * 4;       // one table unit: 256 lines x 32 banks x 4 bytes
+
+template <typename Scalar>
+struct ScalarOps;
+
+template <>
+struct ScalarOps<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+  // d = A(16x8) * B(8x8): a_lo holds row gid, a_hi row gid + 8 (inputs 2tq, 2tq+1); b inputs 2tq, 2tq+1 of column gid
+  static __device__ __forceinline__ void mma(float (&d)[4], uint32_t a_lo, uint32_t a_hi, uint32_t b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+        "{%7, %7, %7, %7};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a_lo), "r"(a_hi), "r"(b), "f"(0.0f));
+  }
+};
+
+template <>
+struct ScalarOps<__half> {
+  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+  static __device__ __forceinline__ void mma(float (&d)[4], uint32_t a_lo, uint32_t a_hi, uint32_t b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+        "{%7, %7, %7, %7};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a_lo), "r"(a_hi), "r"(b), "f"(0.0f));
+  }
+};
+
+// Inputs 2tq, 2tq+1 of group g for token t (zero past the CTA's groups or the tokens given).
+template <typename Scalar>
+__device__ __forceinline__ uint32_t input_pair(const LutGemvParams& p, int t, int g, int tq, int g_end) {
+  if (t >= p.tokens || g >= g_end) return 0u;
+  const Scalar* x = static_cast<const Scalar*>(p.x) + static_cast<size_t>(t) * p.x_stride + g * 8 + 2 * tq;
+  return *reinterpret_cast<const uint32_t*>(x);
+}
+
+__device__ __forceinline__ uint32_t pack_halves(float low, float high) {
+  __half2 h = __floats2half2_rn(low, high);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// Builds the tables of chunks [0, chunks) of this CTA for every token: units of kTableBytes, unit u of
+// token t at (u * kTokens + t) * kTableBytes; fp32 entries: unit u = chunk u; fp16: chunks 2u, 2u+1.
+template <typename Scalar, bool kHalfEntries, int kTokens>
+__device__ void build_tables(const LutGemvParams& p, const Scalar* codebooks, int g_begin, int g_end, int units,
+                             unsigned char* smem) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gid = lane >> 2, tq = lane & 3;
+  // B columns n = gid: codebook n & 1, codeword k0 + (n >> 1); each warp owns 8 quads of codewords
+  uint32_t b[8];
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(codebooks);
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    const int k = 4 * (warp + kWarps * q) + (gid >> 1);
+    b[q] = __ldg(words + (((gid & 1) * kCodewords + k) * 8 + 2 * tq) / 2);
+  }
+  for (int u = 0; u < units; ++u) {
+#pragma unroll
+    for (int t = 0; t < kTokens; ++t) {
+      // A rows gid and gid + 8 are groups 2gid and 2gid + 1 of the chunk, so that a lane's four results
+      // (groups 2gid, 2gid+1 x codebooks 0, 1 of one codeword) are four consecutive words of a line
+      unsigned char* unit = smem + (u * kTokens + t) * kTableBytes;
+      const int g0 = g_begin + (kHalfEntries ? 2 : 1) * kGroupsPerChunk * u;
+      const uint32_t a0_lo = input_pair<Scalar>(p, t, g0 + 2 * gid, tq, g_end);
+      const uint32_t a0_hi = input_pair<Scalar>(p, t, g0 + 2 * gid + 1, tq, g_end);
+      uint32_t a1_lo = 0u, a1_hi = 0u;
+      if (kHalfEntries) {
+        a1_lo = input_pair<Scalar>(p, t, g0 + kGroupsPerChunk + 2 * gid, tq, g_end);
+        a1_hi = input_pair<Scalar>(p, t, g0 + kGroupsPerChunk + 2 * gid + 1, tq, g_end);
+      }
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const int line = 4 * (warp + kWarps * q) + tq;
+        uint4* slot = reinterpret_cast<uint4*>(unit + (line * 32 + 4 * gid) * 4);
+        float d0[4];
+        ScalarOps<Scalar>::mma(d0, a0_lo, a0_hi, b[q]);
+        if (kHalfEntries) {
+          float d1[4];
+          ScalarOps<Scalar>::mma(d1, a1_lo, a1_hi, b[q]);
+          *slot = make_uint4(pack_halves(d0[0], d1[0]), pack_halves(d0[1], d1[1]), pack_halves(d0[2], d1[2]),
+                             pack_halves(d0[3], d1[3]));
+        } else {
+          *slot = make_uint4(__float_as_uint(d0[0]), __float_as_uint(d0[1]), __float_as_uint(d0[2]),
+                             __float_as_uint(d0[3]));
+        }
+      }
+    }
+  }
+}
+
+// Code bytes of the 8 row slots of a batch for chunk c: 4 bytes (groups 2i, 2i+1 x codebooks 0, 1) per row.
+__device__ __forceinline__ void load_codes(const LutGemvParams& p, uint32_t (&words)[kRowSlots], int batch_row,
+                                           int row_end, int chunk, int g_begin, int g_end) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row_in_warp = lane >> 3, i = lane & 7;
+  const int g = g_begin + kGroupsPerChunk * chunk + 2 * i;
+#pragma unroll
+  for (int n = 0; n < kRowSlots; ++n) {
+    const int row = batch_row + (n * kWarps + warp) * 4 + row_in_warp;
+    words[n] = 0u;
+    if (row < row_end && g < g_end) {
+      const uint8_t* at = p.codes + static_cast<size_t>(row) * p.groups * 2 + g * 2;
+      words[n] = __ldcs(reinterpret_cast<const unsigned int*>(at));  // read once: stream past L1/L2
+    }
+  }
+}
+
+template <typename Scalar>
+__device__ __forceinline__ void store_output(const LutGemvParams& p, int t, int row, float sum) {
+  float y = sum * ScalarOps<Scalar>::to_float(static_cast<const Scalar*>(p.scales)[row]);
+  if (p.bias != nullptr) y += ScalarOps<Scalar>::to_float(static_cast<const Scalar*>(p.bias)[row]);
+  static_cast<Scalar*>(p.out)[static_cast<size_t>(t) * p.out_stride + row] = ScalarOps<Scalar>::from_float(y);
+}
+
+template <typename Scalar, bool kHalfEntries, int kTokens>
+__global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_kernel(const __grid_constant__ LutGemvParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int last_to_arrive;
+
+  int matrix = 0;
+  while (matrix + 1 < p.num_matrices && static_cast<int>(blockIdx.x) >= p.block_start[matrix + 1]) ++matrix;
+  const int row_begin = p.row_start[matrix] + (blockIdx.x - p.block_start[matrix]) * p.rows_per_cta;
+  const int row_end = min(p.row_start[matrix + 1], row_begin + p.rows_per_cta);
+  const int g_begin = blockIdx.y * kGroupsPerChunk * p.chunks_per_cta;
+  const int g_end = min(p.groups, g_begin + kGroupsPerChunk * p.chunks_per_cta);
+  const int chunks = (g_end - g_begin + kGroupsPerChunk - 1) / kGroupsPerChunk;
+  const int units = kHalfEntries ? (chunks + 1) / 2 : chunks;
+  const Scalar* codebooks = static_cast<const Scalar*>(p.codebooks) + matrix * 2 * kCodewords * 8;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row_in_warp = lane >> 3, i = lane & 7;
+  // step s reads code byte (s + row_in_warp) mod 4 of a row's 4 bytes, i.e. bank 4i + that byte
+  uint32_t selector[4], bank_offset[4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const int byte = (s + row_in_warp) & 3;
+    selector[s] = 0x4440u | byte;  // __byte_perm: that byte, zero-extended
+    bank_offset[s] = (4 * i + byte) * 4;
+  }
+
+  uint32_t codes[kRowSlots];
+  if (row_begin < row_end) load_codes(p, codes, row_begin, row_end, 0, g_begin, g_end);  // in flight during the build
+  build_tables<Scalar, kHalfEntries, kTokens>(p, codebooks, g_begin, g_end, units, smem);
+  __syncthreads();
+
+  const bool split_k = gridDim.y > 1;
+  for (int batch_row = row_begin; batch_row < row_end; batch_row += kRowsPerBatch) {
+    float acc[kRowSlots][kTokens];
+#pragma unroll
+    for (int n = 0; n < kRowSlots; ++n)
+#pragma unroll
+      for (int t = 0; t < kTokens; ++t) acc[n][t] = 0.0f;
+
+    for (int chunk = 0; chunk < chunks; ++chunk) {
+      uint32_t next[kRowSlots];
+      if (chunk + 1 < chunks) {
+        load_codes(p, next, batch_row, row_end, chunk + 1, g_begin, g_end);
+      } else if (batch_row + kRowsPerBatch < row_end) {
+        load_codes(p, next, batch_row + kRowsPerBatch, row_end, 0, g_begin, g_end);
+      } else {
+#pragma unroll
+        for (int n = 0; n < kRowSlots; ++n) next[n] = 0u;
+      }
+      const int unit = kHalfEntries ? chunk >> 1 : chunk;
+      const unsigned char* table = smem + unit * kTokens * kTableBytes + (kHalfEntries ? 2 * (chunk & 1) : 0);
+#pragma unroll
+      for (int n = 0; n < kRowSlots; ++n) {
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const uint32_t code = __byte_perm(codes[n], 0u, selector[s]);
+          const unsigned char* entry = table + code * 128 + bank_offset[s];
+#pragma unroll
+          for (int t = 0; t < kTokens; ++t) {
+            if (kHalfEntries) {
+              acc[n][t] += __half2float(*reinterpret_cast<const __half*>(entry + t * kTableBytes));
+            } else {
+              acc[n][t] += *reinterpret_cast<const float*>(entry + t * kTableBytes);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < kRowSlots; ++n) codes[n] = next[n];
+    }
+
+    // The 8 lanes of a row group hold partial sums of the same 8 rows: a transposing reduction leaves lane i
+    // with the whole sum of row slot i (7 shuffles for 8 rows).
+#pragma unroll
+    for (int t = 0; t < kTokens; ++t) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const bool upper = i & 4;
+        const float send = upper ? acc[k][t] : acc[k + 4][t];
+        const float keep = upper ? acc[k + 4][t] : acc[k][t];
+        acc[k][t] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
+      }
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const bool upper = i & 2;
+        const float send = upper ? acc[k][t] : acc[k + 2][t];
+        const float keep = upper ? acc[k + 2][t] : acc[k][t];
+        acc[k][t] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
+      }
+      const bool upper = i & 1;
+      const float send = upper ? acc[0][t] : acc[1][t];
+      const float keep = upper ? acc[1][t] : acc[0][t];
+      acc[0][t] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
+    }
+    const int row = batch_row + (i * kWarps + warp) * 4 + row_in_warp;
+    if (row < row_end) {
+#pragma unroll
+      for (int t = 0; t < kTokens; ++t) {
+        if (t < p.tokens) {
+          if (split_k) {
+            atomicAdd(p.workspace + static_cast<size_t>(t) * p.rows + row, acc[0][t]);
+          } else {
+            store_output<Scalar>(p, t, row, acc[0][t]);
+          }
+        }
+      }
+    }
+  }
+
+  if (split_k) {
+    __threadfence();  // this thread's additions are visible before the block says it is done
+    __syncthreads();
+    if (threadIdx.x == 0) last_to_arrive = atomicAdd(p.counters + blockIdx.x, 1) == static_cast<int>(gridDim.y) - 1;
+    __syncthreads();
+    if (last_to_arrive) {
+      __threadfence();
+      for (int row = row_begin + threadIdx.x; row < row_end; row += kThreads) {
+        for (int t = 0; t < p.tokens; ++t) {
+          float* sum = p.workspace + static_cast<size_t>(t) * p.rows + row;
+          const float total = __ldcg(sum);
+          __stcg(sum, 0.0f);
+          store_output<Scalar>(p, t, row, total);
+        }
+      }
+      if (threadIdx.x == 0) p.counters[blockIdx.x] = 0;
+    }
+  }
+}
+
+template <typename Scalar, bool kHalfEntries, int kTokens>
+cudaError_t launch(const LutGemvParams& params, int splits, cudaStream_t stream) {
+  auto kernel = lut_gemv_2x8_kernel<Scalar, kHalfEntries, kTokens>;
+  const int bytes = lut_gemv_2x8_shared_bytes(kHalfEntries ? 16 : 32, kTokens, params.chunks_per_cta);
+  static int bytes_allowed = 48 * 1024;  // per instantiation: raise the opt-in limit once, before any capture
+  if (bytes > bytes_allowed) {
+    const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (status != cudaSuccess) return status;
+    bytes_allowed = bytes;
+  }
+  const dim3 grid(params.block_start[params.num_matrices], splits);
+  kernel<<<grid, kThreads, bytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int lut_gemv_2x8_shared_bytes(int entry_bits, int max_tokens, int chunks_per_cta) {
+  const int units = entry_bits == 16 ? (chunks_per_cta + 1) / 2 : chunks_per_cta;
+  return units * max_tokens * kTableBytes;
+}
+
+int lut_gemv_2x8_launch(const LutGemvParams& params, int scalar_kind, int entry_bits, int max_tokens, int splits,
+                        void* stream_handle) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
+  if (params.rows_per_cta % kRowsPerBatch != 0 || params.chunks_per_cta < 1 || params.num_matrices < 1 ||
+      params.num_matrices > kLutMaxMatrices || params.groups % 2 != 0 || params.tokens < 1 ||
+      params.tokens > max_tokens)
+    return static_cast<int>(cudaErrorInvalidValue);
+  const bool half_entries = entry_bits == 16;
+  if (!half_entries && entry_bits != 32) return static_cast<int>(cudaErrorInvalidValue);
+  cudaError_t status = cudaErrorInvalidValue;
+  if (scalar_kind == 0) {
+    if (max_tokens == 1) {
+      status = half_entries ? launch<__nv_bfloat16, true, 1>(params, splits, stream)
+                            : launch<__nv_bfloat16, false, 1>(params, splits, stream);
+    } else if (max_tokens == 4) {
+      status = half_entries ? launch<__nv_bfloat16, true, 4>(params, splits, stream)
+                            : launch<__nv_bfloat16, false, 4>(params, splits, stream);
+    }
+  } else if (scalar_kind == 1) {
+    if (max_tokens == 1) {
+      status = half_entries ? launch<__half, true, 1>(params, splits, stream)
+                            : launch<__half, false, 1>(params, splits, stream);
+    } else if (max_tokens == 4) {
+      status = half_entries ? launch<__half, true, 4>(params, splits, stream)
+                            : launch<__half, false, 4>(params, splits, stream);
+    }
+  }
+  return static_cast<int>(status);
+}
+
+}  // namespace aqflow

@@ -1,0 +1,41 @@
+// The parameters of the 2x8 lookup-table GEMV (lut_gemv.cu), shared by the kernel and its torch binding.
+#pragma once
+
+#include <cstdint>
+
+namespace aqflow {
+
+constexpr int kLutMaxMatrices = 4;
+
+// y[t, row] = scales[row] * sum_j sum_m lut_t[j, m, codes[row, j, m]] (+ bias[row]) for the rows of up to
+// four matrices packed one after another (q/k/v, gate/up), each with its own codebooks.
+struct LutGemvParams {
+  const void* x;            // [tokens, groups * 8], scalar type, row stride x_stride
+  const uint8_t* codes;     // [rows, groups, 2] uint8
+  const void* codebooks;    // [num_matrices, 2, 256, 8], scalar type
+  const void* scales;       // [rows], scalar type
+  const void* bias;         // [rows] or nullptr
+  void* out;                // [tokens, rows], scalar type, row stride out_stride
+  float* workspace;         // [tokens, rows] fp32, zero between launches (split-K sums)
+  int* counters;            // one per row block, zero between launches
+  int tokens;
+  int rows;
+  int groups;
+  int x_stride;
+  int out_stride;
+  int rows_per_cta;         // a multiple of kLutRowsPerBatch
+  int chunks_per_cta;       // chunks of 16 input groups whose tables a CTA holds
+  int num_matrices;
+  int row_start[kLutMaxMatrices + 1];    // first row of each matrix; row_start[num_matrices] = rows
+  int block_start[kLutMaxMatrices + 1];  // first row block of each matrix
+};
+
+// scalar_kind: 0 bfloat16, 1 float16; entry_bits: 32 (fp32 table) or 16 (fp16 table); max_tokens: 1 or 4.
+// Grid: (block_start[num_matrices], splits) CTAs of 256 threads. Returns a cudaError_t.
+int lut_gemv_2x8_launch(const LutGemvParams& params, int scalar_kind, int entry_bits, int max_tokens, int splits,
+                        void* stream);
+
+// Dynamic shared memory a launch needs, in bytes.
+int lut_gemv_2x8_shared_bytes(int entry_bits, int max_tokens, int chunks_per_cta);
+
+}  // namespace aqflow

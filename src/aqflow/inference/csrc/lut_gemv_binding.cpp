@@ -1,0 +1,117 @@
+// torch binding of the 2x8 lookup-table GEMV (lut_gemv.cu): checks the tensors, fills the parameters and
+// launches on the stream the caller passes (its current CUDA stream, so a CUDA graph capture records it).
+// Only torch's CPU-side headers are included, so the binding compiles wherever torch is installed.
+#include <torch/extension.h>
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+#include "lut_gemv.h"
+
+namespace {
+
+void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim, const at::Device& device) {
+  TORCH_CHECK(t.device() == device, name, " is on ", t.device(), ", x on ", device);
+  TORCH_CHECK(t.scalar_type() == dtype, name, " has dtype ", t.scalar_type(), ", expected ", dtype);
+  TORCH_CHECK(t.dim() == dim, name, " has ", t.dim(), " dimensions, expected ", dim);
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+}  // namespace
+
+// x [T, in] -> out [T, rows] (written in full). codes [rows, in / 8, 2] uint8; codebooks [n, 2, 256, 8];
+// scales [rows]; bias [rows] or None; out_sizes: the rows of each packed matrix (1..4, summing to rows);
+// workspace: fp32, >= T * rows elements, zero; counters: int32, >= row blocks, zero (both left zero);
+// stream: a cudaStream_t as an integer; the caller makes x's device current.
+void lut_gemv_2x8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& codebooks, const at::Tensor& scales,
+                  const c10::optional<at::Tensor>& bias, at::Tensor& out, at::Tensor& workspace, at::Tensor& counters,
+                  const std::vector<int64_t>& out_sizes, int64_t rows_per_cta, int64_t chunks_per_cta,
+                  int64_t entry_bits, int64_t max_tokens, int64_t stream) {
+  TORCH_CHECK(x.is_cuda(), "lut_gemv_2x8: x must be a CUDA tensor");
+  const at::Device device = x.device();
+  const at::ScalarType scalar = x.scalar_type();
+  TORCH_CHECK(scalar == at::kBFloat16 || scalar == at::kHalf, "lut_gemv_2x8: x must be bfloat16 or float16, got ",
+              scalar);
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) % 2 == 0, "lut_gemv_2x8: x must be [T, in] with unit, even strides");
+  check_tensor(codes, "codes", at::kByte, 3, device);
+  check_tensor(codebooks, "codebooks", scalar, 4, device);
+  check_tensor(scales, "scales", scalar, 1, device);
+  const int64_t rows = codes.size(0), groups = codes.size(1);
+  TORCH_CHECK(codes.size(2) == 2, "codes: 2 codebooks expected, got ", codes.size(2));
+  TORCH_CHECK(codebooks.size(1) == 2 && codebooks.size(2) == 256 && codebooks.size(3) == 8,
+              "codebooks must be [n, 2, 256, 8], got ", codebooks.sizes());
+  TORCH_CHECK(x.size(1) == groups * 8, "x has ", x.size(1), " features, the codes take ", groups * 8);
+  TORCH_CHECK(groups % 2 == 0, "lut_gemv_2x8 needs an even number of input groups, got ", groups);
+  TORCH_CHECK(scales.size(0) == rows, "scales has ", scales.size(0), " rows, codes ", rows);
+  if (bias.has_value()) {
+    check_tensor(*bias, "bias", scalar, 1, device);
+    TORCH_CHECK(bias->size(0) == rows, "bias has ", bias->size(0), " rows, codes ", rows);
+  }
+  const int64_t tokens = x.size(0);
+  TORCH_CHECK(tokens >= 1 && tokens <= max_tokens, "lut_gemv_2x8: ", tokens, " tokens, this variant takes 1..",
+              max_tokens);
+  TORCH_CHECK(out.device() == device && out.scalar_type() == scalar && out.dim() == 2 && out.size(0) == tokens &&
+                  out.size(1) == rows && out.stride(1) == 1,
+              "out must be [", tokens, ", ", rows, "] of x's dtype with unit column stride");
+  TORCH_CHECK(workspace.device() == device && workspace.scalar_type() == at::kFloat && workspace.is_contiguous() &&
+                  workspace.numel() >= tokens * rows,
+              "workspace must be fp32 with at least tokens * rows elements");
+  TORCH_CHECK(counters.device() == device && counters.scalar_type() == at::kInt && counters.is_contiguous(),
+              "counters must be int32");
+  const int64_t matrices = static_cast<int64_t>(out_sizes.size());
+  TORCH_CHECK(matrices >= 1 && matrices <= aqflow::kLutMaxMatrices, "1..", aqflow::kLutMaxMatrices,
+              " packed matrices, got ", matrices);
+  TORCH_CHECK(codebooks.size(0) == matrices, "codebooks for ", codebooks.size(0), " matrices, out_sizes for ", matrices);
+  TORCH_CHECK(rows_per_cta > 0 && rows_per_cta % 256 == 0, "rows_per_cta must be a positive multiple of 256");
+  TORCH_CHECK(chunks_per_cta >= 1, "chunks_per_cta must be >= 1");
+  TORCH_CHECK(entry_bits == 16 || entry_bits == 32, "entry_bits must be 16 or 32");
+
+  aqflow::LutGemvParams params{};
+  params.x = x.data_ptr();
+  params.codes = codes.data_ptr<uint8_t>();
+  params.codebooks = codebooks.data_ptr();
+  params.scales = scales.data_ptr();
+  params.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  params.out = out.data_ptr();
+  params.workspace = workspace.data_ptr<float>();
+  params.counters = counters.data_ptr<int>();
+  params.tokens = static_cast<int>(tokens);
+  params.rows = static_cast<int>(rows);
+  params.groups = static_cast<int>(groups);
+  params.x_stride = static_cast<int>(x.stride(0));
+  params.out_stride = static_cast<int>(out.stride(0));
+  params.rows_per_cta = static_cast<int>(rows_per_cta);
+  params.chunks_per_cta = static_cast<int>(chunks_per_cta);
+  params.num_matrices = static_cast<int>(matrices);
+  int64_t row = 0, block = 0;
+  for (int64_t i = 0; i < matrices; ++i) {
+    TORCH_CHECK(out_sizes[i] > 0, "out_sizes must be positive");
+    params.row_start[i] = static_cast<int>(row);
+    params.block_start[i] = static_cast<int>(block);
+    row += out_sizes[i];
+    block += (out_sizes[i] + rows_per_cta - 1) / rows_per_cta;
+  }
+  TORCH_CHECK(row == rows, "out_sizes sum to ", row, ", codes have ", rows, " rows");
+  TORCH_CHECK(counters.numel() >= block, "counters: ", counters.numel(), " slots for ", block, " row blocks");
+  params.row_start[matrices] = static_cast<int>(row);
+  params.block_start[matrices] = static_cast<int>(block);
+  const int64_t groups_per_cta = 16 * chunks_per_cta;
+  const int splits = static_cast<int>((groups + groups_per_cta - 1) / groups_per_cta);
+
+  const int status = aqflow::lut_gemv_2x8_launch(params, scalar == at::kBFloat16 ? 0 : 1, static_cast<int>(entry_bits),
+                                                 static_cast<int>(max_tokens), splits,
+                                                 reinterpret_cast<void*>(stream));
+  TORCH_CHECK(status == 0, "lut_gemv_2x8 launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(status)));
+}
+
+int64_t lut_gemv_2x8_shared_bytes(int64_t entry_bits, int64_t max_tokens, int64_t chunks_per_cta) {
+  return aqflow::lut_gemv_2x8_shared_bytes(static_cast<int>(entry_bits), static_cast<int>(max_tokens),
+                                           static_cast<int>(chunks_per_cta));
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("lut_gemv_2x8", &lut_gemv_2x8, "2x8 AQLM lookup-table GEMV (a few tokens)");
+  m.def("shared_bytes", &lut_gemv_2x8_shared_bytes, "dynamic shared memory of one CTA, bytes");
+}
