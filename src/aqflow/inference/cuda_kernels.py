@@ -142,9 +142,10 @@ def make_config(packed: "PackedWeights", variant: str, rows_per_cta: int, chunks
 
 
 def default_config(packed: "PackedWeights", tokens: int, multiprocessors: int) -> "KernelConfig":
-    """fp32 tables of 2 chunks (64 KB, two CTAs per SM by registers) and rows per CTA giving about two
-    CTAs per SM in all, at least 512 rows (the table build is paid once per CTA)."""
-    chunks = min(2, _cdiv(packed.num_groups, GROUPS_PER_CHUNK))
+    """fp32 tables of 2 chunks (64 KB at one token, two CTAs per SM by registers; 1 chunk for more tokens)
+    and rows per CTA giving about two CTAs per SM in all, at least 512 rows (the table build is paid once
+    per CTA)."""
+    chunks = min(2 if max_tokens_for(tokens) == 1 else 1, _cdiv(packed.num_groups, GROUPS_PER_CHUNK))
     splits = _cdiv(packed.num_groups, GROUPS_PER_CHUNK * chunks)
     wanted_blocks = max(1, _cdiv(2 * multiprocessors, splits))
     rows = max(512, _cdiv(_cdiv(packed.rows, wanted_blocks), ROWS_PER_BATCH) * ROWS_PER_BATCH)

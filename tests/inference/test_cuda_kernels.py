@@ -1,0 +1,92 @@
+"""The CUDA LUT kernel: its source compiles for Hopper without spills (where nvcc exists), its launch
+configurations stay within the kernel's limits, and on a GPU it equals the dense reference (skipped
+without one; benchmarks/inference_gpu.py checks it on the GPU machine too)."""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from aqflow.inference import cuda_kernels, gpu_kernels as gk
+from aqflow.inference.layout import QuantizedWeights, reference_linear
+
+
+def random_2x8(out: int, groups: int, bias: bool, generator: torch.Generator, device="cpu",
+               dtype=torch.float32) -> QuantizedWeights:
+    return QuantizedWeights(
+        codes=torch.randint(0, 256, (out, groups, 2), generator=generator).to(torch.uint8).to(device),
+        codebooks=torch.randn(2, 256, 8, generator=generator).to(dtype).to(device),
+        scales=(torch.rand(out, generator=generator) + 0.5).to(dtype).to(device),
+        bias=torch.randn(out, generator=generator).to(dtype).to(device) if bias else None, nbits=8)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc (CI has none)")
+def test_cuda_source_compiles_for_hopper_without_spills(tmp_path):
+    """Every instantiation of lut_gemv.cu assembles for sm_90a with no local-memory spills and at most
+    128 registers (two CTAs of 256 threads per multiprocessor)."""
+    result = subprocess.run(
+        ["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-Xptxas", "-v", "-c",
+         str(cuda_kernels.SOURCE_DIR / "lut_gemv.cu"), "-o", str(tmp_path / "lut_gemv.o")],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = result.stderr
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
+    assert len(registers) == 8 and len(spills) == 8, report  # bf16/fp16 x fp32/fp16 entries x 1/4 tokens
+    assert all(stores == "0" and loads == "0" for stores, loads in spills), report
+    assert max(registers) <= 128, report
+
+
+def test_candidate_configurations_fit_the_kernel():
+    """Rows per CTA in whole batches of 256, groups per CTA in chunks of 16, shared memory under the limit,
+    and the split each label reports is the one the kernel derives."""
+    generator = torch.Generator().manual_seed(0)
+    for outs, groups in (([3072, 1024, 1024], 384), ([8192, 8192], 384), ([3072], 1024), ([576], 72)):
+        packed = gk.pack_weights([random_2x8(o, groups, False, generator) for o in outs])
+        for tokens in (1, 3):
+            configs = cuda_kernels.candidate_configs(packed, tokens, multiprocessors=132)
+            assert configs and len(set(configs)) == len(configs)
+            for config in configs:
+                assert config.variant in cuda_kernels.VARIANT_ENTRY_BITS
+                assert config.block_rows % cuda_kernels.ROWS_PER_BATCH == 0
+                assert config.block_groups % cuda_kernels.GROUPS_PER_CHUNK == 0
+                assert config.split == -(-groups // config.block_groups)
+                chunks = config.block_groups // cuda_kernels.GROUPS_PER_CHUNK
+                entry_bits = cuda_kernels.VARIANT_ENTRY_BITS[config.variant]
+                assert cuda_kernels.shared_bytes(entry_bits, tokens, chunks) <= cuda_kernels.MAX_SHARED_BYTES
+
+
+def test_kernel_applies_only_to_2x8_on_cuda():
+    generator = torch.Generator().manual_seed(1)
+    packed = gk.as_packed(random_2x8(64, 16, False, generator))
+    assert not cuda_kernels.applies(packed, 1)  # on the CPU
+    assert gk.default_config(packed, 1).variant == "direct"  # so the Triton kernels serve it
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("variant", sorted(cuda_kernels.VARIANT_ENTRY_BITS))
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_cuda_kernel_equals_dense_reference(variant, tokens):
+    """q/k/v-like matrices packed into one launch, biases on two, a ragged last chunk (40 groups) and a
+    partial row block; poisoned output; two launches in a row (the split-K state is left at zero)."""
+    generator = torch.Generator().manual_seed(2)
+    ws = [random_2x8(rows, 40, bias, generator, "cuda", torch.bfloat16)
+          for rows, bias in ((700, True), (256, False), (300, True))]
+    packed = gk.pack_weights(ws)
+    cuda_kernels.load_extension()
+    x = torch.randn(tokens, 320, generator=generator).to("cuda", torch.bfloat16)
+    expected = torch.cat([reference_linear(x.double(), QuantizedWeights(
+        w.codes, w.codebooks.double(), w.scales.double(), None if w.bias is None else w.bias.double(), 8))
+        for w in ws], dim=-1)
+    for chunks in (1, 2):
+        config = cuda_kernels.make_config(packed, variant, 256, chunks)
+        for _ in range(2):
+            out = torch.full((tokens, packed.rows), float("nan"), dtype=torch.bfloat16, device="cuda")
+            gk._launch(x, packed, config, out)
+            assert gk.relative_error(out, expected) < 1e-2, config
+            step = 2.0 ** (torch.floor(torch.log2(expected.abs())) - 7)
+            assert ((out.double() - expected).abs() <= 2 * step + 1e-3).all(), config
+        assert int(gk._counters(x.device).abs().sum()) == 0
+        assert float(gk._accumulator(x.device, 1).abs().sum()) == 0.0
