@@ -121,3 +121,20 @@ def test_quantized_model_decodes_as_its_dense_equivalent():
     assert type(quantized.model.layers[0].self_attn.q_proj.fused).__name__ == "FusedQuantizedLinear"
     with torch.no_grad():
         torch.testing.assert_close(quantized(sequence).logits, dense(sequence).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_failed_compile_falls_back_to_the_plain_step(monkeypatch):
+    """A torch.compile whose compiled forward fails at its first call (where compiling happens) leaves the
+    decode to the plain forward: the same tokens, the mode and error recorded."""
+    model = tiny_llama()
+    expected, _ = greedy_decode(model, prompt(), 6)
+
+    def broken_compile(fn, **kwargs):
+        def compiled(*args):
+            raise RuntimeError("inductor exploded")
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    tokens, timings = greedy_decode(model, prompt(), 6, compile=True)
+    assert tokens.tolist() == expected.tolist()
+    assert timings.mode == "eager" and "inductor exploded" in timings.compile_error

@@ -2,8 +2,10 @@
 
 On CUDA the decode step (model forward on one token, argmax, the next token and position written back
 into the step's own input buffers) is captured once as a CUDA graph and replayed per token, so a
-token costs no Python; optionally the model forward is `torch.compile`d first (fewer, fused small
-kernels) and the compiled step captured the same way. On CPU the same step runs eagerly.
+token costs no Python; by default the model forward is `torch.compile`d first (RMSNorm, rotary, residual
+adds and casts fused into a few kernels; tens of seconds once per call) and the compiled step captured
+the same way, falling back to the plain step where compiling fails. q/k/v and gate/up are fused into
+one product each first (`fuse_projections`). On CPU the same step runs eagerly.
 
 `fuse_projections(model)` makes the q/k/v and gate/up projections of the Llama family (Llama,
 Mistral, Qwen2) one matrix product each: fewer kernels per token, for dense and quantized layers.
@@ -32,7 +34,10 @@ class DecodeTimings:
     decode_seconds: float
     timed_steps: int = 0
     capture_seconds: float = 0.0
-    mode: str = "eager"  # eager | graph | compile+graph
+    mode: str = "eager"  # eager | graph | compile+graph | compile+eager
+    # with profile=True: (kernel name, GPU microseconds) of one decode step as timed (a graph replay)
+    step_kernels: tuple[tuple[str, float], ...] = ()
+    compile_error: str | None = None
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -84,18 +89,39 @@ class _DecodeStep:
         self.position.add_(1)
 
 
+def profile_kernels(fn: Callable[[], None], device: torch.device) -> list[tuple[str, float]]:
+    """(name, GPU microseconds) of every CUDA kernel fn() launches, graph replays included (empty on CPU)."""
+    if device.type != "cuda":
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    events = list(prof.events())
+    kernels = [(e.name, e.time_range.elapsed_us()) for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:  # older layouts keep kernels only under their launching CPU op
+        kernels = [(k.name, k.duration) for e in events for k in getattr(e, "kernels", [])]
+    return kernels
+
+
 @torch.inference_mode()
 def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, *,
                   graphs: bool | None = None, on_token: Callable[[int], None] | None = None,
-                  compile: bool = False, stop_tokens: Collection[int] | None = None,
-                  warmup_steps: int = 2) -> tuple[torch.Tensor, DecodeTimings]:
+                  compile: bool | None = None, fuse: bool | None = None,
+                  stop_tokens: Collection[int] | None = None, warmup_steps: int = 2,
+                  profile: bool = False) -> tuple[torch.Tensor, DecodeTimings]:
     """Greedy decoding of new_tokens tokens after input_ids [1, P] with a static KV cache.
 
     graphs: capture the decode step as a CUDA graph (default: on CUDA). compile: torch.compile the
-    model forward of the step before capturing it. on_token(id) is called for every new token as it
+    model forward of the step before capturing it (default: with graphs; a compile that fails falls
+    back to the plain forward, timings.compile_error says why). fuse: fuse_projections(model) first, in
+    place (default: on CUDA; logits unchanged). on_token(id) is called for every new token as it
     is made (this reads each token back to the host: a sync per token). stop_tokens: stop after the
-    first of these (also a sync per token). Returns (tokens [n] int64 on the CPU, timings), n <=
-    new_tokens. A CUDA graph capture that fails falls back to eager steps (timings.mode says which ran).
+    first of these (also a sync per token). profile: record the kernels of one (untimed) graphed step in
+    timings.step_kernels. Returns (tokens [n] int64 on the CPU, timings), n <= new_tokens. A CUDA graph
+    capture that fails falls back to eager steps (timings.mode says which ran).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids {tuple(input_ids.shape)}: expected [1, prompt_tokens] (batch 1)")
@@ -105,6 +131,9 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     graphs = device.type == "cuda" if graphs is None else graphs
     if graphs and device.type != "cuda":
         raise ValueError(f"graphs=True needs a CUDA model, this one is on {device}")
+    compile = graphs if compile is None else compile
+    if fuse if fuse is not None else device.type == "cuda":
+        fuse_projections(model)  # idempotent: fused members are no longer nn.Linear or quantized linears
     model.eval()
     prompt_tokens = input_ids.shape[1]
     stop = frozenset(stop_tokens or ())
@@ -128,10 +157,26 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     def forward(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         return step_logits(model, cache, token, position)
 
+    plain_forward = forward
     if compile:
         forward = torch.compile(forward, dynamic=False)
     # generated[0] is the prefill's token; the step at position P-1+k writes generated[k]
     step = _DecodeStep(forward, token, position, generated, first_position=prompt_tokens - 1)
+    compile_error: str | None = None
+
+    def run_step() -> None:
+        """One step; a compiled forward that fails (at its first call: compiling happens there, before any
+        state is written) is replaced by the plain one and the step run again."""
+        nonlocal compile_error
+        try:
+            step()
+        except Exception as error:  # noqa: BLE001 - torch.compile's failures are of many types
+            if step.forward is plain_forward:
+                raise
+            compile_error = f"{type(error).__name__}: {str(error)[:500]}"
+            print(f"greedy_decode: torch.compile failed ({compile_error}); decoding without it")
+            step.forward = plain_forward
+            step()
 
     done = 0
     stopped = False
@@ -161,7 +206,7 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(warmup_steps):  # real steps: kernels compiled/tuned, the cache filled in order
-                step()
+                run_step()
         torch.cuda.current_stream(device).wait_stream(side)
         steps_left -= warmup_steps
         stopped = emit(1 + warmup_steps)
@@ -176,6 +221,12 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
         _synchronize(device)
         capture_seconds = time.perf_counter() - capture_start
 
+    step_kernels: list[tuple[str, float]] = []
+    if profile and not stopped and steps_left > 1:
+        step_kernels = profile_kernels(graph.replay if graph is not None else run_step, device)
+        steps_left -= 1
+        stopped = emit(new_tokens - steps_left)
+
     _synchronize(device)
     start = time.perf_counter()
     timed = 0
@@ -183,7 +234,7 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
         if graph is not None:
             graph.replay()
         else:
-            step()
+            run_step()
         steps_left -= 1
         timed += 1
         if per_token_sync:
@@ -193,10 +244,11 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     if not per_token_sync:
         done = new_tokens - steps_left
     tokens = generated[:done].cpu()
-    mode = ("compile+" if compile else "") + ("graph" if graph is not None else "eager")
+    compiled = compile and step.forward is not plain_forward
+    mode = ("compile+" if compiled else "") + ("graph" if graph is not None else "eager")
     timings = DecodeTimings(prompt_tokens=prompt_tokens, prefill_seconds=prefill_seconds, new_tokens=done,
                             decode_seconds=decode_seconds, timed_steps=timed, capture_seconds=capture_seconds,
-                            mode=mode)
+                            mode=mode, step_kernels=tuple(step_kernels), compile_error=compile_error)
     return tokens, timings
 
 
