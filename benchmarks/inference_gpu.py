@@ -1,26 +1,25 @@
-"""Batch-1 decoding on the GPU: our Triton AQLM kernels against bf16 (cuBLAS) and aqlm's own kernel,
-per linear and end to end, at the Llama-3.2-3B and Llama-3.1-8B shapes (issue 27).
+"""Batch-1 decoding on the GPU: our AQLM 2x8 kernels (CUDA C++ lookup tables first, Triton as fallback)
+against bf16 (cuBLAS), per linear and end to end, at the Llama-3.2-3B and Llama-3.1-8B shapes (issue 27).
 
-1. kernels: per linear shape (q/k/v/o, gate/up/down, and q+k+v, gate+up as one launch) every
-   candidate configuration of every variant is first checked against the dense reference on the GPU
-   (relative error; a wrong or failing candidate is reported and dropped), then timed (do_bench
-   median; L2 flushed before each launch, so the codes come from memory); beside it bf16 F.linear
-   and aqlm's 2x8 kernel (if the aqlm package imports), with achieved GB/s of the bytes each must read.
-   The fastest correct configuration per shape is what the models below run.
-2. models: the 3B- and 8B-shaped Llama built from their configs with seeded random bf16 weights on
-   the GPU, then the same model with random 2x8 codes (built directly, not quantized): decode
-   tokens/s (32-token prompt + 256 new tokens by default) through aqflow.inference.decode for bf16
-   eager, bf16 graphed, bf16 compiled+graphed, ours graphed (projections fused), ours
-   compiled+graphed, aqlm graphed; prefill tokens/s at a long prompt; weight bytes resident; peak memory.
-3. profile: one decode step of bf16 and of ours under torch.profiler: kernel count and GPU time by
-   kind (GEMV, attention, other small kernels) and the bf16 head alone, to show the fixed cost.
-4. --checkpoint DIR (an AQLM checkpoint the pipeline wrote) and --fp DIR (its fp source) are decoded too.
+Within about 4 minutes (--budget-seconds), on one card (--device-index, or CUDA_VISIBLE_DEVICES):
+0. the CUDA extension (aqflow/inference/csrc) starts building in a background thread at once (its
+   seconds are reported); the bf16 runs go on meanwhile.
+1. per model: bf16 built from its config with seeded random weights, q/k/v and gate/up fused (one GEMV
+   each, as ours): decode eager (a few tokens), CUDA graph, torch.compile + graph; prefill at a long
+   prompt; the LM head alone; the kernels of one timed graphed step (torch.profiler), by kind.
+2. kernels: per decode shape (q+k+v, o, gate+up, down) every candidate -- the CUDA variants first,
+   then a short list of Triton ones -- is checked against the float64 dense reference on fresh random
+   inputs with the output poisoned with NaN (a wrong or failing candidate is reported and dropped), then
+   timed (do_bench median, L2 flushed); the fastest correct one is what the model runs.
+3. the same model with random 2x8 codes (built directly, not quantized): graph, compile + graph,
+   prefill, step profile. aqlm's own kernel only with --aqlm (its first build takes about a minute).
+4. --checkpoint DIR (an AQLM checkpoint the pipeline wrote, e.g. SmolLM2) and --fp DIR (its fp source).
 
-Every part catches its own failures (printed, recorded, the run goes on). Prints a short table last
-and writes JSON (--out, default $OUT/inference_gpu.json) with gpu_decode_speedup_3b / _8b: ours
-(best of graphed, compiled+graphed) over the best bf16 decode of the same model.
+Every part catches its own failures (printed, recorded, the run goes on); results are saved after every
+part. Prints a short table last and writes JSON (--out, default $OUT/inference_gpu.json) with
+gpu_decode_speedup_3b / _8b: ours (best of graph, compile+graph) over the best bf16 decode of the same model.
 
-CPU dry run of the whole script (kernels through Triton's interpreter, tiny model):
+CPU dry run of the whole script (Triton's interpreter, tiny model, no CUDA kernel):
     python benchmarks/inference_gpu.py --device cpu --tiny --out /tmp/inference_dry
 """
 
@@ -41,8 +40,9 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
 
 import torch
 
+from aqflow.inference import cuda_kernels
 from aqflow.inference import gpu_kernels as gk
-from aqflow.inference.decode import fuse_projections, greedy_decode, new_static_cache, step_logits
+from aqflow.inference.decode import fuse_projections, greedy_decode
 from aqflow.inference.layout import QuantizedWeights
 
 SHAPES = {
@@ -138,18 +138,31 @@ def aqlm_linear(w: QuantizedWeights) -> torch.nn.Module:
 # ---------------------------------------------------------------- 1. kernels
 
 DECODE_LINEARS = ("qkv (fused)", "o_proj", "gate+up (fused)", "down_proj")  # what a decode step runs
+# The Triton fallback's search space here: tile shapes that won a decode shape in the first GPU run, at one
+# split depth each (every Triton tile shape is a JIT compile of a second or two; the CUDA kernel has none)
+TRITON_TILES = {"direct16": [(32, 8, 4), (64, 4, 4)], "lut": [(256, 8, 8)]}
 
 
-def bench_kernels(shape_name: str, args, device, dtype, names, budget_seconds: float, with_aqlm: bool) -> dict:
-    """Tunes and times the named linears of the shape within about budget_seconds."""
+def wait_for_extension(args, thread) -> dict:
+    """Waits for the background build of the CUDA extension (until --build-wait-seconds into the run at
+    most); returns its status (built, seconds, error)."""
+    if thread is not None and thread.is_alive():
+        log(f"waiting for the CUDA extension build (up to {args.build_wait_seconds:.0f} s into the run)")
+        thread.join(timeout=max(0.0, args.build_wait_seconds - elapsed()))
+    status = cuda_kernels.status()
+    if thread is not None and thread.is_alive():
+        status = {**status, "error": "still building: tuned without it"}
+    return status
+
+
+def bench_kernels(shape_name: str, args, device, dtype, names, with_aqlm: bool) -> dict:
+    """Checks and times every candidate configuration of the named linears; records the fastest correct one
+    (which the models then run)."""
     shape = SHAPES[shape_name]
     generator = torch.Generator(device=device).manual_seed(0)
     results = {}
-    names = [n for n in names if n in linear_shapes(shape)]
-    started = time.perf_counter()
-    for index, name in enumerate(names):
+    for name in [n for n in names if n in linear_shapes(shape)]:
         outs, in_features = linear_shapes(shape)[name]
-        deadline = started + budget_seconds * (index + 1) / len(names)
         row = results[name] = {"out": sum(outs), "in": in_features}
         ws = [random_quantized(o, in_features, device, dtype, generator) for o in outs]
         packed = gk.pack_weights(ws)
@@ -161,13 +174,13 @@ def bench_kernels(shape_name: str, args, device, dtype, names, budget_seconds: f
         del dense
         if with_aqlm and aqlm_available() and len(ws) == 1:
             guarded(row, "aqlm", bench_aqlm_linear, ws[0], x)
-        candidates = gk.candidate_configs(packed, 1)
-        if args.tiny:  # the interpreter is slow: one candidate per variant, and one deep split
-            candidates = list({c.variant: c for c in reversed(candidates)}.values()) + [max(candidates, key=lambda c: c.split)]
+        candidates = gk.candidate_configs(packed, 1, triton_tiles=TRITON_TILES, programs_per_sm=(8,))
+        if args.tiny:  # the interpreter is slow: one candidate per variant
+            candidates = list({c.variant: c for c in reversed(candidates)}.values())
+        cuda_count = sum(c.variant.startswith("cuda") for c in candidates)
         log(f"{shape_name} {name} [{sum(outs)} x {in_features}]: bf16 {row['bf16_us']:.1f} us; "
-            f"{len(candidates)} candidates")
-        tuned = gk.tune(packed, 1, configs=candidates, check=True, rtol=args.rtol, log=log if args.verbose else None,
-                        deadline=deadline)
+            f"{len(candidates)} candidates ({cuda_count} CUDA)")
+        tuned = gk.tune(packed, 1, configs=candidates, check=True, rtol=args.rtol, log=log if args.verbose else None)
         row["candidates"] = [{"config": c.label(), "us": None if s is None else s * 1e6, "note": note}
                              for c, s, note in tuned]
         timed = [(c, s) for c, s, _ in tuned if s is not None]
@@ -202,7 +215,6 @@ def kernel_error(packed: gk.PackedWeights, x: torch.Tensor, config: gk.KernelCon
 
 def bench_aqlm_linear(w: QuantizedWeights, x: torch.Tensor) -> dict:
     layer = aqlm_linear(w)
-    mark_aqlm_built()
     with torch.no_grad():
         y = layer(x)
         error = gk.relative_error(y, x.double() @ gk.packed_dense_weight(gk.as_packed(w)).double().T)
@@ -268,27 +280,34 @@ def resident_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def decode_run(model, args, device, *, graphs: bool, compile: bool = False) -> dict:
+def decode_run(model, args, device, *, graphs: bool, compile: bool = False, new_tokens: int | None = None) -> dict:
+    """One greedy decode through aqflow.inference.decode (projections already fused); with graphs, the
+    kernels of one graphed step are profiled (an untimed step)."""
     generator = torch.Generator().manual_seed(7)
-    vocab = model.config.vocab_size
-    prompt = torch.randint(0, vocab, (1, args.prompt_tokens), generator=generator)
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens), generator=generator)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    tokens, timings = greedy_decode(model, prompt, args.new_tokens, graphs=graphs, compile=compile)
+    tokens, timings = greedy_decode(model, prompt, new_tokens or args.new_tokens, graphs=graphs, compile=compile,
+                                    fuse=False, profile=graphs)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     result = {"mode": timings.mode, "decode_tokens_per_second": timings.decode_tokens_per_second,
               "ms_per_token": 1e3 / timings.decode_tokens_per_second, "timed_steps": timings.timed_steps,
               "capture_seconds": timings.capture_seconds, "peak_bytes": peak, "first_tokens": tokens[:8].tolist()}
+    if timings.compile_error:
+        result["compile_error"] = timings.compile_error
+    if timings.step_kernels:
+        result["profile"] = summarize_kernels(timings.step_kernels)
     log(f"  decode {result['mode']:14s} {result['decode_tokens_per_second']:8.1f} tokens/s "
-        f"({result['ms_per_token']:.2f} ms/token; setup {timings.capture_seconds:.1f} s)")
+        f"({result['ms_per_token']:.2f} ms/token; setup {timings.capture_seconds:.1f} s)"
+        + (f"; one step: {profile_line(result['profile'])}" if "profile" in result else ""))
     return result
 
 
 def prefill_run(model, args, device) -> dict:
     generator = torch.Generator().manual_seed(8)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prefill_tokens), generator=generator)
-    runs = [greedy_decode(model, prompt, 1, graphs=False)[1] for _ in range(2)]  # the first warms up
-    seconds = runs[-1].prefill_seconds
+    runs = [greedy_decode(model, prompt, 1, graphs=False, compile=False, fuse=False)[1] for _ in range(2)]
+    seconds = runs[-1].prefill_seconds  # the first warms up
     result = {"prompt_tokens": args.prefill_tokens, "seconds": seconds,
               "tokens_per_second": args.prefill_tokens / seconds}
     log(f"  prefill {args.prefill_tokens} tokens: {result['tokens_per_second']:.0f} tokens/s")
@@ -299,62 +318,79 @@ def remaining(args) -> float:
     return args.budget_seconds - elapsed()
 
 
-def bench_model(shape_name: str, args, device, dtype) -> dict:
+COMPILE_SECONDS = {"estimate": 35.0}  # one model's compile+graph setup; the first measured one replaces it
+
+
+def compile_fits(args, shape_name: str, runs_left: int, reserve: float) -> bool:
+    """Whether runs_left compiled decodes (about COMPILE_SECONDS each) still fit in the budget with
+    `reserve` seconds left for the rest."""
+    if args.compile == "none" or (args.compile == "3b" and shape_name not in ("3b", "tiny")):
+        return False
+    return remaining(args) > runs_left * COMPILE_SECONDS["estimate"] + reserve
+
+
+def note_compile_seconds(run: dict) -> None:
+    if isinstance(run, dict) and run.get("mode", "").startswith("compile"):
+        COMPILE_SECONDS["estimate"] = max(COMPILE_SECONDS["estimate"] * 0.5, run["capture_seconds"] * 1.15)
+
+
+def bench_model(shape_name: str, args, device, dtype, kernels: dict, build_thread) -> dict:
+    """bf16 decode (eager, graph, compile+graph), the kernels of this shape tuned, then the same model with
+    random 2x8 codes through them (graph, compile+graph), aqlm's kernel last if asked."""
     record: dict = {"shape": SHAPES[shape_name]}
     cuda = device.type == "cuda"
     log(f"model {shape_name}: building bf16")
     model = build_llama(shape_name, device, dtype)
     bf16 = record["bf16"] = {"resident_bytes": resident_bytes(model)}
     fuse_projections(model)  # the same fusion for both: one GEMV for q/k/v and one for gate/up
-    eager_args = argparse.Namespace(**{**vars(args), "new_tokens": min(args.new_tokens, 64)})
-    guarded(bf16, "eager", decode_run, model, eager_args, device, graphs=False)
+    # compiling is on for both kinds or for neither (the comparison stays fair); decided before either
+    compiled = cuda and compile_fits(args, shape_name, 2, reserve=60 if shape_name == "3b" else 35)
+    record["compiled"] = compiled
+    guarded(bf16, "eager", decode_run, model, args, device, graphs=False, new_tokens=min(args.new_tokens, 16))
     if cuda:
         guarded(bf16, "graph", decode_run, model, args, device, graphs=True)
-        if want_compile(args, shape_name) and remaining(args) > 150:
-            guarded(bf16, "compile+graph", decode_run, model, args, device, graphs=True, compile=True)
-    if not args.quick and remaining(args) > 60:
+        if compiled:
+            note_compile_seconds(guarded(bf16, "compile+graph", decode_run, model, args, device, graphs=True,
+                                         compile=True))
+    if not args.quick and remaining(args) > 90:
         guarded(bf16, "prefill", prefill_run, model, args, device)
-    guarded(bf16, "profile", profile_step, model, args, device)
-    guarded(bf16, "head", time_head, model)
+    if cuda:
+        guarded(bf16, "head", time_head, model)
+    save_progress()
+
+    if not args.skip_kernels:
+        if cuda and cuda_kernels.enabled():
+            kernels["cuda_extension"] = wait_for_extension(args, build_thread)
+            log(f"CUDA extension: {kernels['cuda_extension']}")
+        guarded(kernels, "linears", bench_kernels, shape_name, args, device, dtype, DECODE_LINEARS, False)
+        save_progress()
+
     log(f"model {shape_name}: random 2x8 codes (ours)")
     quantize_randomly(model, "ours")
     ours = record["ours"] = {"resident_bytes": resident_bytes(model)}
     ours["fused_groups"] = len(fuse_projections(model))
     if cuda:
         guarded(ours, "graph", decode_run, model, args, device, graphs=True)
-        if want_compile(args, shape_name) and remaining(args) > 120:
-            guarded(ours, "compile+graph", decode_run, model, args, device, graphs=True, compile=True)
+        if compiled:
+            note_compile_seconds(guarded(ours, "compile+graph", decode_run, model, args, device, graphs=True,
+                                         compile=True))
     else:
-        guarded(ours, "eager", decode_run, model, eager_args, device, graphs=False)
+        guarded(ours, "eager", decode_run, model, args, device, graphs=False, new_tokens=min(args.new_tokens, 16))
     if not args.quick and remaining(args) > 45:
         guarded(ours, "prefill", prefill_run, model, args, device)
-    guarded(ours, "profile", profile_step, model, args, device)
     record["speedup"] = decode_speedup(record)
     log(f"model {shape_name}: ours / best bf16 decode = {record['speedup']}")
-    if args.aqlm and aqlm_available() and remaining(args) > (60 if AQLM_BUILT else 240):  # first use builds CUDA code
+    if args.aqlm and aqlm_available() and remaining(args) > 90:  # its first use builds CUDA code
         log(f"model {shape_name}: random 2x8 codes (aqlm)")
         quantize_randomly(model, "aqlm")
         record["aqlm"] = {"resident_bytes": resident_bytes(model)}
-        guarded(record["aqlm"], "graph" if cuda else "eager", decode_run, model, args if cuda else eager_args,
-                device, graphs=cuda)
-        mark_aqlm_built()
+        guarded(record["aqlm"], "graph" if cuda else "eager", decode_run, model, args, device, graphs=cuda,
+                new_tokens=None if cuda else min(args.new_tokens, 16))
     del model
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return record
-
-
-AQLM_BUILT = False
-
-
-def mark_aqlm_built() -> None:
-    global AQLM_BUILT
-    AQLM_BUILT = True
-
-
-def want_compile(args, shape_name: str) -> bool:
-    return args.compile == "all" or (args.compile == "3b" and shape_name in ("3b", "tiny"))
 
 
 def best_rate(record: dict) -> float | None:
@@ -373,50 +409,30 @@ def decode_speedup(record: dict) -> float | None:
 def kernel_kind(name: str) -> str:
     lowered = name.lower()
     if any(k in lowered for k in ("gemv", "gemm", "nvjet", "cutlass", "xmma", "_direct_kernel", "_lut_kernel",
-                                   "_lut_build", "code2x8", "code1x16", "splitk", "cublas")):
+                                   "_lut_build", "lut_gemv", "code2x8", "code1x16", "splitk", "cublas")):
         return "gemv"
     if any(k in lowered for k in ("flash", "fmha", "attention", "sdpa", "efficient")):
         return "attention"
     return "other"
 
 
-def profile_step(model, args, device) -> dict:
-    """One eager decode step under torch.profiler: kernels and GPU microseconds by kind."""
-    from torch.profiler import ProfilerActivity, profile
-
-    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(9))
-    cache = new_static_cache(model, args.prompt_tokens + 4)
-    positions = torch.arange(args.prompt_tokens + 2, device=device)[None]
-    with torch.inference_mode():
-        model(input_ids=prompt.to(device), position_ids=positions[:, :args.prompt_tokens], past_key_values=cache,
-              use_cache=True, logits_to_keep=1)
-        token = prompt[:, -1:].to(device)
-        step_logits(model, cache, token, positions[:, args.prompt_tokens:args.prompt_tokens + 1])  # warm
-        synchronize(device)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
-            step_logits(model, cache, token, positions[:, args.prompt_tokens + 1:])
-            synchronize(device)
+def summarize_kernels(kernels) -> dict:
+    """(name, us) per kernel of one step -> counts and microseconds by kind, and the costliest names."""
     kinds: dict[str, dict] = {}
-    for name, microseconds in profiled_kernels(prof, device):
-        entry = kinds.setdefault(kernel_kind(name), {"kernels": 0, "us": 0.0})
-        entry["kernels"] += 1
-        entry["us"] += microseconds
+    names: dict[str, dict] = {}
+    for name, microseconds in kernels:
+        for table, key in ((kinds, kernel_kind(name)), (names, name[:90])):
+            entry = table.setdefault(key, {"kernels": 0, "us": 0.0})
+            entry["kernels"] += 1
+            entry["us"] += microseconds
     total = {"kernels": sum(k["kernels"] for k in kinds.values()), "us": sum(k["us"] for k in kinds.values())}
-    log("  one step: " + ", ".join(f"{kind} {v['kernels']} kernels {v['us']:.0f} us" for kind, v in kinds.items())
-        + f"; total {total['kernels']} kernels {total['us']:.0f} us")
-    return {"by_kind": kinds, "total": total}
+    top = sorted(names.items(), key=lambda item: -item[1]["us"])[:12]
+    return {"by_kind": kinds, "total": total, "top": [{"name": n, **v} for n, v in top]}
 
 
-def profiled_kernels(prof, device) -> list[tuple[str, float]]:
-    """(name, microseconds) of every GPU kernel the profile saw (on a CPU: every aten op, for dry runs)."""
-    events = list(prof.events())
-    if device.type != "cuda":
-        return [(e.name, e.cpu_time_total) for e in events if e.name.startswith("aten::") and e.cpu_parent is None]
-    kernels = [(e.name, e.time_range.elapsed_us()) for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    if not kernels:  # older layouts keep kernels only under their launching CPU op
-        kernels = [(k.name, k.duration) for e in events for k in getattr(e, "kernels", [])]
-    return kernels
+def profile_line(profile: dict) -> str:
+    return (", ".join(f"{kind} {v['kernels']}x {v['us']:.0f}us" for kind, v in profile["by_kind"].items())
+            + f"; total {profile['total']['kernels']} kernels {profile['total']['us']:.0f} us")
 
 
 def time_head(model) -> dict:
@@ -429,14 +445,18 @@ def time_head(model) -> dict:
 # ---------------------------------------------------------------- 4. checkpoints
 
 def bench_checkpoint(path: str, args, device, dtype, quantized: bool) -> dict:
+    """A real checkpoint: the fp model (fused projections), or the AQLM one through aqlm's kernels and then
+    ours (default kernel configurations, untuned); compile+graph where the budget allows."""
     from transformers import AutoModelForCausalLM
 
     record: dict = {"path": path}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     record["resident_bytes"] = resident_bytes(model)
-    mode = "graph" if device.type == "cuda" else "eager"
+    cuda = device.type == "cuda"
+    mode = "graph" if cuda else "eager"
+    compile = cuda and args.compile != "none" and remaining(args) > 60
     if quantized:
-        guarded(record, f"aqlm {mode}", decode_run, model, args, device, graphs=device.type == "cuda")
+        guarded(record, f"aqlm {mode}", decode_run, model, args, device, graphs=cuda)
         from aqflow.inference.layout import from_quantized_linear
 
         replaced = 0
@@ -449,10 +469,14 @@ def bench_checkpoint(path: str, args, device, dtype, quantized: bool) -> dict:
         record["replaced_linears"] = replaced
         record["fused"] = len(fuse_projections(model))
         record["ours_resident_bytes"] = resident_bytes(model)
-        guarded(record, f"ours {mode}", decode_run, model, args, device, graphs=device.type == "cuda")
+        guarded(record, f"ours {mode}", decode_run, model, args, device, graphs=cuda)
+        if compile:
+            guarded(record, "ours compile+graph", decode_run, model, args, device, graphs=True, compile=True)
     else:
         fuse_projections(model)
-        guarded(record, f"fp {mode}", decode_run, model, args, device, graphs=device.type == "cuda")
+        guarded(record, f"fp {mode}", decode_run, model, args, device, graphs=cuda)
+        if compile:
+            guarded(record, "fp compile+graph", decode_run, model, args, device, graphs=True, compile=True)
     del model
     gc.collect()
     return record
@@ -462,19 +486,19 @@ def bench_checkpoint(path: str, args, device, dtype, quantized: bool) -> dict:
 
 def summary_lines(payload: dict) -> list[str]:
     lines = ["", "=== per linear (1 token): microseconds (ours: best correct configuration) ==="]
-    lines.append(f"{'model':5s} {'linear':16s} {'out x in':>13s} {'bf16':>8s} {'aqlm':>8s} {'ours':>8s} {'x bf16':>7s}  config")
-    for model_name, rows in payload.get("kernels", {}).items():
-        if not isinstance(rows, dict) or "error" in rows:
-            lines.append(f"{model_name:5s} kernels failed: {rows}")
+    lines.append(f"{'model':5s} {'linear':16s} {'out x in':>13s} {'bf16':>7s} {'ours':>7s} {'x bf16':>6s}  "
+                 f"{'config':26s} best per variant")
+    for model_name, table in payload.get("kernels", {}).items():
+        rows = table.get("linears", {}) if isinstance(table, dict) else {}
+        if not isinstance(rows, dict) or "error" in rows or not rows:
+            lines.append(f"{model_name:5s} kernels failed or skipped: {str(rows)[:150]}")
             continue
         for name, row in rows.items():
             ours = row.get("ours", {})
-            aqlm = row.get("aqlm", {})
-            if "aqlm" in row and "error" in aqlm:
-                lines.append(f"      aqlm failed on {name}: {aqlm['error'][:150]}")
-            lines.append(f"{model_name:5s} {name:16s} {row['out']:>6d}x{row['in']:<6d} {row['bf16_us']:8.1f} "
-                         f"{aqlm.get('us', float('nan')):8.1f} {ours.get('us', float('nan')):8.1f} "
-                         f"{row.get('speedup_over_bf16', float('nan')):7.2f}  {ours.get('config', ours.get('error', ''))}")
+            variants = ", ".join(f"{v} {b['us']:.1f}" for v, b in ours.get("best_per_variant", {}).items())
+            lines.append(f"{model_name:5s} {name:16s} {row['out']:>6d}x{row['in']:<6d} {row['bf16_us']:7.1f} "
+                         f"{ours.get('us', float('nan')):7.1f} {row.get('speedup_over_bf16', float('nan')):6.2f}  "
+                         f"{ours.get('config', ours.get('error', '')):26s} {variants}")
     lines.append("")
     lines.append("=== batch-1 decode, tokens/s ===")
     for model_name, record in payload.get("models", {}).items():
@@ -490,60 +514,92 @@ def summary_lines(payload: dict) -> list[str]:
             errors = [mode for mode, run in runs.items() if isinstance(run, dict) and "error" in run]
             resident = runs.get("resident_bytes")
             prefill = runs.get("prefill", {}).get("tokens_per_second")
+            head = runs.get("head", {}).get("us")
             lines.append(f"{model_name:5s} {kind:5s} " + ", ".join(cells)
                          + (f"; prefill {prefill:.0f}/s" if prefill else "")
                          + (f"; weights {resident / 1e9:.2f} GB" if resident else "")
+                         + (f"; head GEMV {head:.0f} us" if head else "")
                          + (f"; FAILED {errors}" if errors else ""))
-        profile = record.get("bf16", {}).get("profile", {}), record.get("ours", {}).get("profile", {})
-        for kind, prof in zip(("bf16", "ours"), profile):
-            if "by_kind" in prof:
-                lines.append(f"{model_name:5s} {kind:5s} one step: " + ", ".join(
-                    f"{k} {v['kernels']}x {v['us']:.0f}us" for k, v in prof["by_kind"].items()))
+            for mode, run in runs.items():
+                if isinstance(run, dict) and "profile" in run:
+                    lines.append(f"{model_name:5s} {kind:5s} {mode} step: {profile_line(run['profile'])}")
         lines.append(f"{model_name:5s} speed-up ours / best bf16: {record.get('speedup')}")
+    ours_profile = None
+    for record in payload.get("models", {}).values():
+        for mode in ("compile+graph", "graph"):
+            ours_profile = ours_profile or record.get("ours", {}).get(mode, {}).get("profile")
+    if ours_profile:
+        lines.append("costliest kernels of one step (ours, first model): " + "; ".join(
+            f"{t['name'][:50]} {t['kernels']}x {t['us']:.0f}us" for t in ours_profile["top"][:6]))
+    for key in ("checkpoint", "fp"):
+        if key in payload:
+            cells = [f"{mode} {run['decode_tokens_per_second']:.1f}" for mode, run in payload[key].items()
+                     if isinstance(run, dict) and "decode_tokens_per_second" in run]
+            lines.append(f"{key}: {payload[key].get('path')}: " + ", ".join(cells))
+    lines.append(f"CUDA extension: {payload.get('cuda_extension')}")
     for key in ("gpu_decode_speedup_3b", "gpu_decode_speedup_8b"):
         lines.append(f"{key} = {payload.get(key)}")
     lines.append(f"total {elapsed():.0f} s")
     return lines
 
 
+_SAVE: dict = {}
+
+
+def save_progress() -> None:
+    if "fn" in _SAVE:
+        _SAVE["fn"]()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--device-index", type=int, default=0,
+                        help="which visible GPU (CUDA_VISIBLE_DEVICES decides which are visible)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model instead of 3B/8B (dry runs)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a ~2-minute subset: decode shapes only, 40 s of tuning, no compile, prefill or aqlm")
+    parser.add_argument("--quick", action="store_true", help="no prefill, no compile, 128 new tokens")
     parser.add_argument("--models", default="3b,8b")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--prefill-tokens", type=int, default=2048)
-    parser.add_argument("--compile", default="3b", choices=["none", "3b", "all"],
-                        help="which models also decode with torch.compile (tens of seconds per model and kind)")
+    parser.add_argument("--compile", default="all", choices=["none", "3b", "all"],
+                        help="which models also decode with torch.compile (both kinds or neither; 8B only if the "
+                             "budget still holds two compiles)")
     parser.add_argument("--rtol", type=float, default=1e-2, help="largest relative error a kernel may have")
     parser.add_argument("--checkpoint", help="an AQLM checkpoint directory the pipeline wrote")
     parser.add_argument("--fp", help="the fp model directory of that checkpoint")
     parser.add_argument("--skip-kernels", action="store_true", help="no tuning: default configurations")
-    parser.add_argument("--budget-seconds", type=float, default=480,
-                        help="optional parts (compile, prefill, aqlm, the per-linear table) are skipped past this")
-    parser.add_argument("--tune-seconds", type=float, default=150, help="kernel tuning time, all models together")
-    parser.add_argument("--no-aqlm", dest="aqlm", action="store_false", help="skip aqlm (it builds CUDA code at first use)")
-    parser.add_argument("--verbose", action="store_true", help="print every candidate configuration's time")
+    parser.add_argument("--no-cuda-kernels", action="store_true", help="Triton kernels only")
+    parser.add_argument("--build-wait-seconds", type=float, default=150,
+                        help="the run waits for the CUDA extension build until this many seconds into the run")
+    parser.add_argument("--budget-seconds", type=float, default=225,
+                        help="optional parts (compile, prefill, aqlm, checkpoints) are skipped past this")
+    parser.add_argument("--aqlm", action="store_true", help="also decode through aqlm's kernel (builds at first use)")
+    parser.add_argument("--verbose", action="store_true", help="print every candidate configuration's time, the build")
     args = parser.parse_args()
+    if args.no_cuda_kernels:
+        os.environ["AQFLOW_CUDA_KERNELS"] = "0"
     device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(args.device_index)
+        device = torch.device("cuda", args.device_index)
+        torch.set_float32_matmul_precision("high")
+    build_thread = cuda_kernels.build_in_background(args.verbose) if device.type == "cuda" and cuda_kernels.enabled() else None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # aqlm's CPU kernel takes fp32 only
     models = ["tiny"] if args.tiny else [m.strip() for m in args.models.split(",") if m.strip()]
     if args.tiny:  # the interpreter runs the kernels: a few tokens, no time limits
         args.prompt_tokens, args.new_tokens, args.prefill_tokens = min(args.prompt_tokens, 8), min(args.new_tokens, 6), 16
-        args.budget_seconds, args.tune_seconds = float("inf"), float("inf")
+        args.budget_seconds = float("inf")
     if args.quick:
-        args.compile = "none" if args.compile == "3b" else args.compile
-        args.tune_seconds, args.budget_seconds = min(args.tune_seconds, 40), min(args.budget_seconds, 110)
-        args.new_tokens, args.aqlm = min(args.new_tokens, 128), False
+        args.compile, args.new_tokens = "none", min(args.new_tokens, 128)
     payload: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                     "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                      "torch": torch.__version__, "triton": __import__("triton").__version__,
                      "transformers": __import__("transformers").__version__, "aqlm": aqlm_available(),
                      "geometry": GEOMETRY, "args": vars(args), "kernels": {}, "models": {}}
-    log(f"device {payload['device']}, torch {payload['torch']}, triton {payload['triton']}, "
+    log(f"device {payload['device']} (index {args.device_index}, CUDA_VISIBLE_DEVICES="
+        f"{payload['cuda_visible_devices']}), torch {payload['torch']}, triton {payload['triton']}, "
         f"transformers {payload['transformers']}, aqlm {payload['aqlm']}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -551,36 +607,23 @@ def main() -> None:
     def save() -> None:  # after every part: a run stopped at its time limit still leaves its results
         for name in ("3b", "8b"):
             payload[f"gpu_decode_speedup_{name}"] = payload["models"].get(name, {}).get("speedup")
+        payload["cuda_extension"] = cuda_kernels.status()
         payload["tuned_configs"] = {str(k): v.label() for k, v in gk.tuned_configs().items()}
         payload["seconds"] = elapsed()
         (out / "inference_gpu.json").write_text(json.dumps(payload, indent=1, default=str))
 
-    tune_seconds = args.tune_seconds / len(models)
+    _SAVE["fn"] = save
     for name in models:
-        if not args.skip_kernels:  # the decode step's shapes first: the model runs the winners
-            guarded(payload["kernels"], name, bench_kernels, name, args, device, dtype, DECODE_LINEARS,
-                    tune_seconds, False)
-            save()
-        guarded(payload["models"], name, bench_model, name, args, device, dtype)
+        kernels = payload["kernels"].setdefault(name, {})
+        guarded(payload["models"], name, bench_model, name, args, device, dtype, kernels, build_thread)
         save()
-    if not args.skip_kernels and not args.quick:  # the per-linear table, aqlm's kernel beside ours
-        for name in models:
-            if remaining(args) < 60:
-                log(f"per-linear table of {name} skipped: budget")
-                continue
-            extra = [n for n in linear_shapes(SHAPES[name]) if n not in DECODE_LINEARS]
-            table = payload["kernels"].setdefault(name, {})
-            if isinstance(table, dict) and "error" not in table:
-                rows = guarded({}, "rows", bench_kernels, name, args, device, dtype, extra,
-                               min(remaining(args) - 45, args.tune_seconds / 2) / len(models), args.aqlm)
-                if isinstance(rows, dict) and "error" not in rows:
-                    table.update(rows)
-                save()
     if args.checkpoint:
-        guarded(payload, "checkpoint", bench_checkpoint, args.checkpoint, args, device, dtype, True)
+        if remaining(args) > 20:
+            guarded(payload, "checkpoint", bench_checkpoint, args.checkpoint, args, device, dtype, True)
         save()
     if args.fp:
-        guarded(payload, "fp", bench_checkpoint, args.fp, args, device, dtype, False)
+        if remaining(args) > 10:
+            guarded(payload, "fp", bench_checkpoint, args.fp, args, device, dtype, False)
     save()
     for line in summary_lines(payload):
         print(line)

@@ -436,11 +436,13 @@ def config_for(packed: PackedWeights, tokens: int) -> KernelConfig:
     return _TUNED.get(shape_key(packed, tokens)) or default_config(packed, tokens)
 
 
-def candidate_configs(packed: PackedWeights, tokens: int, *, triton_tiles: dict | None = None) -> list[KernelConfig]:
+def candidate_configs(packed: PackedWeights, tokens: int, *, triton_tiles: dict | None = None,
+                      programs_per_sm: Sequence[int] = (4, 8, 16)) -> list[KernelConfig]:
     """The configurations `tune` times for a shape: the CUDA kernel's first (when its extension is loaded
     and the shape is 2x8), then tile shapes and warps of each Triton variant, each at a few split-K depths
     (programs per multiprocessor). triton_tiles: {variant: [(block_rows, block_groups, warps), ...]}
-    replaces the Triton search space (a short list keeps tuning fast)."""
+    replaces the Triton search space and programs_per_sm its split depths (a short list keeps tuning fast:
+    each Triton tile shape is a JIT compile)."""
     cuda_configs = []
     if cuda_kernels.ready() and cuda_kernels.applies(packed, tokens):
         cuda_configs = cuda_kernels.candidate_configs(packed, tokens, _multiprocessors(packed.codes.device))
@@ -455,7 +457,7 @@ def candidate_configs(packed: PackedWeights, tokens: int, *, triton_tiles: dict 
     seen, configs = set(cuda_configs), list(cuda_configs)
     for variant in variants:
         for block_rows, block_groups, warps in tiles[variant]:
-            for per_sm in (4, 8, 16):
+            for per_sm in programs_per_sm:
                 split = split_for(packed, block_rows, block_groups, per_sm)
                 config = KernelConfig(variant, block_rows, block_groups, split, warps)
                 if config not in seen:
