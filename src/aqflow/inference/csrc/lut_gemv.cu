@@ -8,7 +8,7 @@
 // 16 * chunks_per_cta input groups. It
 // 1. builds the tables of its groups in shared memory with tensor-core products (mma m16n8k8: 16 groups x
 //    8 inputs times 8 inputs x (4 codewords x 2 codebooks), fp32 accumulation; the bf16/fp16 products
-//    are exact in fp32), then
+//    are exact in fp32; stored without bank conflicts), then
 // 2. sweeps its rows 256 at a time: each thread loads 4 bytes of codes (2 groups x 2 codebooks) of 8
 //    rows per chunk, and per code does one shared-memory read and one fp32 add.
 //
@@ -117,18 +117,29 @@ __device__ void build_tables(const LutGemvParams& p, const Scalar* codebooks, in
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
         const int line = 4 * (warp + kWarps * q) + tq;
-        uint4* slot = reinterpret_cast<uint4*>(unit + (line * 32 + 4 * gid) * 4);
         float d0[4];
         ScalarOps<Scalar>::mma(d0, a0_lo, a0_hi, b[q]);
+        uint32_t word[4];
         if (kHalfEntries) {
           float d1[4];
           ScalarOps<Scalar>::mma(d1, a1_lo, a1_hi, b[q]);
-          *slot = make_uint4(pack_halves(d0[0], d1[0]), pack_halves(d0[1], d1[1]), pack_halves(d0[2], d1[2]),
-                             pack_halves(d0[3], d1[3]));
+#pragma unroll
+          for (int e = 0; e < 4; ++e) word[e] = pack_halves(d0[e], d1[e]);
         } else {
-          *slot = make_uint4(__float_as_uint(d0[0]), __float_as_uint(d0[1]), __float_as_uint(d0[2]),
-                             __float_as_uint(d0[3]));
+#pragma unroll
+          for (int e = 0; e < 4; ++e) word[e] = __float_as_uint(d0[e]);
         }
+        // The four words go to banks 4gid..4gid+3 of line k0 + tq: stored as one 16-byte vector, the 4 lanes
+        // of a gid (4 lines, same banks) would conflict 4-way; as 4 word stores with the lane's words
+        // rotated by tq, each store covers the 32 banks once. word[(e + tq) & 3] through two select stages.
+        uint32_t rotated[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) rotated[e] = (tq & 1) ? word[(e + 1) & 3] : word[e];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) word[e] = (tq & 2) ? rotated[(e + 2) & 3] : rotated[e];
+        uint32_t* quad = reinterpret_cast<uint32_t*>(unit) + line * 32 + 4 * gid;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) quad[(e + tq) & 3] = word[e];
       }
     }
   }
@@ -291,11 +302,17 @@ template <typename Scalar, bool kHalfEntries, int kTokens>
 cudaError_t launch(const LutGemvParams& params, int splits, cudaStream_t stream) {
   auto kernel = lut_gemv_2x8_kernel<Scalar, kHalfEntries, kTokens>;
   const int bytes = lut_gemv_2x8_shared_bytes(kHalfEntries ? 16 : 32, kTokens, params.chunks_per_cta);
-  static int bytes_allowed = 48 * 1024;  // per instantiation: raise the opt-in limit once, before any capture
-  if (bytes > bytes_allowed) {
-    const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  // the opt-in shared-memory limit, raised per device and instantiation when a launch first needs more
+  // (in the warm-up before a CUDA graph capture, not during it)
+  constexpr int kDevices = 64;
+  static int bytes_allowed[kDevices] = {};
+  int device = 0;
+  cudaError_t status = cudaGetDevice(&device);
+  if (status != cudaSuccess) return status;
+  if (bytes > 48 * 1024 && (device >= kDevices || bytes > bytes_allowed[device])) {
+    status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (status != cudaSuccess) return status;
-    bytes_allowed = bytes;
+    if (device < kDevices) bytes_allowed[device] = bytes;
   }
   const dim3 grid(params.block_start[params.num_matrices], splits);
   kernel<<<grid, kThreads, bytes, stream>>>(params);
