@@ -223,8 +223,12 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
 
     step_kernels: list[tuple[str, float]] = []
     if profile and not stopped and steps_left > 1:
-        step_kernels = profile_kernels(graph.replay if graph is not None else run_step, device)
-        steps_left -= 1
+        try:
+            step_kernels = profile_kernels(graph.replay if graph is not None else run_step, device)
+        except Exception as error:  # noqa: BLE001 - a profiler failure must not cost the measurement
+            print(f"greedy_decode: profiling one step failed ({type(error).__name__}: {error})")
+            _synchronize(device)
+        steps_left -= 1  # the step ran (or was attempted) either way
         stopped = emit(new_tokens - steps_left)
 
     _synchronize(device)
