@@ -26,7 +26,8 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, i
 // workspace: fp32, >= T * rows elements, zero; counters: int32, >= row blocks, zero (both left zero);
 // stream: a cudaStream_t as an integer; the caller makes x's device current.
 void lut_gemv_2x8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& codebooks, const at::Tensor& scales,
-                  const c10::optional<at::Tensor>& bias, at::Tensor& out, at::Tensor& workspace, at::Tensor& counters,
+                  const c10::optional<at::Tensor>& bias, const at::Tensor& out, const at::Tensor& workspace,
+                  const at::Tensor& counters,
                   const std::vector<int64_t>& out_sizes, int64_t rows_per_cta, int64_t chunks_per_cta,
                   int64_t entry_bits, int64_t max_tokens, int64_t stream) {
   TORCH_CHECK(x.is_cuda(), "lut_gemv_2x8: x must be a CUDA tensor");
