@@ -303,6 +303,25 @@ def decode_run(model, args, device, *, graphs: bool, compile: bool = False, new_
     return result
 
 
+def logits_check(model, device) -> dict:
+    """The whole model on one token through the kernels as configured (fused packs, tuned variants) against
+    the same model through the dequantized dense weights: relative error of the logits (both bf16, so a
+    few 1e-3 per layer add up; garbage would be ~1)."""
+    ids = torch.tensor([[1]], device=device)
+    with torch.inference_mode():
+        fast = model(input_ids=ids).logits.double()
+        kernel_tokens = gk.MAX_KERNEL_TOKENS
+        gk.MAX_KERNEL_TOKENS = 0  # every product through the dense path
+        try:
+            dense = model(input_ids=ids).logits.double()
+        finally:
+            gk.MAX_KERNEL_TOKENS = kernel_tokens
+    error = gk.relative_error(fast, dense)
+    result = {"rel_error": error, "ok": error < 5e-2}
+    log(f"  logits through the kernels vs dense weights: rel. error {error:.1e}" + ("" if result["ok"] else " WRONG"))
+    return result
+
+
 def prefill_run(model, args, device) -> dict:
     generator = torch.Generator().manual_seed(8)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prefill_tokens), generator=generator)
@@ -369,6 +388,7 @@ def bench_model(shape_name: str, args, device, dtype, kernels: dict, build_threa
     quantize_randomly(model, "ours")
     ours = record["ours"] = {"resident_bytes": resident_bytes(model)}
     ours["fused_groups"] = len(fuse_projections(model))
+    guarded(ours, "logits_check", logits_check, model, device)
     if cuda:
         guarded(ours, "graph", decode_run, model, args, device, graphs=True)
         if compiled:
@@ -523,6 +543,10 @@ def summary_lines(payload: dict) -> list[str]:
             for mode, run in runs.items():
                 if isinstance(run, dict) and "profile" in run:
                     lines.append(f"{model_name:5s} {kind:5s} {mode} step: {profile_line(run['profile'])}")
+        check = record.get("ours", {}).get("logits_check", {})
+        if "rel_error" in check:
+            lines.append(f"{model_name:5s} ours  logits vs dense weights: rel. error {check['rel_error']:.1e}"
+                         + ("" if check["ok"] else " WRONG"))
         lines.append(f"{model_name:5s} speed-up ours / best bf16: {record.get('speedup')}")
     ours_profile = None
     for record in payload.get("models", {}).values():

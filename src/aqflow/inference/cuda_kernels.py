@@ -188,6 +188,8 @@ def launch(x: torch.Tensor, packed: "PackedWeights", config: "KernelConfig", out
         raise ValueError(f"{config.label()}: groups per CTA must be a multiple of {GROUPS_PER_CHUNK}, rows of "
                          f"{ROWS_PER_BATCH}")
     module = load_extension()
+    if x.data_ptr() % 4:  # a view starting at an odd element: the kernel reads input pairs as 4-byte words
+        x = x.clone()
     stream = torch.cuda.current_stream(x.device).cuda_stream
     args = (x, packed.codes, packed.codebooks, packed.scales, packed.bias, out, workspace, counters,
             list(packed.out_sizes), config.block_rows, config.block_groups // GROUPS_PER_CHUNK,

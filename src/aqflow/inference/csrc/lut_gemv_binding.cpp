@@ -50,6 +50,8 @@ void lut_gemv_2x8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
     check_tensor(*bias, "bias", scalar, 1, device);
     TORCH_CHECK(bias->size(0) == rows, "bias has ", bias->size(0), " rows, codes ", rows);
   }
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0 && reinterpret_cast<uintptr_t>(codes.data_ptr()) % 4 == 0,
+              "lut_gemv_2x8: x and codes must be 4-byte aligned (the kernel reads input pairs and 4 code bytes)");
   const int64_t tokens = x.size(0);
   TORCH_CHECK(tokens >= 1 && tokens <= max_tokens, "lut_gemv_2x8: ", tokens, " tokens, this variant takes 1..",
               max_tokens);
