@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from aqflow.inference import gpu_kernels as gk
+from aqflow.inference.packed import can_pack, pack_weights
 from aqflow.inference.layout import QuantizedWeights, code_container, reference_linear
 
 
@@ -75,9 +76,9 @@ def test_fused_matrices_equal_each_alone(rng):
 def test_pack_refuses_mixed_geometries(rng):
     a = random_weights(8, 6, 2, 8, 8, bias=False, generator=rng)
     b = random_weights(8, 6, 1, 8, 8, bias=False, generator=rng)
-    assert not gk.can_pack([a, b])
+    assert not can_pack([a, b])
     with pytest.raises(ValueError, match="share groups"):
-        gk.pack_weights([a, b])
+        pack_weights([a, b])
 
 
 @pytest.mark.parametrize("split", [4, gk.ATOMIC_SPLIT])

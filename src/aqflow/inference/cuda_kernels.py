@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # gpu_kernels imports this module
-    from aqflow.inference.gpu_kernels import KernelConfig, PackedWeights
+    from aqflow.inference.packed import KernelConfig, PackedWeights
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("lut_gemv_binding.cpp", "lut_gemv.cu")
@@ -135,7 +135,7 @@ def row_blocks(packed: "PackedWeights", rows_per_cta: int) -> int:
 def make_config(packed: "PackedWeights", variant: str, rows_per_cta: int, chunks_per_cta: int) -> "KernelConfig":
     """A KernelConfig for the CUDA kernel: block_rows = rows per CTA, block_groups = groups per CTA,
     split = the resulting split-K depth, num_warps = 8 (fixed by the kernel)."""
-    from aqflow.inference.gpu_kernels import KernelConfig
+    from aqflow.inference.packed import KernelConfig
 
     groups_per_cta = GROUPS_PER_CHUNK * chunks_per_cta
     return KernelConfig(variant, rows_per_cta, groups_per_cta, _cdiv(packed.num_groups, groups_per_cta), 8)

@@ -325,9 +325,9 @@ class FusedQuantizedLinear(torch.nn.Module):
 
     def __init__(self, weights: Sequence[QuantizedWeights]):
         super().__init__()
-        from aqflow.inference import gpu_kernels
+        from aqflow.inference.packed import pack_weights
 
-        self.packed = gpu_kernels.pack_weights(weights)
+        self.packed = pack_weights(weights)
         for name, tensor in self.packed.tensors().items():
             self.register_buffer(name, tensor, persistent=False)
 
@@ -381,8 +381,9 @@ def _fused_owner(members: Sequence[torch.nn.Module]) -> torch.nn.Module | None:
     weights = [quantized_weights_of(m) for m in members]
     if all(w is not None for w in weights):
         from aqflow.inference import gpu_kernels
+        from aqflow.inference.packed import can_pack
 
         # the kernels run on CUDA (or in Triton's interpreter, in tests)
-        if (weights[0].codes.is_cuda or gpu_kernels._interpreting()) and gpu_kernels.can_pack(weights):
+        if (weights[0].codes.is_cuda or gpu_kernels._interpreting()) and can_pack(weights):
             return FusedQuantizedLinear(weights)
     return None

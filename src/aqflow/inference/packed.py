@@ -1,0 +1,137 @@
+"""The operand of the decode kernels: one or several AQLM linears of one input packed by rows
+(`PackedWeights`), and a kernel configuration (`KernelConfig`), shared by the Triton kernels
+(`gpu_kernels`) and the CUDA ones (`cuda_kernels`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from aqflow.inference.layout import QuantizedWeights
+
+MAX_FUSED_MATRICES = 4
+
+
+@dataclass(frozen=True)
+class PackedWeights:
+    """One or several AQLM linears of the same input (same groups, codebook count and size) as one
+    kernel operand: codes [rows, G, M] (uint8 or int32, the matrices' rows one after another),
+    codebooks [n, M, K, g], scales [rows], bias [rows] or None; out_sizes: the rows of each matrix."""
+
+    codes: torch.Tensor
+    codebooks: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+    out_sizes: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def num_codebooks(self) -> int:
+        return self.codes.shape[2]
+
+    @property
+    def codebook_size(self) -> int:
+        return self.codebooks.shape[2]
+
+    @property
+    def group_size(self) -> int:
+        return self.codebooks.shape[3]
+
+    @property
+    def in_features(self) -> int:
+        return self.num_groups * self.group_size
+
+    def bounds(self) -> list[int]:
+        """The first row of matrices 1..3 (rows where there is none): a row's matrix is how many it reaches."""
+        starts = [sum(self.out_sizes[:i]) for i in range(1, len(self.out_sizes))]
+        return starts + [self.rows] * (MAX_FUSED_MATRICES - 1 - len(starts))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        named = {"codes": self.codes, "codebooks": self.codebooks, "scales": self.scales}
+        if self.bias is not None:
+            named["bias"] = self.bias
+        return named
+
+    def code_bytes(self) -> int:
+        return self.codes.numel() * self.codes.element_size()
+
+
+def _geometry(w: QuantizedWeights) -> tuple:
+    return (w.codes.shape[1], w.codes.shape[2], w.codebooks.shape[1], w.codebooks.shape[2], w.codes.dtype,
+            w.codebooks.dtype, w.codes.device)
+
+
+def can_pack(weights: Sequence[QuantizedWeights]) -> bool:
+    """True when the linears share groups, codebook count and size, dtypes and device (1..4 of them)."""
+    return 1 <= len(weights) <= MAX_FUSED_MATRICES and len({_geometry(w) for w in weights}) == 1
+
+
+def as_packed(w: QuantizedWeights) -> PackedWeights:
+    """One linear as a kernel operand (views of its tensors, no copy)."""
+    return PackedWeights(codes=w.codes, codebooks=w.codebooks.unsqueeze(0), scales=w.scales, bias=w.bias,
+                         out_sizes=(w.out_features,))
+
+
+def pack_weights(weights: Sequence[QuantizedWeights]) -> PackedWeights:
+    """Several linears of one input as one operand (their codes, scales and biases concatenated by rows:
+    a copy, so the fused module should hold this instead of the originals)."""
+    if not can_pack(weights):
+        raise ValueError("pack_weights: the linears must share groups, codebook count and size, dtypes and device "
+                         f"(1..{MAX_FUSED_MATRICES} of them); got {[_geometry(w)[:4] for w in weights]}")
+    if len(weights) == 1:
+        return as_packed(weights[0])
+    biases = None
+    if any(w.bias is not None for w in weights):
+        biases = torch.cat([w.bias if w.bias is not None else w.scales.new_zeros(w.out_features) for w in weights])
+    return PackedWeights(codes=torch.cat([w.codes for w in weights]).contiguous(),
+                         codebooks=torch.stack([w.codebooks for w in weights]).contiguous(),
+                         scales=torch.cat([w.scales for w in weights]).contiguous(), bias=biases,
+                         out_sizes=tuple(w.out_features for w in weights))
+
+
+def packed_dense_weight(packed: PackedWeights) -> torch.Tensor:
+    """The dense weight [rows, in] the packed codes stand for, in the codebooks' dtype (prefill path)."""
+    n, m, k, g = packed.codebooks.shape
+    matrix_of_row = torch.repeat_interleave(torch.arange(len(packed.out_sizes), device=packed.codes.device),
+                                            torch.tensor(packed.out_sizes, device=packed.codes.device))
+    offsets = (matrix_of_row[:, None, None] * m + torch.arange(m, device=packed.codes.device)) * k  # [rows, 1, M]
+    flat = packed.codebooks.reshape(n * m * k, g)
+    indices = (packed.codes.to(torch.int64) + offsets).reshape(-1, m)
+    groups = torch.nn.functional.embedding_bag(indices, flat, mode="sum")  # [rows*G, g]
+    return (groups.view(packed.rows, packed.num_groups, g) * packed.scales.view(-1, 1, 1)).reshape(packed.rows, -1)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """variant 'direct', 'direct16' or 'lut' (Triton): a program computes block_rows rows over 1/split of
+    the input groups, block_groups groups per step; num_warps per program. 'cuda_lut32' / 'cuda_lut16'
+    (CUDA): a CTA of 8 warps takes block_rows rows and block_groups groups (split = the resulting depth)."""
+
+    variant: str = "direct"
+    block_rows: int = 16
+    block_groups: int = 16
+    split: int = 1
+    num_warps: int = 4
+
+    def label(self) -> str:
+        return f"{self.variant}:o{self.block_rows}g{self.block_groups}s{self.split}w{self.num_warps}"
+
+    def as_list(self) -> list[int]:
+        return [VARIANTS.index(self.variant), self.block_rows, self.block_groups, self.split, self.num_warps]
+
+    @staticmethod
+    def from_list(values: Sequence[int]) -> "KernelConfig":
+        variant, block_rows, block_groups, split, num_warps = values
+        return KernelConfig(VARIANTS[variant], block_rows, block_groups, split, num_warps)
+
+
+VARIANTS = ("direct", "lut", "direct16", "cuda_lut32", "cuda_lut16")
