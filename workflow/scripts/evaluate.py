@@ -20,7 +20,8 @@ if pvtune:  # the PV-tuned model: its training record, and the pre-PV evaluation
     with open(pvtune) as handle:
         upstream["pvtune"] = json.load(handle)
 ev = p.evaluation
-settings = {"label": p.label, "upstream": upstream, "quiet": True,
+# progress bars (perplexity batches, zero-shot requests) go to the job's log
+settings = {"label": p.label, "upstream": upstream,
             "context": ev["context"], "c4_windows": ev["c4_windows"], "batch_size": ev["batch_size"],
             "tasks": ev["tasks"], "cpu_kernel": ev["cpu_kernel"], "gpu_kernel": ev["gpu_kernel"],
             "task_batch_size": ev.get("task_batch_size"),
