@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# The headline at its own scale on the lent GPU machine (no network there): a Llama-3.2-3B- or
+# Llama-3.1-8B-shaped model from the kit's hub cache through the unchanged pipeline at the paper's
+# settings, measured rule by rule. Built on benchmarks/gpu_pipeline.sh (its staging folder, wheel
+# install and detached Snakemake run). Run from the repository root on the device machine:
+#   WHEELS=".whl .whl2" bash benchmarks/gpu_pipeline.sh install   # snakemake, lm_eval, aqlm, ... (carry them)
+#   bash benchmarks/headline_gpu.sh kit SHAPE [CARRY]   # write the hub cache (carry CARRY, default
+#                                                       # .device-carry/headline, once; kept in $STAGE)
+#   bash benchmarks/headline_gpu.sh start SHAPE [j1]    # detached: empty results/, then the pre-PV targets
+#                                                       # (profiles/gpu; j1: `snakemake -j1`, no profile)
+#   bash benchmarks/headline_gpu.sh pv SHAPE            # detached: the first PV-tuning steps (headline_pv.yaml)
+#   bash benchmarks/headline_gpu.sh wait SECONDS        # watch; when done, collect into $OUT
+# SHAPE: llama3b | llama8b | tiny (tiny: a CPU rehearsal, benchmarks/headline_rehearsal.sh). What
+# `wait` leaves in $OUT: headline_<shape>_<card>[_j1|_pv].json (benchmarks/headline_results.py),
+# results.tar.gz (every JSON of results/), logs.tar.gz (job logs, benchmarks, samples, Snakemake's output).
+# HEADLINE_ARGS: more Snakemake arguments for start/pv (the CPU rehearsal's `--cores 2`).
+set -euo pipefail
+STAGE=${STAGE:-/root/stage}
+PY=${PYTHON:-python3}
+export PYTHONPATH="$STAGE/site:$PWD/src:$PWD" AQFLOW_CACHE="$STAGE/cache" PYTHONUNBUFFERED=1
+export HF_HOME="$STAGE/hf" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+mkdir -p "$STAGE"
+
+targets() {  # the pre-PV targets of a shape: both inits' eval_pre_pv.json and the fp baseline
+  local model=$1
+  [ "$model" = tiny ] && model=llama3b  # the tiny shape sits under llama3b's hub id
+  echo "results/$model/2bpp/greedy/b8/eval_pre_pv.json results/$model/2bpp/oaem/b8/eval_pre_pv.json results/$model/fp/eval.json"
+}
+
+model_of() { if [ "$1" = tiny ]; then echo llama3b; else echo "$1"; fi; }
+
+card_name() {  # h100, h200, ... (cpu without a card), for file names
+  local name
+  name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
+  name=$(echo "$name" | grep -oiE '[A-Z][0-9]{2,3}' | head -1 | tr 'A-Z' 'a-z')
+  echo "${name:-cpu}"
+}
+
+case "$1" in
+kit)
+  shape=$2 carry=${3:-.device-carry/headline}
+  if [ -d "$carry" ]; then rm -rf "$STAGE/carry"; cp -r "$carry" "$STAGE/carry"; fi
+  parts=model
+  # the corpora and task data are the same for every shape but tiny (whose corpus is small)
+  if [ "$shape" = tiny ] || ! grep -q '"corpora"' "$STAGE/hf/kit.json" 2>/dev/null \
+      || grep -q '"shape": "tiny"' "$STAGE/hf/kit.json"; then parts=model,corpora,tasks; fi
+  "$PY" -m benchmarks.headline_kit build --carry "$STAGE/carry" --hf-home "$HF_HOME" --aqflow-cache "$AQFLOW_CACHE" \
+      --shape "$shape" --parts "$parts" | tail -40
+  du -sh "$HF_HOME/hub"/* ; df -h "$STAGE" | tail -1
+  ;;
+start|pv)
+  mode=$1 shape=$2 plain=${3:-}
+  model=$(model_of "$shape")
+  work="$STAGE/work"
+  overrides=()
+  [ "$shape" = tiny ] && overrides+=(benchmarks/headline_tiny.yaml)
+  if [ "$mode" = start ]; then
+    # an empty results/ (and no earlier models, corpora, logs or Snakemake state)
+    rm -rf "$work/results" "$work/resources" "$work/logs" "$work/.snakemake"
+    run_targets=$(targets "$shape")
+    suffix=""; [ "$plain" = j1 ] && suffix=_j1
+  else
+    run_targets="results/$model/2bpp/oaem/b8/pv/pvtune.json"
+    overrides+=(benchmarks/headline_pv.yaml)
+    suffix=_pv
+  fi
+  extra=()
+  if [ ${#overrides[@]} -gt 0 ]; then extra=(--config "overrides=$(IFS=,; echo "${overrides[*]}")"); fi
+  printf '%s\n' "$shape" "$suffix" "$run_targets" "$(git rev-parse HEAD 2>/dev/null || echo unknown)" > "$STAGE/headline_run"
+  rm -f "$STAGE/samples.stop" "$STAGE/samples.csv"
+  setsid nohup "$PY" -m benchmarks.headline_gpu_memory --out "$STAGE/samples.csv" --disk "$STAGE" \
+      --stop-file "$STAGE/samples.stop" > "$STAGE/samples.log" 2>&1 < /dev/null &
+  if [ "$plain" = j1 ]; then  # the user's own command line: one job at a time, no profile
+    PROFILE=none bash benchmarks/gpu_pipeline.sh start -j1 $run_targets "${extra[@]}" ${HEADLINE_ARGS:-}
+  else
+    bash benchmarks/gpu_pipeline.sh start $run_targets "${extra[@]}" ${HEADLINE_ARGS:-}
+  fi
+  ;;
+wait)
+  deadline=$(( $(date +%s) + $2 ))
+  while [ ! -f "$STAGE/snakemake.rc" ] && [ "$(date +%s)" -lt "$deadline" ]; do
+    sleep 15
+    echo "$(( $(date +%s) - $(cat "$STAGE/started_at") )) s: $(grep -E '^[0-9]+ of [0-9]+ steps' "$STAGE/snakemake.out" | tail -1)"
+  done
+  grep -E "^Error in rule|^WorkflowError|Exiting because|MissingOutput|out of memory" "$STAGE/snakemake.out" | head -20 || true
+  if [ ! -f "$STAGE/snakemake.rc" ]; then
+    echo "snakemake still running"; tail -5 "$STAGE/snakemake.out"; nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader || true
+    df -h "$STAGE" | tail -1
+    exit 0
+  fi
+  touch "$STAGE/samples.stop"
+  echo "snakemake exit status $(cat "$STAGE/snakemake.rc")"
+  { read -r shape; read -r suffix; read -r run_targets; read -r commit; } < "$STAGE/headline_run"
+  cd "$STAGE/work"
+  smk=(--profile profiles/gpu); [ "$suffix" = _j1 ] && smk=(-j1)
+  overrides=(); [ "$shape" = tiny ] && overrides+=(benchmarks/headline_tiny.yaml)
+  [ "$suffix" = _pv ] && overrides+=(benchmarks/headline_pv.yaml)
+  if [ ${#overrides[@]} -gt 0 ]; then smk+=(--config "overrides=$(IFS=,; echo "${overrides[*]}")"); fi
+  pv=(); [ "$suffix" = _pv ] && pv=(--pv "$(dirname "$run_targets")" --merge "$STAGE/headline_${shape}.json")
+  # the DAG's own planning on the finished run, as a user's next `snakemake -n` pays it
+  plan_start=$("$PY" -c "import time; print(time.time())")
+  "$PY" -m snakemake "${smk[@]}" -n $run_targets > "$STAGE/plan.out" 2>&1 || true
+  plan_seconds=$("$PY" -c "import time; print(round(time.time() - $plan_start, 2))")
+  echo "snakemake -n: $plan_seconds s"; tail -3 "$STAGE/plan.out"
+  card=$(card_name)
+  "$PY" -m benchmarks.headline_results --work . --shape "$shape" --card "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo cpu)" \
+      --started-at "$(cat "$STAGE/started_at")" --targets $run_targets --samples "$STAGE/samples.csv" \
+      --hf-home "$HF_HOME" --plan-seconds "$plan_seconds" "${pv[@]}" \
+      --out "$OUT/headline_${shape}_${card}${suffix}.json" || true
+  # the pre-PV record, kept: the PV-tuning run's collection adds to it (headline_<shape>_<card>_pv.json)
+  [ -z "$suffix" ] && cp "$OUT/headline_${shape}_${card}.json" "$STAGE/headline_${shape}.json" 2>/dev/null || true
+  mkdir -p results
+  find results -name '*.json' -o -name '*.parquet' | grep -v '/model/' | tar -czf "$OUT/results.tar.gz" -T - || true
+  tar -czf "$OUT/logs.tar.gz" logs "$STAGE/snakemake.out" "$STAGE/samples.csv" "$STAGE/plan.out" "$STAGE/hf/kit.json" \
+      "$STAGE"/gpu_utilisation.csv 2>/dev/null || true
+  echo "commit $commit"; ls -la "$OUT"
+  ;;
+*)
+  echo "usage: $0 kit SHAPE [CARRY] | start SHAPE [j1] | pv SHAPE | wait SECONDS" >&2; exit 2
+  ;;
+esac
