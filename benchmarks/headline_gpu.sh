@@ -3,17 +3,23 @@
 # Llama-3.1-8B-shaped model from the kit's hub cache through the unchanged pipeline at the paper's
 # settings, measured rule by rule. Built on benchmarks/gpu_pipeline.sh (its staging folder, wheel
 # install and detached Snakemake run). Run from the repository root on the device machine:
-#   WHEELS=".whl .whl2" bash benchmarks/gpu_pipeline.sh install   # snakemake, lm_eval, aqlm, ... (carry them)
+#   WHEELS=.whl bash benchmarks/gpu_pipeline.sh install  # snakemake, lm_eval, aqlm, ... (carried; then
+#                                                        # WHEELS=".whl2 .whl3": transformers, tokenizers, PuLP)
 #   bash benchmarks/headline_gpu.sh kit SHAPE [CARRY]   # write the hub cache (carry CARRY, default
 #                                                       # .device-carry/headline, once; kept in $STAGE)
-#   bash benchmarks/headline_gpu.sh start SHAPE [j1]    # detached: empty results/, then the pre-PV targets
-#                                                       # (profiles/gpu; j1: `snakemake -j1`, no profile)
-#   bash benchmarks/headline_gpu.sh pv SHAPE            # detached: the first PV-tuning steps (headline_pv.yaml)
-#   bash benchmarks/headline_gpu.sh wait SECONDS        # watch; when done, collect into $OUT
-# SHAPE: llama3b | llama8b | tiny (tiny: a CPU rehearsal, benchmarks/headline_rehearsal.sh). What
+#   bash benchmarks/headline_gpu.sh start SHAPE [MODE]  # detached, from an empty results/ (profiles/gpu):
+#       MODE all (default): both inits' eval_pre_pv.json and the fp baseline, then the first PV-tuning
+#                 steps (benchmarks/headline_pv.yaml) alone on the card once every other job is done
+#       MODE prepv: the pre-PV targets only;  MODE j1: them with `snakemake -j1` (a user's own
+#                 command line: no profile, one job at a time)
+#   bash benchmarks/headline_gpu.sh pv SHAPE            # detached: the PV-tuning steps alone, after `prepv`
+#   bash benchmarks/headline_gpu.sh wait SECONDS        # watch; once Snakemake is done, collect into $OUT
+# SHAPE: llama3b | llama8b | tiny (tiny: the CPU rehearsal, benchmarks/headline_rehearsal.sh). What
 # `wait` leaves in $OUT: headline_<shape>_<card>[_j1|_pv].json (benchmarks/headline_results.py),
-# results.tar.gz (every JSON of results/), logs.tar.gz (job logs, benchmarks, samples, Snakemake's output).
-# HEADLINE_ARGS: more Snakemake arguments for start/pv (the CPU rehearsal's `--cores 2`).
+# results.tar.gz (every JSON and Parquet of results/ but models), logs.tar.gz (job logs and
+# benchmarks, GPU/disk samples, Snakemake's output). GPU_SLOTS (gpu_pipeline.sh): concurrent GPU jobs
+# (default 12; 6 suits a 3B, whose layer jobs and evaluations take GBs each). HEADLINE_ARGS: more
+# Snakemake arguments (the CPU rehearsal's `--cores 2`).
 set -euo pipefail
 STAGE=${STAGE:-/root/stage}
 PY=${PYTHON:-python3}
@@ -49,28 +55,40 @@ kit)
   du -sh "$HF_HOME/hub"/* ; df -h "$STAGE" | tail -1
   ;;
 start|pv)
-  mode=$1 shape=$2 plain=${3:-}
+  mode=$1 shape=$2 variant=${3:-all}
   model=$(model_of "$shape")
   work="$STAGE/work"
+  pv_target="results/$model/2bpp/oaem/b8/pv/pvtune.json"
   overrides=()
   [ "$shape" = tiny ] && overrides+=(benchmarks/headline_tiny.yaml)
+  extra=()
   if [ "$mode" = start ]; then
     # an empty results/ (and no earlier models, corpora, logs or Snakemake state)
     rm -rf "$work/results" "$work/resources" "$work/logs" "$work/.snakemake"
-    run_targets=$(targets "$shape")
-    suffix=""; [ "$plain" = j1 ] && suffix=_j1
+    prepv=$(targets "$shape")
+    case "$variant" in
+      all) suffix=""; run_targets="$prepv $pv_target"; overrides+=(benchmarks/headline_pv.yaml)
+           # PV-tuning takes the whole card: it waits until every other GPU job is done (all shares
+           # free), and the pre-PV targets' jobs go first whenever both could start
+           slots=${GPU_SLOTS:-12}
+           extra+=(--resources "gpu=$slots" "card_share=$slots" --set-resources "pvtune:card_share=$slots" "calibrate:card_share=1"
+                   "quantize_layer:card_share=1" "stitch:card_share=1" "evaluate_quantized:card_share=1"
+                   "evaluate_fp:card_share=1" --prioritize $prepv) ;;
+      prepv) suffix=""; run_targets=$prepv ;;
+      j1) suffix=_j1; run_targets=$prepv ;;
+      *) echo "unknown mode $variant (all, prepv, j1)" >&2; exit 2 ;;
+    esac
   else
-    run_targets="results/$model/2bpp/oaem/b8/pv/pvtune.json"
+    prepv=""; run_targets=$pv_target; suffix=_pv
     overrides+=(benchmarks/headline_pv.yaml)
-    suffix=_pv
   fi
-  extra=()
-  if [ ${#overrides[@]} -gt 0 ]; then extra=(--config "overrides=$(IFS=,; echo "${overrides[*]}")"); fi
-  printf '%s\n' "$shape" "$suffix" "$run_targets" "$(git rev-parse HEAD 2>/dev/null || echo unknown)" > "$STAGE/headline_run"
+  if [ ${#overrides[@]} -gt 0 ]; then extra+=(--config "overrides=$(IFS=,; echo "${overrides[*]}")"); fi
+  printf '%s\n' "$shape" "$suffix" "$prepv" "$run_targets" "$(git rev-parse HEAD 2>/dev/null || echo unknown)" \
+    "$(IFS=,; echo "${overrides[*]}")" > "$STAGE/headline_run"
   rm -f "$STAGE/samples.stop" "$STAGE/samples.csv"
   setsid nohup "$PY" -m benchmarks.headline_gpu_memory --out "$STAGE/samples.csv" --disk "$STAGE" \
       --stop-file "$STAGE/samples.stop" > "$STAGE/samples.log" 2>&1 < /dev/null &
-  if [ "$plain" = j1 ]; then  # the user's own command line: one job at a time, no profile
+  if [ "$variant" = j1 ]; then  # the user's own command line: one job at a time, no profile
     PROFILE=none bash benchmarks/gpu_pipeline.sh start -j1 $run_targets "${extra[@]}" ${HEADLINE_ARGS:-}
   else
     bash benchmarks/gpu_pipeline.sh start $run_targets "${extra[@]}" ${HEADLINE_ARGS:-}
@@ -90,13 +108,14 @@ wait)
   fi
   touch "$STAGE/samples.stop"
   echo "snakemake exit status $(cat "$STAGE/snakemake.rc")"
-  { read -r shape; read -r suffix; read -r run_targets; read -r commit; } < "$STAGE/headline_run"
+  { read -r shape; read -r suffix; read -r prepv; read -r run_targets; read -r commit; read -r overrides; } < "$STAGE/headline_run"
   cd "$STAGE/work"
   smk=(--profile profiles/gpu); [ "$suffix" = _j1 ] && smk=(-j1)
-  overrides=(); [ "$shape" = tiny ] && overrides+=(benchmarks/headline_tiny.yaml)
-  [ "$suffix" = _pv ] && overrides+=(benchmarks/headline_pv.yaml)
-  if [ ${#overrides[@]} -gt 0 ]; then smk+=(--config "overrides=$(IFS=,; echo "${overrides[*]}")"); fi
-  pv=(); [ "$suffix" = _pv ] && pv=(--pv "$(dirname "$run_targets")" --merge "$STAGE/headline_${shape}.json")
+  [ -n "$overrides" ] && smk+=(--config "overrides=$overrides")
+  pv=()
+  pv_dir="$(dirname "$(echo "$run_targets" | tr ' ' '\n' | grep pvtune.json || echo none/x)")"
+  [ -d "$pv_dir" ] && pv=(--pv "$pv_dir")
+  [ "$suffix" = _pv ] && pv+=(--merge "$STAGE/headline_${shape}.json")
   # the DAG's own planning on the finished run, as a user's next `snakemake -n` pays it
   plan_start=$("$PY" -c "import time; print(time.time())")
   "$PY" -m snakemake "${smk[@]}" -n $run_targets > "$STAGE/plan.out" 2>&1 || true
@@ -104,7 +123,7 @@ wait)
   echo "snakemake -n: $plan_seconds s"; tail -3 "$STAGE/plan.out"
   card=$(card_name)
   "$PY" -m benchmarks.headline_results --work . --shape "$shape" --card "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo cpu)" \
-      --started-at "$(cat "$STAGE/started_at")" --targets $run_targets --samples "$STAGE/samples.csv" \
+      --started-at "$(cat "$STAGE/started_at")" --targets $prepv --samples "$STAGE/samples.csv" \
       --hf-home "$HF_HOME" --plan-seconds "$plan_seconds" "${pv[@]}" \
       --out "$OUT/headline_${shape}_${card}${suffix}.json" || true
   # the pre-PV record, kept: the PV-tuning run's collection adds to it (headline_<shape>_<card>_pv.json)

@@ -24,8 +24,9 @@ Writes the JSON of benchmarks/results/headline_<shape>_<card>.json and prints a 
 * `disk_bytes`: results/, resources/ and the hub cache (du, hard links once), and the peak rise of
   the file system's use during the run (from the samples).
 
-With --pv, the run was PV-tuning only (after the pre-PV run, in the same folder); --merge then adds
-its measurement to the pre-PV record (one file per shape and card).
+--pv names the PV-tuning run's folder, in the same run as the pre-PV targets (headline_gpu.sh start:
+after them, alone on the card) or alone after it (headline_gpu.sh pv, no --targets; --merge then
+adds its measurement to the pre-PV record: one file per shape and card).
 """
 
 from __future__ import annotations
@@ -216,16 +217,15 @@ def collect(work: Path, shape: str, card: str, started_at: float, targets: list[
     record = {
         "card": card, "shape": shape, "targets": targets, "targets_done": len(done),
         "stages": stages,
-        "pre_pv_total_seconds": (max(path.stat().st_mtime for path in done) - started_at) if len(done) == len(targets) else None,
+        "pre_pv_total_seconds": (max(path.stat().st_mtime for path in done) - started_at) if done and len(done) == len(targets) else None,
         "first_job_to_last_job_seconds": run_span_seconds(jobs),
         "dag_plan_seconds": plan_seconds,
         "disk_bytes": {"results": du_bytes([work / "results"]), "resources_new": du_bytes([work / "resources"], set(linked)),
                        "hub_cache": hub_bytes, "peak_rise_during_run": disk_peak_rise(samples)},
         "pv_step_seconds": None, "paper_pv_hours_projected": None,
     }
-    if pv_dir is not None:  # a PV-tuning run after the pre-PV one: its targets are no pre-PV files
-        record["pre_pv_total_seconds"] = None
-        record["pv_run_seconds"] = (max(path.stat().st_mtime for path in done) - started_at) if done else None
+    if pv_dir is not None and (pv_dir / "pvtune.json").is_file():  # from the start to the PV-tuning run's end
+        record["pv_run_seconds"] = (pv_dir / "pvtune.json").stat().st_mtime - started_at
     record.update(pv_measurement(pv_dir, pv_settings))
     if hf_home and (hf_home / "kit.json").is_file():
         record["kit"] = json.loads((hf_home / "kit.json").read_text())
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", required=True)
     parser.add_argument("--card", required=True)
     parser.add_argument("--started-at", type=float, required=True, help="unix seconds Snakemake was started at")
-    parser.add_argument("--targets", nargs="+", required=True)
+    parser.add_argument("--targets", nargs="*", default=[], help="the run's pre-PV targets (none: a PV-tuning run only)")
     parser.add_argument("--samples", type=Path)
     parser.add_argument("--hf-home", type=Path)
     parser.add_argument("--pv", type=Path, help="a PV-tuning run's pv/ folder")
