@@ -17,7 +17,8 @@
 # to its end before the next starts, so the time limit leaves finished cells rather than every cell
 # half done; batches.tsv records each line's start and end.
 # PROFILE (default profiles/gpu) and GPU_SLOTS (default 12 per visible card) choose the profile,
-# e.g. PROFILE=profiles/gpu-node on a node with several cards. While Snakemake runs, every card's
+# e.g. PROFILE=profiles/gpu-node on a node with several cards; PROFILE=none runs Snakemake with only
+# the arguments given (`PROFILE=none ... start -j1 TARGETS`: a user's own command line). While Snakemake runs, every card's
 # utilisation and memory are sampled twice a second into gpu_utilisation.csv (copied to $OUT).
 set -euo pipefail
 STAGE=${STAGE:-/root/stage}
@@ -86,12 +87,13 @@ start|grid|script)
   cd "$STAGE/work"
   export PYTHONPATH="$STAGE/site:$PWD/src"
   "$PY" -m compileall -q -j 0 src > /dev/null || true
-  mkdir -p resources && { [ -d resources/data ] || cp -r "$STAGE/resources/data" resources/; }
+  # the stand-in corpora staged by `assets`, if any (a hub-text run, benchmarks/headline_gpu.sh, has none)
+  mkdir -p resources && { [ -d resources/data ] || [ ! -d "$STAGE/resources/data" ] || cp -r "$STAGE/resources/data" resources/; }
   cat "$STAGE/aqlm_build.log" || true
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
   date +%s > "$STAGE/started_at"
   profile=${PROFILE:-profiles/gpu}
-  cards=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+  cards=$( (nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null || true) | wc -l)
   slots=${GPU_SLOTS:-$(( 12 * cards ))}
   if [ "$mode" != script ]; then  # a measurement samples the card itself if it needs to
     setsid nohup nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv,nounits -lms 500 \
@@ -99,6 +101,8 @@ start|grid|script)
     echo $! > "$STAGE/sampler.pid"
   fi
   smk=("$PY" -m snakemake --profile "$profile" --resources gpu="$slots" --scheduler greedy --keep-going)
+  # PROFILE=none: Snakemake with only the arguments given (a user's own command line, e.g. -j1)
+  [ "$profile" = none ] && smk=("$PY" -m snakemake)
   if [ "$mode" = script ]; then
     mkdir -p "$STAGE/out"
     setsid nohup bash -c 'bash "$@"; echo $? > "'"$STAGE"'/snakemake.rc"' run "$STAGE/script.sh" "$@" \

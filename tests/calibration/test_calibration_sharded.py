@@ -80,7 +80,8 @@ def test_two_processes_sum_to_the_single_process_xtx(model_dir, corpus, tmp_path
         for site in a.sites:
             assert b.tokens[site.site_id] == a.tokens[site.site_id] == 80
             assert a.xtx[site.site_id].abs().max() > 0
-            torch.testing.assert_close(b.xtx[site.site_id], a.xtx[site.site_id], rtol=1e-12, atol=1e-12)
+            # float64 sums in another order, stored in float32: equal up to one float32 rounding
+            torch.testing.assert_close(b.xtx[site.site_id], a.xtx[site.site_id], rtol=2.5e-7, atol=1e-12)
 
 
 def test_one_shard_alone_is_not_the_whole_sum(model_dir, corpus, tmp_path):

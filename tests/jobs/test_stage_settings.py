@@ -42,7 +42,7 @@ def test_every_pvtune_key_reaches_its_field_in_the_data_or_the_loop():
     for key, value in section.items():
         where = built if key in stage_settings.PVTUNE_DATA_KEYS else built.training
         assert getattr(where, key) == value, key
-    assert built.save_state_every == 7 and built.quiet
+    assert built.save_state_every == 7 and not built.quiet  # its progress goes to the job log
     # the data keys are the stage's own fields, none of them a loop setting: nothing is ambiguous
     loop = {spec.name for spec in dataclasses.fields(type(built.training))}
     assert set(stage_settings.PVTUNE_DATA_KEYS) <= {spec.name for spec in dataclasses.fields(PvtuneSettings)} - loop

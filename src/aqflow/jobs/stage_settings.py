@@ -60,8 +60,8 @@ def fetch_data(corpus: str, user: Mapping[str, Any], calibration_fraction: float
 
 def calibrate(calibration: Mapping[str, Any], num_gpus: int) -> dict:
     """calibrate's settings: config `calibration` (the plan's subset), in fp mode sharded over the
-    job's GPUs (same XᵀX)."""
-    settings = {**calibration, "quiet": True}
+    job's GPUs (same XᵀX). Its progress bars go to the job's log (a 3B calibration takes minutes)."""
+    settings = dict(calibration)
     if settings["propagation"] == "fp":
         settings["num_devices"] = max(1, num_gpus)
     return settings
@@ -89,8 +89,8 @@ def evaluate(evaluation: Mapping[str, Any], label: str, upstream: Mapping[str, A
              with_perplexity: bool = True) -> dict:
     """evaluate's settings: config `evaluation`, the job's label and upstream record, and the logits
     budget of `execution` (how the job runs: it changes no metric). Without perplexity domains, no
-    perplexity is measured."""
-    settings = {**evaluation, "label": label, "upstream": dict(upstream), "quiet": True,
+    perplexity is measured. Its progress bars (perplexity batches, zero-shot requests) go to the job's log."""
+    settings = {**evaluation, "label": label, "upstream": dict(upstream),
                 "logits_budget_gib": execution.logits_budget_gib}
     if not with_perplexity:
         settings["perplexity"] = []
@@ -99,7 +99,8 @@ def evaluate(evaluation: Mapping[str, Any], label: str, upstream: Mapping[str, A
 
 def pvtune(section: Mapping[str, Any], execution: Execution) -> dict:
     """pvtune's settings: config `pvtune` as the plan passes it, its data keys at the top and the
-    loop's under `training`, and how often `execution` saves the state."""
+    loop's under `training`, and how often `execution` saves the state. Its progress bar (steps done
+    and left, with an estimate) goes to the job's log."""
     data = {key: section[key] for key in PVTUNE_DATA_KEYS if key in section}
     training = {key: value for key, value in section.items() if key not in PVTUNE_DATA_KEYS}
-    return {**data, "training": training, "save_state_every": execution.save_state_every, "quiet": True}
+    return {**data, "training": training, "save_state_every": execution.save_state_every}

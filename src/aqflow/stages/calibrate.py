@@ -10,6 +10,10 @@ runs the full-precision model over them and writes `block{i}.npz` per block plus
 feeds it, as in fp); block i >= 1 depends on the quantized blocks before it and is calibrated per
 variant by `aqflow calibrate-block`. calibration.json lists the layers of every block either way.
 
+XᵀX is summed in float64 on the device; where the sums of all blocks do not fit it beside the model
+(Llama-3.1-8B at 128 x 4096 tokens: 66 GB of sums and 16 GB of weights on an 80 GB card), the blocks
+are summed in groups, one pass over the windows each (--xtx-memory-gib; the same sums, bit for bit).
+
 With --num-devices N > 1 the stage restarts itself under torchrun with N processes (cuda:0..N-1,
 or N CPU processes with --device cpu); each takes a shard of the windows and their XᵀX are summed
 (aqflow.calibration.sharded): the same result up to float64 rounding order, N model replicas,
@@ -26,12 +30,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
 import torch
 import torch.distributed as dist
 
 from aqflow.io import artifacts
 from aqflow.stagekit import stage_cli
 from aqflow.calibration.hessians import (
+    MANIFEST_FILE,
     PROBE_TOKENS,
     collect_xtx_fp,
     discover_input_sites,
@@ -69,6 +75,9 @@ class CalibrateSettings:
     propagation: str = field(default="fp", metadata=option(
         "fp: every block from the full-precision model; sequential: block 0 only", choices=PROPAGATION_MODES))
     batch_size: int = field(default=4, metadata=option("windows per forward pass"))
+    xtx_memory_gib: float = field(default=0.0, metadata=option(
+        "device memory for the float64 XᵀX sums; blocks beyond it are summed in further passes over the windows "
+        "(0: what a card has free after the model, less room for the forward pass; a CPU: all blocks at once)"))
     device: str = field(default_factory=stage_cli.default_device)
     num_devices: int = field(default=1, metadata=option(
         "shard the windows over this many devices of --device's type (summed XᵀX)"))
@@ -86,17 +95,72 @@ def calibrate(settings: CalibrateSettings, paths: CalibratePaths) -> dict:
     started = time.perf_counter()
     tokenizer = load_tokenizer(paths.model_dir)
     doc_ids, texts = role_texts(load_split_corpus(paths.corpus), "calibration")
+    print(f"sampling {settings.num_windows} windows of {settings.window_tokens} tokens from {len(doc_ids)} calibration "
+          f"documents ({sum(map(len, texts)) / 1e6:.0f}M characters, every one tokenized)", flush=True)
     windows = sample_calibration_windows(doc_ids, texts, tokenizer, settings.num_windows, settings.window_tokens, seed=settings.seed)
     source = f"{paths.corpus.stem}/calibration/seed{settings.seed}/{settings.num_windows}x{settings.window_tokens}"
     if launched_world_size() > 1:
         return _calibrate_one_shard(settings, paths, windows, source, started)
     model = load_causal_lm(paths.model_dir, dtype=model_compute_dtype(paths.model_dir, settings.device), device=settings.device)
     # sequential: only block 0 sees the full-precision model; the others are calibrated per variant
-    blocks = [0] if settings.propagation == "sequential" else None
-    stats = collect_xtx_fp(model, windows.input_ids, block_indices=blocks, batch_size=settings.batch_size,
-                           progress=not settings.quiet)
-    write_calibration(model, stats, windows, settings, paths, source, started, [settings.device])
+    if settings.propagation == "sequential":
+        groups = [[0]]
+    else:
+        sites = discover_input_sites(model, windows.input_ids[:1, :PROBE_TOKENS])
+        groups = block_groups([xtx_bytes(sites[block]) for block in sorted(sites)],
+                              xtx_budget_bytes(settings, windows.input_ids.shape[1], max_in_features(sites)))
+    with artifacts.atomic_dir(paths.output_dir) as staging:
+        manifests = []
+        for number, group in enumerate(groups, 1):
+            if len(groups) > 1:
+                print(f"XᵀX of blocks {group[0]}-{group[-1]}: pass {number} of {len(groups)} over the windows "
+                      "(the sums of all blocks do not fit the device at once)", flush=True)
+            stats = collect_xtx_fp(model, windows.input_ids, block_indices=group, batch_size=settings.batch_size,
+                                   progress=not settings.quiet)
+            manifests.append(save_block_xtx(staging, stats, source, write_manifest=False))
+            del stats
+            if torch.device(settings.device).type == "cuda":
+                torch.cuda.empty_cache()
+        manifest = pd.concat(manifests, ignore_index=True)
+        artifacts.write_parquet(staging / MANIFEST_FILE, manifest)
+        write_summary(staging, model, manifest, windows, settings, source, started, [settings.device])
     return json.loads((paths.output_dir / "calibration.json").read_text())
+
+
+def xtx_bytes(sites) -> int:
+    """Bytes of one block's float64 XᵀX sums (sites: its InputSites)."""
+    return sum(8 * site.in_features**2 for site in sites)
+
+
+def max_in_features(sites: dict) -> int:
+    return max(site.in_features for block_sites in sites.values() for site in block_sites)
+
+
+def block_groups(block_bytes: list[int], budget_bytes: float) -> list[list[int]]:
+    """Consecutive blocks whose sums fit `budget_bytes` together, in order; a block larger than the
+    budget alone is a group of its own. block_bytes[i]: bytes of block i's sums."""
+    groups, current, used = [], [], 0
+    for block, size in enumerate(block_bytes):
+        if current and used + size > budget_bytes:
+            groups.append(current)
+            current, used = [], 0
+        current.append(block)
+        used += size
+    return groups + [current] if current else groups
+
+
+def xtx_budget_bytes(settings: CalibrateSettings, window_tokens: int, widest_input: int) -> float:
+    """Device memory the XᵀX sums may take: --xtx-memory-gib, else on a card its free memory after
+    the model less room for a forward pass (4 GiB, plus twice the float64 copy of the widest
+    input site's batch that accumulate_xtx makes); on a CPU no limit."""
+    if settings.xtx_memory_gib > 0:
+        return settings.xtx_memory_gib * 2**30
+    device = torch.device(settings.device)
+    if device.type != "cuda":
+        return float("inf")
+    free, _ = torch.cuda.mem_get_info(device)
+    forward = 4 * 2**30 + 2 * 8 * settings.batch_size * window_tokens * widest_input
+    return max(free - forward, 1)
 
 
 def _calibrate_one_shard(settings: CalibrateSettings, paths: CalibratePaths, windows, source: str,
@@ -151,11 +215,17 @@ def write_calibration(model, stats, windows, settings: CalibrateSettings, paths:
     """block{i}.npz, manifest.parquet, windows.parquet and calibration.json, atomically."""
     with artifacts.atomic_dir(paths.output_dir) as staging:
         manifest = save_block_xtx(staging, stats, source)
-        artifacts.write_parquet(staging / "windows.parquet", windows.to_frame())
-        save_windows(staging / WINDOWS_FILE, windows.input_ids)
-        layers = quantized_layer_names(model, windows.input_ids)
-        summary = calibration_summary(model, manifest, layers, settings, source, started) | {"devices": devices}
-        artifacts.write_json(staging / "calibration.json", summary)
+        write_summary(staging, model, manifest, windows, settings, source, started, devices)
+
+
+def write_summary(staging: Path, model, manifest, windows, settings: CalibrateSettings, source: str, started: float,
+                  devices: list[str]) -> None:
+    """windows.parquet, the windows' token ids and calibration.json, into the staging folder."""
+    artifacts.write_parquet(staging / "windows.parquet", windows.to_frame())
+    save_windows(staging / WINDOWS_FILE, windows.input_ids)
+    layers = quantized_layer_names(model, windows.input_ids)
+    summary = calibration_summary(model, manifest, layers, settings, source, started) | {"devices": devices}
+    artifacts.write_json(staging / "calibration.json", summary)
 
 
 def quantized_layer_names(model, windows) -> list[str]:
