@@ -19,7 +19,9 @@
 # SHAPE: llama3b | llama8b | tiny (tiny: the CPU rehearsal, benchmarks/headline_rehearsal.sh). What
 # `wait` leaves in $OUT: headline_<shape>_<card>[_j1|_pv].json (benchmarks/headline_results.py),
 # results.tar.gz (every JSON and Parquet of results/ but models), logs.tar.gz (job logs and
-# benchmarks, GPU/disk samples, Snakemake's output). GPU_SLOTS (gpu_pipeline.sh): concurrent GPU jobs
+# benchmarks, GPU/disk samples, Snakemake's output). HEADLINE_CARD: the card's index when two runs
+# share a machine (each with its own STAGE and CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER=PCI_BUS_ID):
+# only that card's processes are sampled. GPU_SLOTS (gpu_pipeline.sh): concurrent GPU jobs
 # (default 12; 6 suits a 3B, whose layer jobs and evaluations take GBs each). HEADLINE_ARGS: more
 # Snakemake arguments (the CPU rehearsal's `--cores 2`).
 set -euo pipefail
@@ -95,7 +97,7 @@ start|pv)
     "$(IFS=,; echo "${overrides[*]}")" > "$STAGE/headline_run"
   rm -f "$STAGE/samples.stop" "$STAGE/samples.csv"
   setsid nohup "$PY" -m benchmarks.headline_gpu_memory --out "$STAGE/samples.csv" --disk "$STAGE" \
-      --stop-file "$STAGE/samples.stop" > "$STAGE/samples.log" 2>&1 < /dev/null &
+      --stop-file "$STAGE/samples.stop" ${HEADLINE_CARD:+--card "$HEADLINE_CARD"} > "$STAGE/samples.log" 2>&1 < /dev/null &
   if [ "$variant" = j1 ]; then  # the user's own command line: one job at a time, no profile
     PROFILE=none bash benchmarks/gpu_pipeline.sh start -j1 $run_targets "${extra[@]}" ${HEADLINE_ARGS:-}
   else

@@ -84,13 +84,17 @@ def query(fields: str, what: str) -> list[list[str]]:
     return [[part.strip() for part in line.split(",")] for line in out.splitlines() if line.strip()]
 
 
-def sample(writer, disk: Path, cache: dict) -> None:
+def sample(writer, disk: Path, cache: dict, card: str | None = None) -> None:
+    """One row per GPU process and per card (only card `card`, nvidia-smi's index, when given: two
+    runs on two cards of one machine each sample their own), and one for the disk."""
     now = f"{time.time():.1f}"
-    for pid, used in query("pid,used_memory", "compute-apps"):
-        if pid.isdigit() and used.isdigit():
+    cards = query("index,memory.used,pci.bus_id", "gpu")
+    bus = {bus_id for index, _, bus_id in cards if card is None or index == card}
+    for pid, used, bus_id in query("pid,used_memory,gpu_bus_id", "compute-apps"):
+        if pid.isdigit() and used.isdigit() and bus_id in bus:
             writer.writerow([now, "process", pid, rule_of_pid(int(pid), cache) or "", used])
-    for index, used in query("index,memory.used", "gpu"):
-        if used.isdigit():
+    for index, used, _ in cards:
+        if used.isdigit() and (card is None or index == card):
             writer.writerow([now, "card", index, "", used])
     writer.writerow([now, "disk", "", "", shutil.disk_usage(disk).used])
 
@@ -101,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disk", type=Path, required=True, help="a folder on the file system the run writes to")
     parser.add_argument("--stop-file", type=Path, required=True)
     parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--card", default=None, help="sample this card only (nvidia-smi's index; with "
+                        "CUDA_DEVICE_ORDER=PCI_BUS_ID it is CUDA's too)")
     args = parser.parse_args(argv)
     cache: dict = {}
     with open(args.out, "a", newline="") as handle:
@@ -108,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         if handle.tell() == 0:
             writer.writerow(["unix_seconds", "kind", "pid", "rule", "value"])
         while not args.stop_file.exists():
-            sample(writer, args.disk, cache)
+            sample(writer, args.disk, cache, args.card)
             handle.flush()
             time.sleep(args.interval)
-        sample(writer, args.disk, cache)
+        sample(writer, args.disk, cache, args.card)
     return 0
 
 
