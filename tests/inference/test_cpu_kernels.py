@@ -85,11 +85,11 @@ sys.path.insert(0, sys.argv[1])
 from test_cpu_kernels import random_weights, assert_matches_reference
 generator = torch.Generator().manual_seed(7)
 mismatches = 0
-for trial in range(12):
+for trial in range(6):
     w = random_weights(300, 48, 2, 8, 8, generator)
     x = torch.randn(1 + trial % 3, w.in_features, generator=generator)
     one = cpu_kernels.lut_matmul(x, w, threads=1)
-    for threads in (2, 4):
+    for threads in (2, 3):
         many = cpu_kernels.lut_matmul(x, w, threads=threads)
         mismatches += not torch.equal(many, one)
         assert_matches_reference(many, x, w)
@@ -101,9 +101,9 @@ print(json.dumps({"mismatches": mismatches}))
 def test_several_threads_give_the_one_thread_outputs_exactly():
     """Threads own disjoint blocks of output rows, so the arithmetic per row is the same whatever
     the thread count: outputs bitwise equal to one thread's, on fresh inputs, every time. (The test
-    process pins numba to one thread for aqlm's kernel, so this runs in a child with four.)"""
+    process pins numba to one thread for aqlm's kernel, so this runs in a child with three.)"""
     here = Path(__file__).parent
-    env = {**os.environ, "NUMBA_NUM_THREADS": "4"}
+    env = {**os.environ, "NUMBA_NUM_THREADS": "3"}
     result = subprocess.run([sys.executable, "-c", THREADED_CHECK, str(here)], env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
