@@ -1,0 +1,331 @@
+"""Batch-1 greedy decoding with a static KV cache: the one harness that times fp and quantized models alike.
+
+On CUDA the decode step (model forward on one token, argmax, the next token and position written back
+into the step's own input buffers) is captured once as a CUDA graph and replayed per token, so a
+token costs no Python; optionally the model forward is `torch.compile`d first (fewer, fused small
+kernels) and the compiled step captured the same way. On CPU the same step runs eagerly.
+
+`fuse_projections(model)` makes the q/k/v and gate/up projections of the Llama family (Llama,
+Mistral, Qwen2) one matrix product each: fewer kernels per token, for dense and quantized layers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Collection, Sequence
+
+import torch
+
+from aqflow.inference.layout import QuantizedWeights
+
+
+@dataclass(frozen=True)
+class DecodeTimings:
+    """prompt_tokens through the model in prefill_seconds (ending with the first new token), then
+    timed_steps decode steps (one token in, the next out) in decode_seconds. On CUDA the first
+    decode steps warm the kernels and capture the graph (capture_seconds) and are not timed."""
+
+    prompt_tokens: int
+    prefill_seconds: float
+    new_tokens: int
+    decode_seconds: float
+    timed_steps: int = 0
+    capture_seconds: float = 0.0
+    mode: str = "eager"  # eager | graph | compile+graph
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.timed_steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's input embeddings (where input ids must live)."""
+    return model.get_input_embeddings().weight.device
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def new_static_cache(model: torch.nn.Module, max_cache_len: int):
+    """A transformers StaticCache sized for max_cache_len tokens (its tensors are allocated on first use)."""
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
+def step_logits(model, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """token [1, 1], position [1, 1] -> logits [1, vocab] of the next token (the cache takes the token's K/V)."""
+    out = model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True)
+    return out.logits[:, -1, :]
+
+
+class _DecodeStep:
+    """One decode step on fixed buffers, so that it can be captured and replayed: token [1, 1] and
+    position [1, 1] in; the argmax token written into token and into generated[position -
+    first_position] (generated [new_tokens] int64), position + 1."""
+
+    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], token: torch.Tensor,
+                 position: torch.Tensor, generated: torch.Tensor, first_position: int):
+        self.forward = forward
+        self.token, self.position, self.generated = token, position, generated
+        self.first_position = first_position
+
+    def __call__(self) -> None:
+        next_token = self.forward(self.token, self.position).argmax(dim=-1)  # [1]
+        self.generated.index_copy_(0, self.position.reshape(1) - self.first_position, next_token)
+        self.token.copy_(next_token.view(1, 1))
+        self.position.add_(1)
+
+
+@torch.inference_mode()
+def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, *,
+                  graphs: bool | None = None, on_token: Callable[[int], None] | None = None,
+                  compile: bool = False, stop_tokens: Collection[int] | None = None,
+                  warmup_steps: int = 2) -> tuple[torch.Tensor, DecodeTimings]:
+    """Greedy decoding of new_tokens tokens after input_ids [1, P] with a static KV cache.
+
+    graphs: capture the decode step as a CUDA graph (default: on CUDA). compile: torch.compile the
+    model forward of the step before capturing it. on_token(id) is called for every new token as it
+    is made (this reads each token back to the host: a sync per token). stop_tokens: stop after the
+    first of these (also a sync per token). Returns (tokens [n] int64 on the CPU, timings), n <=
+    new_tokens. A CUDA graph capture that fails falls back to eager steps (timings.mode says which ran).
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)}: expected [1, prompt_tokens] (batch 1)")
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens={new_tokens}: at least one token")
+    device = model_device(model)
+    graphs = device.type == "cuda" if graphs is None else graphs
+    if graphs and device.type != "cuda":
+        raise ValueError(f"graphs=True needs a CUDA model, this one is on {device}")
+    model.eval()
+    prompt_tokens = input_ids.shape[1]
+    stop = frozenset(stop_tokens or ())
+    per_token_sync = on_token is not None or bool(stop)
+    cache = new_static_cache(model, prompt_tokens + new_tokens)
+    input_ids = input_ids.to(device)
+
+    _synchronize(device)
+    start = time.perf_counter()
+    out = model(input_ids=input_ids, position_ids=torch.arange(prompt_tokens, device=device)[None],
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    first = out.logits[:, -1, :].argmax(dim=-1)  # [1]
+    _synchronize(device)
+    prefill_seconds = time.perf_counter() - start
+    del out
+
+    generated = torch.zeros(new_tokens, dtype=torch.long, device=device)
+    generated[0] = first[0]
+    token = first.view(1, 1).clone()
+    position = torch.full((1, 1), prompt_tokens, dtype=torch.long, device=device)
+    def forward(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return step_logits(model, cache, token, position)
+
+    if compile:
+        forward = torch.compile(forward, dynamic=False)
+    # generated[0] is the prefill's token; the step at position P-1+k writes generated[k]
+    step = _DecodeStep(forward, token, position, generated, first_position=prompt_tokens - 1)
+
+    done = 0
+    stopped = False
+
+    def emit(upto: int) -> bool:
+        """Report tokens done..upto-1 to on_token; True once a stop token came."""
+        nonlocal done
+        if not per_token_sync:
+            done = upto
+            return False
+        values = generated[done:upto].tolist()
+        for value in values:
+            done += 1
+            if on_token is not None:
+                on_token(value)
+            if value in stop:
+                return True
+        return False
+
+    stopped = emit(1)
+    capture_seconds = 0.0
+    graph = None
+    steps_left = new_tokens - 1
+    if graphs and not stopped and steps_left > warmup_steps:
+        capture_start = time.perf_counter()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup_steps):  # real steps: kernels compiled/tuned, the cache filled in order
+                step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        steps_left -= warmup_steps
+        stopped = emit(1 + warmup_steps)
+        if not stopped:
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()  # recorded, not run: buffers and cache keep the warm-up's state
+            except Exception as error:  # noqa: BLE001 - any capture failure means: decode eagerly
+                graph = None
+                print(f"greedy_decode: CUDA graph capture failed ({type(error).__name__}: {error}); decoding eagerly")
+        _synchronize(device)
+        capture_seconds = time.perf_counter() - capture_start
+
+    _synchronize(device)
+    start = time.perf_counter()
+    timed = 0
+    while steps_left > 0 and not stopped:
+        if graph is not None:
+            graph.replay()
+        else:
+            step()
+        steps_left -= 1
+        timed += 1
+        if per_token_sync:
+            stopped = emit(done + 1)
+    _synchronize(device)
+    decode_seconds = time.perf_counter() - start
+    if not per_token_sync:
+        done = new_tokens - steps_left
+    tokens = generated[:done].cpu()
+    mode = ("compile+" if compile else "") + ("graph" if graph is not None else "eager")
+    timings = DecodeTimings(prompt_tokens=prompt_tokens, prefill_seconds=prefill_seconds, new_tokens=done,
+                            decode_seconds=decode_seconds, timed_steps=timed, capture_seconds=capture_seconds,
+                            mode=mode)
+    return tokens, timings
+
+
+# ---------------------------------------------------------------- fused projections
+
+class _SharedProjection:
+    """The one product of several projections of the same input, made by whichever member is called
+    first and handed out slice by slice (a forward calls q, k, v or gate, up one after another)."""
+
+    def __init__(self, compute: Callable[[torch.Tensor], torch.Tensor], sizes: Sequence[int]):
+        self.compute = compute
+        self.sizes = list(sizes)
+        self.input: torch.Tensor | None = None
+        self.parts: list[torch.Tensor | None] = []
+
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        if self.input is not x or self.parts[index] is None:
+            fused = self.compute(x)
+            self.input = x
+            self.parts = list(torch.split(fused, self.sizes, dim=-1))
+        result = self.parts[index]
+        self.parts[index] = None
+        if all(p is None for p in self.parts):  # every member served: hold nothing between forwards
+            self.input = None
+        return result
+
+
+class FusedProjectionMember(torch.nn.Module):
+    """Stands where one of the fused projections stood; its output is its slice of the shared product."""
+
+    def __init__(self, shared: _SharedProjection, index: int, in_features: int, out_features: int,
+                 owner: torch.nn.Module):
+        super().__init__()
+        self._shared = shared
+        self.index = index
+        self.in_features, self.out_features = in_features, out_features
+        # the shared weights are registered once, in the first member
+        if owner is not None:
+            self.fused = owner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._shared.part(x, self.index)
+
+
+class FusedDenseLinear(torch.nn.Module):
+    """Several nn.Linear of one input as one [sum(out), in] weight."""
+
+    def __init__(self, linears: Sequence[torch.nn.Linear]):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.cat([l.weight.data for l in linears], dim=0), requires_grad=False)
+        if any(l.bias is not None for l in linears):
+            self.bias = torch.nn.Parameter(torch.cat([
+                l.bias.data if l.bias is not None else torch.zeros(l.out_features, dtype=l.weight.dtype, device=l.weight.device)
+                for l in linears]), requires_grad=False)
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def quantized_weights_of(module: torch.nn.Module) -> QuantizedWeights | None:
+    """The QuantizedWeights a quantized linear module serves (through its `quantized_weights()`), else None."""
+    getter = getattr(module, "quantized_weights", None)
+    return getter() if callable(getter) else None
+
+
+class FusedQuantizedLinear(torch.nn.Module):
+    """Several quantized linears of one input in one kernel launch (their codes concatenated by rows)."""
+
+    def __init__(self, weights: Sequence[QuantizedWeights]):
+        super().__init__()
+        from aqflow.inference import gpu_kernels
+
+        self.packed = gpu_kernels.pack_weights(weights)
+        for name, tensor in self.packed.tensors().items():
+            self.register_buffer(name, tensor, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from aqflow.inference import gpu_kernels
+
+        return gpu_kernels.packed_matmul(x, self.packed)
+
+
+_LLAMA_FAMILY_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+def fuse_projections(model: torch.nn.Module) -> list[str]:
+    """Replaces, in every decoder layer of a Llama-family model (Llama, Mistral, Qwen2), q/k/v and
+    gate/up by members of one fused product: one cuBLAS GEMV for nn.Linear, one quantized kernel
+    launch for quantized linears (modules with `quantized_weights()`). Groups mixing kinds, or
+    quantized on a device other than CUDA, stay unfused. Returns the names of the fused groups."""
+    fused: list[str] = []
+    for layer_name, layer in _decoder_layers(model):
+        for block_name, names in _LLAMA_FAMILY_GROUPS:
+            block = getattr(layer, block_name, None)
+            members = [getattr(block, n, None) for n in names] if block is not None else []
+            if len(members) != len(names) or any(m is None for m in members):
+                continue
+            owner = _fused_owner(members)
+            if owner is None:
+                continue
+            sizes = [m.out_features for m in members]
+            shared = _SharedProjection(owner, sizes)
+            for index, (name, member) in enumerate(zip(names, members)):
+                setattr(block, name, FusedProjectionMember(shared, index, member.in_features, member.out_features,
+                                                           owner if index == 0 else None))
+            fused.append(f"{layer_name}.{block_name}.{'+'.join(names)}")
+    return fused
+
+
+def _decoder_layers(model: torch.nn.Module):
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        return []
+    prefix = "model.layers" if base is not model else "layers"
+    return [(f"{prefix}.{i}", layer) for i, layer in enumerate(layers)]
+
+
+def _fused_owner(members: Sequence[torch.nn.Module]) -> torch.nn.Module | None:
+    if all(type(m) is torch.nn.Linear for m in members):
+        if len({m.in_features for m in members}) != 1:
+            return None
+        return FusedDenseLinear(members)
+    weights = [quantized_weights_of(m) for m in members]
+    if all(w is not None for w in weights) and weights[0].codes.is_cuda:
+        from aqflow.inference import gpu_kernels
+
+        if gpu_kernels.can_pack(weights):
+            return FusedQuantizedLinear(weights)
+    return None

@@ -1,0 +1,88 @@
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from aqflow.inference.decode import fuse_projections, greedy_decode, new_static_cache, step_logits
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # Qwen2's q/k/v biases start at zero: make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_()
+    return model
+
+
+def hf_greedy(model, input_ids: torch.Tensor, new_tokens: int) -> list[int]:
+    """transformers' own greedy generation (no end-of-sequence token in these configs)."""
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0)
+    return out[0, input_ids.shape[1]:].tolist()
+
+
+def prompt(length: int = 7, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 97, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_greedy_tokens_equal_transformers_generate():
+    model = tiny_llama()
+    input_ids = prompt()
+    reference = hf_greedy(model, input_ids, 12)
+    streamed = []
+    tokens, timings = greedy_decode(model, input_ids, 12, on_token=streamed.append)
+    assert tokens.tolist() == reference
+    assert streamed == reference
+    assert timings.mode == "eager" and timings.new_tokens == 12 and timings.timed_steps == 11
+    assert timings.prompt_tokens == 7 and timings.decode_tokens_per_second > 0
+
+
+def test_static_cache_step_logits_equal_full_forward():
+    """Each decode step's logits (static cache, one token) equal the full forward over the whole sequence."""
+    model = tiny_llama()
+    sequence = prompt(10)
+    with torch.no_grad():
+        full = model(sequence).logits[0]  # [10, vocab]
+        cache = new_static_cache(model, 16)
+        model(input_ids=sequence[:, :6], position_ids=torch.arange(6)[None], past_key_values=cache, use_cache=True)
+        for position in range(6, 10):
+            logits = step_logits(model, cache, sequence[:, position:position + 1], torch.tensor([[position]]))
+            torch.testing.assert_close(logits[0], full[position], rtol=1e-5, atol=1e-5)
+
+
+def test_stop_token_ends_decoding():
+    model = tiny_llama()
+    tokens, _ = greedy_decode(model, prompt(), 12)
+    stop = tokens[4].item()
+    first = tokens.tolist().index(stop)
+    stopped, timings = greedy_decode(model, prompt(), 12, stop_tokens={stop})
+    assert stopped.tolist() == tokens[:first + 1].tolist()
+    assert timings.new_tokens == first + 1
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2])
+def test_fused_projections_give_equal_logits(build):
+    model = build()
+    sequence = prompt(9)
+    with torch.no_grad():
+        before = model(sequence).logits
+        fused = fuse_projections(model)
+        after = model(sequence).logits
+    assert len(fused) == 2 * model.config.num_hidden_layers
+    assert "model.layers.0.self_attn.q_proj+k_proj+v_proj" in fused
+    assert type(model.model.layers[0].mlp.up_proj).__name__ == "FusedProjectionMember"
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    tokens, _ = greedy_decode(model, sequence, 5)
+    assert tokens.tolist() == hf_greedy(model, sequence, 5)
