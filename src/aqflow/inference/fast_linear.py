@@ -3,7 +3,7 @@ device and token count; `install_fast_linears` puts it in place of aqlm's `Quant
 
     CPU,  tokens <= LUT_MAX_TOKENS: cpu_kernels.lut_matmul (lookup tables, the decode path)
     CPU,  more tokens:              cpu_kernels.dequantized_matmul (row chunks through BLAS)
-    CUDA, tokens <= GPU_MAX_TOKENS: gpu_kernels.quantized_matmul (imported when first needed)
+    CUDA, tokens <= GPU_MAX_TOKENS: gpu_kernels.quantized_matmul (Triton, imported when first needed)
     CUDA, more tokens:              the weight dequantized for the call, one cuBLAS matmul
 
 The module's buffers are the codes, codebooks, scales (and bias): no dense weight is kept. Outputs
@@ -51,6 +51,10 @@ class FastQuantizedLinear(nn.Module):
         return QuantizedWeights(codes=self.codes, codebooks=self.codebooks, scales=self.scales,
                                 bias=self.bias, nbits=self.nbits)
 
+    def quantized_weights(self) -> QuantizedWeights:
+        """What decode.fuse_projections packs into one kernel launch on CUDA."""
+        return self.weights
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"codebooks={self.codes.shape[-1]}x{self.nbits}bit, group={self.codebooks.shape[-1]}")
@@ -74,22 +78,14 @@ class FastQuantizedLinear(nn.Module):
             else:
                 out = cpu_kernels.dequantized_matmul(flat, self.weights, operands=self.cpu_operands())
         elif flat.device.type == "cuda" and tokens <= GPU_MAX_TOKENS:
-            out = _gpu_quantized_matmul()(flat, self.weights)
+            from aqflow.inference.gpu_kernels import quantized_matmul  # Triton: imported where CUDA runs
+
+            out = quantized_matmul(flat, self.weights)
         else:
             weights = self.weights
             out = nn.functional.linear(flat, dense_weight(weights).to(flat.dtype),
                                        None if weights.bias is None else weights.bias.to(flat.dtype))
         return out.to(x.dtype).reshape(*leading, self.out_features)
-
-
-def _gpu_quantized_matmul():
-    """gpu_kernels.quantized_matmul where the GPU kernels are installed (Triton), else the
-    dequantize-and-matmul reference (correct, not fast)."""
-    if importlib.util.find_spec("aqflow.inference.gpu_kernels") is None:
-        from aqflow.inference.layout import reference_linear
-        return reference_linear
-    from aqflow.inference.gpu_kernels import quantized_matmul
-    return quantized_matmul
 
 
 def install_fast_linears(model: nn.Module) -> list[str]:
