@@ -44,6 +44,10 @@ from numba import njit, prange
 
 from aqflow.inference.layout import QuantizedWeights
 
+# Table loads (tokens x codes) below which a product runs on the calling thread: waking numba's
+# pool for two parallel regions costs microseconds on idle cores and a scheduler slice on busy
+# ones, more than ~40 us of loads.
+PARALLEL_MIN_LOADS = 1 << 16
 # Rows of a thread's block: enough rows per block that the table slice loaded into L2 is reused,
 # few enough that all threads get blocks (16 cores x 4 blocks at 4096 rows).
 ROWS_PER_BLOCK = 64
@@ -122,16 +126,16 @@ def numba_threads(threads: int | None) -> Iterator[None]:
 
 # --- lookup-table product ---------------------------------------------------------------------
 
-@njit(parallel=True, fastmath=True, cache=True)
-def _build_tables(x, codebooks_t, column_start, column_stop, tables):
-    """tables[t, (i - column_start)*K + k] = x[t, group(i)] . codebooks[m(i), k] for code columns
+@njit(fastmath=True, cache=True)
+def _build_table_units(x, codebooks_t, column_start, column_stop, tables, first_unit, last_unit):
+    """tables[t, (i - column_start)*K + k] = x[t, group(i)] . codebooks[m(i), k] for the units
+    (t, i) numbered t*(stop-start) + (i - start) in [first_unit, last_unit), code columns
     i in [column_start, column_stop) (column i = j*M + m).
 
     x [T, in] f32, codebooks_t [M, g, K] f32, tables [T, >= (stop-start)*K] f32 (overwritten)."""
     num_codebooks, group_size, codewords = codebooks_t.shape
-    tokens = x.shape[0]
     columns = column_stop - column_start
-    for unit in prange(tokens * columns):
+    for unit in range(first_unit, last_unit):
         t = unit // columns
         local = unit - t * columns
         column = column_start + local
@@ -161,31 +165,39 @@ def _table_row_sum(table, codes, row, column_start, column_stop, table_offset, n
     return total
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def _gather_rows(tables, codes, nbits, column_start, column_stop, slice_columns, rows_per_block, out):
-    """out[t, o] += sum over code columns in [column_start, column_stop) of the table entry the
-    code picks, for every row o. Threads own blocks of rows: no two threads write one output.
+@njit(fastmath=True, cache=True)
+def _gather_block(tables, codes, nbits, column_start, column_stop, slice_columns, first, last, out,
+                  scales, bias, has_bias, finish):
+    """For rows o in [first, last): out[t, o] += the table entries their codes pick in code columns
+    [column_start, column_stop), walked in slices of slice_columns (a slice of the table stays in
+    L2 while the block's rows pass through it); with finish, then out[t, o] = out[t, o] *
+    scales[o] (+ bias[o]).
 
-    tables [T, (stop-start)*K] f32 (built by _build_tables for these columns), codes [out, G*M],
-    out [T, out] f32 (accumulated into)."""
-    rows = codes.shape[0]
+    tables [T, (stop-start)*K] f32 (these columns' tables), codes [out, G*M], out [T, out] f32
+    (accumulated into), scales [out] f32, bias [out] f32 (read only if has_bias)."""
     tokens = tables.shape[0]
-    blocks = (rows + rows_per_block - 1) // rows_per_block
-    for block in prange(blocks):
-        first = block * rows_per_block
-        last = min(rows, first + rows_per_block)
-        for slice_start in range(column_start, column_stop, slice_columns):
-            slice_stop = min(column_stop, slice_start + slice_columns)
-            for t in range(tokens):
-                table = tables[t]
-                for row in range(first, last):
-                    out[t, row] += _table_row_sum(table, codes, row, slice_start, slice_stop, column_start, nbits)
+    for slice_start in range(column_start, column_stop, slice_columns):
+        slice_stop = min(column_stop, slice_start + slice_columns)
+        for t in range(tokens):
+            table = tables[t]
+            for row in range(first, last):
+                out[t, row] += _table_row_sum(table, codes, row, slice_start, slice_stop, column_start, nbits)
+    if finish:
+        for t in range(tokens):
+            for row in range(first, last):
+                value = out[t, row] * scales[row]
+                if has_bias:
+                    value += bias[row]
+                out[t, row] = value
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _lut_matmul(x, codebooks_t, codes, scales, bias, has_bias, nbits, pass_columns, slice_columns, rows_per_block):
-    """The whole lookup-table product in one call (one dispatch from Python: a decode step calls
-    it ~200 times for SmolLM2): tables built and consumed pass by pass, then scales and bias.
+def _lut_matmul_parallel(x, codebooks_t, codes, scales, bias, has_bias, nbits, pass_columns, slice_columns,
+                         rows_per_block):
+    """The lookup-table product on numba's threads: per table pass, the table units split among
+    threads, then the output rows in blocks of rows_per_block (a thread writes only its own rows,
+    so no two threads add into one output); scales and bias applied by the last pass. Two parallel
+    regions per pass: each start wakes the thread pool.
 
     x [T, in] f32, codebooks_t [M, g, K] f32, codes [out, G*M], scales [out] f32, bias [out] f32
     (read only if has_bias) -> [T, out] f32."""
@@ -193,16 +205,33 @@ def _lut_matmul(x, codebooks_t, codes, scales, bias, has_bias, nbits, pass_colum
     rows, total_columns = codes.shape
     tables = np.empty((tokens, pass_columns << nbits), dtype=np.float32)
     out = np.zeros((tokens, rows), dtype=np.float32)
+    blocks = (rows + rows_per_block - 1) // rows_per_block
     for start in range(0, total_columns, pass_columns):
         stop = min(total_columns, start + pass_columns)
-        _build_tables(x, codebooks_t, start, stop, tables)
-        _gather_rows(tables, codes, nbits, start, stop, slice_columns, rows_per_block, out)
-    for row in prange(rows):
-        for t in range(tokens):
-            value = out[t, row] * scales[row]
-            if has_bias:
-                value += bias[row]
-            out[t, row] = value
+        units = tokens * (stop - start)
+        unit_chunks = min(units, 4 * numba.get_num_threads())
+        for chunk in prange(unit_chunks):
+            _build_table_units(x, codebooks_t, start, stop, tables, chunk * units // unit_chunks,
+                               (chunk + 1) * units // unit_chunks)
+        for block in prange(blocks):
+            _gather_block(tables, codes, nbits, start, stop, slice_columns, block * rows_per_block,
+                          min(rows, (block + 1) * rows_per_block), out, scales, bias, has_bias, stop == total_columns)
+    return out
+
+
+@njit(fastmath=True, cache=True)
+def _lut_matmul_serial(x, codebooks_t, codes, scales, bias, has_bias, nbits, pass_columns, slice_columns):
+    """_lut_matmul_parallel on the calling thread alone (small products: waking the pool would
+    cost more than the work). Same arguments and result, bitwise (the same per-row arithmetic)."""
+    tokens = x.shape[0]
+    rows, total_columns = codes.shape
+    tables = np.empty((tokens, pass_columns << nbits), dtype=np.float32)
+    out = np.zeros((tokens, rows), dtype=np.float32)
+    for start in range(0, total_columns, pass_columns):
+        stop = min(total_columns, start + pass_columns)
+        _build_table_units(x, codebooks_t, start, stop, tables, 0, tokens * (stop - start))
+        _gather_block(tables, codes, nbits, start, stop, slice_columns, 0, rows, out, scales, bias, has_bias,
+                      stop == total_columns)
     return out
 
 
@@ -228,9 +257,11 @@ def lut_matmul_operands(x: np.ndarray, operands: CpuOperands, rows_per_block: in
         raise ValueError(f"x {x.shape}: expected [tokens, {operands.in_features}]")
     pass_columns, slice_columns = table_plan(x.shape[0], operands, table_slice_bytes, table_pass_bytes)
     has_bias = operands.bias is not None
-    return _lut_matmul(x, operands.codebooks_t, operands.codes, operands.scales,
-                       operands.bias if has_bias else operands.scales, has_bias, operands.nbits,
-                       pass_columns, slice_columns, rows_per_block)
+    arguments = (x, operands.codebooks_t, operands.codes, operands.scales,
+                 operands.bias if has_bias else operands.scales, has_bias, operands.nbits, pass_columns, slice_columns)
+    if x.shape[0] * operands.codes.size < PARALLEL_MIN_LOADS or numba.get_num_threads() == 1:
+        return _lut_matmul_serial(*arguments)
+    return _lut_matmul_parallel(*arguments, rows_per_block)
 
 
 def lut_matmul(x: torch.Tensor, w: QuantizedWeights, threads: int | None = None, *,
