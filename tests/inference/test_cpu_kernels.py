@@ -48,18 +48,30 @@ def test_lut_and_dequantized_matmul_equal_the_reference(num_codebooks, nbits, gr
     assert_matches_reference(cpu_kernels.dequantized_matmul(x, w, rows_per_chunk=16), x, w)
 
 
-def test_table_passes_and_slices_cover_every_code_column_once(rng):
-    """A table pass smaller than the codes (built and consumed in parts) and a thread's slice
-    smaller than a pass: same outputs as one pass."""
-    w = random_weights(33, 10, 2, 8, 8, rng)  # 20 code columns of 1 KiB tables each
-    operands = cpu_kernels.cpu_operands(w)
+def test_tiles_hold_the_codes_once_and_untile_back(rng):
+    w = random_weights(96, 18, 2, 8, 8, rng)  # 36 code columns: slices of the largest divisor <= 32
+    assert cpu_kernels.tile_geometry(96, 36, 8) == (32, 18)
+    tiled = cpu_kernels.tile_codes(w.codes, 8)
+    assert tiled.shape == (3, 2, 32, 18) and tiled.dtype == torch.uint8 and tiled.numel() == w.codes.numel()
+    assert tiled[2, 1, 5, 7] == w.codes.reshape(96, 36)[2 * 32 + 5, 1 * 18 + 7]
+    assert torch.equal(cpu_kernels.untile_codes(tiled, 2), w.codes)
+    assert cpu_kernels.tile_geometry(70, 13, 4) == (2, 13)  # 13 columns of 64 B tables: one slice
+    assert cpu_kernels.tile_geometry(64, 16, 16) == (64, 1)  # 256 KiB per 16-bit column: one each
+
+
+def test_table_passes_cover_every_slice_once(rng):
+    """Tables built and consumed in several passes (a pass smaller than the codes' tables) give
+    the outputs of one pass."""
+    w = random_weights(40, 12, 2, 8, 8, rng)  # 24 code columns in slices of 24 / 3 x 8
+    operands = cpu_kernels.operands_from_tiled(cpu_kernels.tile_codes(w.codes, 8, table_slice_bytes=8 << 10),
+                                               w.codebooks, w.scales, w.bias, 8)
+    assert operands.codes.shape == (5, 3, 8, 8)
     x = torch.randn(2, w.in_features, generator=rng)
     whole = cpu_kernels.lut_matmul_operands(x.numpy(), operands)
-    assert cpu_kernels.table_plan(2, operands) == (20, 20)
-    pass_bytes, slice_bytes = 2 * 7 * 1024, 3 * 1024  # passes of 7, 7, 6 columns; slices of 3
-    assert cpu_kernels.table_plan(2, operands, slice_bytes, pass_bytes) == (7, 3)
-    parted = cpu_kernels.lut_matmul_operands(x.numpy(), operands, rows_per_block=5, table_slice_bytes=slice_bytes,
-                                             table_pass_bytes=pass_bytes)
+    assert cpu_kernels.pass_slices(2, operands) == 3
+    pass_bytes = 2 * 2 * 8 * 1024  # 2 tokens x 2 slices of 8 KiB tables: passes of 2, 1 slices
+    assert cpu_kernels.pass_slices(2, operands, pass_bytes) == 2
+    parted = cpu_kernels.lut_matmul_operands(x.numpy(), operands, table_pass_bytes=pass_bytes)
     torch.testing.assert_close(torch.from_numpy(parted), torch.from_numpy(whole), rtol=1e-6, atol=1e-5)
     assert_matches_reference(torch.from_numpy(parted), x, w)
 

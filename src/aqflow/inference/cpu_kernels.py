@@ -12,27 +12,34 @@ then every output row sums one table entry per (group, codebook) - no multiply p
     y[t, o] = scales[o] * sum_{j, m} table[t, j, m, codes[o, j, m]] + bias[o]   (T*out*G*M loads)
 
 The second sum is the work: one indexed load per code, which LLVM turns into AVX-512/AVX2 gathers
-when the reduction runs over a row's contiguous codes into one scalar (measured on this project's
-2-core Xeon: ~1.6-1.9e9 table loads/s per core with the table in L2, the same as hand-written
-AVX-512 gather intrinsics; an accumulator array per block of rows is not vectorised by LLVM, and
-64-bit multiplies in the index cost a third). Threads split the output rows into blocks, each
-thread writing only its own rows (aqlm's numba kernel splits the input groups instead and adds
-into shared outputs, which races). A thread walks its rows through the table in slices of columns
-small enough to stay in its core's L2 (`table_slice_bytes`): a down_proj of Llama-3.2-3B has a
-2 MiB table per token.
+when it is written as a reduction over contiguous codes into one scalar, with unsigned shift-or
+indices (an accumulator array is not vectorised; a signed index or a 64-bit multiply in it cost a
+third). What limits it is where the table is: measured on this project's 2-core Xeon (2.1 GHz,
+hand-written AVX-512 gathers in C), ~2.2e9 loads/s per core from a 64 KiB table, 1.3e9 from
+512 KiB, 0.6e9 from 2 MiB (Llama-3.2-3B's down_proj has a 2 MiB table per token). So the kernels
+read the codes in a tiled layout (`tile_codes`): tiles of TILE_ROWS output rows, each cut into
+slices of code columns whose table (per token) is L1-sized; a thread walks its block of tiles
+slice by slice, every row of the block through the same L1-resident slice of the table, the codes
+of a (tile, slice) contiguous. In C that layout reads 3.0-3.6e9 codes/s per core against 1.5-2.2e9
+for the row-major codes (the same slicing, but every row's slice a separate stream).
 
-`dequantized_matmul` is the prefill path (many tokens): rows of the weight are dequantized a chunk
-at a time into a float32 buffer and multiplied by one dense matmul (torch's BLAS), so the dense
-weight never exists whole. Both compute in float32 and return float32.
+Threads split the output into blocks of tiles, each thread writing only its own rows (aqlm's numba
+kernel splits the input groups instead and adds into shared outputs, which races with more than
+one thread); small products run on the calling thread (waking the pool costs more).
+
+`dequantized_matmul` is the prefill path (many tokens): tiles of rows are dequantized a chunk at a
+time into a float32 buffer and multiplied by one dense matmul (torch's BLAS), so the dense weight
+never exists whole. Both compute in float32 and return float32.
 
 The kernels are compiled by numba on their first call per code dtype and cached on disk
 (`cache=True`, in __pycache__ beside this file, or NUMBA_CACHE_DIR): the first call in a fresh
-environment costs a few seconds (benchmarks/inference_cpu.py prints it), later processes load the
-cache.
+environment costs ~10-20 s of compilation (benchmarks/inference_cpu.py prints it), later
+processes load the cache (~1 s).
 """
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -48,14 +55,11 @@ from aqflow.inference.layout import QuantizedWeights
 # pool for two parallel regions costs microseconds on idle cores and a scheduler slice on busy
 # ones, more than ~40 us of loads.
 PARALLEL_MIN_LOADS = 1 << 16
-# Rows of a thread's block: enough rows per block that the table slice loaded into L2 is reused,
-# few enough that all threads get blocks (16 cores x 4 blocks at 4096 rows).
-ROWS_PER_BLOCK = 64
-# A thread's slice of the table (per token) that it sweeps its rows through before moving on:
-# half of a 2 MiB L2, the rest for the codes streaming past. Measured on the 2-core box (L2 2 MiB):
-# Llama-3.2-3B's down_proj (2 MiB table) 0.75 -> 1.0e9 loads/s per core; tables that fit are
-# unaffected.
-TABLE_SLICE_BYTES = 1 << 20
+# Output rows per tile of the codes (or the largest divisor of out_features below it).
+TILE_ROWS = 64
+# The table slice (per token) a block of rows is walked through: L1-sized (48 KiB L1d on the
+# 2-core box; 32 KiB: 32 code columns of 256 codewords).
+TABLE_SLICE_BYTES = 32 << 10
 # The most table bytes built at once (all tokens): large codebooks (16-bit codes: 256 KiB of table
 # per code column) are built and consumed in passes of this size instead of all at once.
 TABLE_PASS_BYTES = 64 << 20
@@ -64,13 +68,40 @@ TABLE_PASS_BYTES = 64 << 20
 DEQUANTIZED_CHUNK_BYTES = 16 << 20
 
 
+def tile_geometry(out_features: int, code_columns: int, nbits: int, tile_rows: int = TILE_ROWS,
+                  table_slice_bytes: int = TABLE_SLICE_BYTES) -> tuple[int, int]:
+    """(rows per tile, code columns per slice): the largest divisor of out_features up to
+    tile_rows, and of code_columns (G*M) whose table slice (K float32 per column) fits
+    table_slice_bytes (at least 1)."""
+    rows = math.gcd(out_features, tile_rows)
+    target = max(1, table_slice_bytes // (4 << nbits))
+    columns = max(d for d in range(1, min(target, code_columns) + 1) if code_columns % d == 0)
+    return rows, columns
+
+
+def tile_codes(codes: torch.Tensor, nbits: int, tile_rows: int = TILE_ROWS,
+               table_slice_bytes: int = TABLE_SLICE_BYTES) -> torch.Tensor:
+    """codes [out, G, M] -> tiled [out/R, G*M/C, R, C] (a contiguous copy; same dtype and bytes):
+    tiled[a, b, r, c] = codes[a*R + r, column b*C + c] with column = j*M + m (tile_geometry)."""
+    out_features, groups, num_codebooks = codes.shape
+    rows, columns = tile_geometry(out_features, groups * num_codebooks, nbits, tile_rows, table_slice_bytes)
+    flat = codes.reshape(out_features // rows, rows, groups * num_codebooks // columns, columns)
+    return flat.permute(0, 2, 1, 3).contiguous()
+
+
+def untile_codes(tiled: torch.Tensor, num_codebooks: int) -> torch.Tensor:
+    """Inverse of tile_codes: tiled [out/R, G*M/C, R, C] -> codes [out, G, M] (a copy)."""
+    tiles, slices, rows, columns = tiled.shape
+    return tiled.permute(0, 2, 1, 3).reshape(tiles * rows, slices * columns // num_codebooks, num_codebooks).contiguous()
+
+
 @dataclass(frozen=True)
 class CpuOperands:
-    """A layer's tensors as the kernels read them (numpy views; codes are not copied).
+    """A layer's tensors as the kernels read them (numpy arrays sharing the torch tensors' memory).
 
-    codes [out, G*M] uint8 or int32 (column j*M + m), codebooks_t [M, g, K] float32 (transposed so
-    the table build runs along K), codebooks [M, K, g] float32, scales [out] float32,
-    bias [out] float32 or None."""
+    codes [out/R, G*M/C, R, C] uint8 or int32 (tile_codes), codebooks_t [M, g, K] float32
+    (transposed so the table build runs along K), codebooks [M, K, g] float32, scales [out]
+    float32, bias [out] float32 or None."""
 
     codes: np.ndarray
     codebooks_t: np.ndarray
@@ -81,30 +112,43 @@ class CpuOperands:
 
     @property
     def out_features(self) -> int:
-        return self.codes.shape[0]
+        return self.codes.shape[0] * self.codes.shape[2]
+
+    @property
+    def code_columns(self) -> int:
+        return self.codes.shape[1] * self.codes.shape[3]
 
     @property
     def in_features(self) -> int:
-        return self.codes.shape[1] // self.codebooks.shape[0] * self.codebooks.shape[2]
+        return self.code_columns // self.codebooks.shape[0] * self.codebooks.shape[2]
+
+
+def operands_from_tiled(tiled: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
+                        bias: torch.Tensor | None, nbits: int) -> CpuOperands:
+    """The kernels' view of already tiled codes (tile_codes) and their codebooks [M, K, g], scales
+    [out] and bias [out]: codes shared, not copied; codebooks, scales and bias as float32 (copies
+    only where they are stored in another dtype: a few KiB a layer)."""
+    if tiled.device.type != "cpu":
+        raise ValueError(f"cpu kernels: codes on {tiled.device}, expected the CPU")
+    if tiled.dtype not in (torch.uint8, torch.int32):
+        raise ValueError(f"codes dtype {tiled.dtype}: expected uint8 or int32 (QuantizedWeights' containers)")
+    codebook_f32 = codebooks.detach().to(torch.float32).contiguous()
+    return CpuOperands(
+        codes=tiled.contiguous().numpy(),
+        codebooks_t=codebook_f32.permute(0, 2, 1).contiguous().numpy(),
+        codebooks=codebook_f32.numpy(),
+        scales=scales.detach().to(torch.float32).contiguous().numpy(),
+        bias=None if bias is None else bias.detach().to(torch.float32).contiguous().numpy(),
+        nbits=nbits)
 
 
 def cpu_operands(weights: QuantizedWeights) -> CpuOperands:
-    """The kernels' view of `weights` (on the CPU). Codes are shared, not copied; codebooks, scales
-    and bias are float32 (copies only where they are stored in another dtype: a few KiB a layer)."""
+    """The kernels' view of `weights` (on the CPU), with its codes tiled (a copy of the codes:
+    FastQuantizedLinear keeps tiled codes instead, so that it holds one copy)."""
     if weights.codes.device.type != "cpu":
         raise ValueError(f"cpu_operands: weights on {weights.codes.device}, expected the CPU")
-    out_features, groups, codebooks = weights.codes.shape
-    codes = weights.codes.reshape(out_features, groups * codebooks)
-    if codes.dtype not in (torch.uint8, torch.int32):
-        raise ValueError(f"codes dtype {codes.dtype}: expected uint8 or int32 (QuantizedWeights' containers)")
-    codebook_f32 = weights.codebooks.detach().to(torch.float32).contiguous()
-    return CpuOperands(
-        codes=codes.contiguous().numpy(),
-        codebooks_t=codebook_f32.permute(0, 2, 1).contiguous().numpy(),
-        codebooks=codebook_f32.numpy(),
-        scales=weights.scales.detach().to(torch.float32).contiguous().numpy(),
-        bias=None if weights.bias is None else weights.bias.detach().to(torch.float32).contiguous().numpy(),
-        nbits=weights.nbits)
+    return operands_from_tiled(tile_codes(weights.codes, weights.nbits), weights.codebooks, weights.scales,
+                               weights.bias, weights.nbits)
 
 
 @contextmanager
@@ -150,41 +194,42 @@ def _build_table_units(x, codebooks_t, column_start, column_stop, tables, first_
 
 
 @njit(fastmath=True, cache=True)
-def _table_row_sum(table, codes, row, column_start, column_stop, table_offset, nbits):
-    """sum over code columns i in [column_start, column_stop) of table[((i - table_offset) << nbits) + codes[row, i]].
+def _table_row_sum(table, row_codes, nbits):
+    """sum over i of table[(i << nbits) | row_codes[i]]: a table slice [C*K] and one row's codes [C].
 
-    Written as a scalar reduction over a slice of the row's codes from index 0 with unsigned
-    shift-or indices: the form LLVM vectorises into gathers (a loop from column_start, a signed
-    index (wraparound select) or a 64-bit multiply in the index measured 1.5-3.5x slower)."""
+    Written as a scalar reduction from index 0 with unsigned shift-or indices: the form LLVM
+    vectorises into gathers."""
     total = np.float32(0.0)
     shift = np.uint64(nbits)
-    row_codes = codes[row, column_start:column_stop]
-    columns = table[(column_start - table_offset) << nbits:]
     for i in range(row_codes.shape[0]):
-        total += columns[(np.uint64(i) << shift) | np.uint64(row_codes[i])]
+        total += table[(np.uint64(i) << shift) | np.uint64(row_codes[i])]
     return total
 
 
 @njit(fastmath=True, cache=True)
-def _gather_block(tables, codes, nbits, column_start, column_stop, slice_columns, first, last, out,
+def _gather_tiles(tables, tiled, nbits, first_slice, last_slice, pass_slice, first_tile, last_tile, out,
                   scales, bias, has_bias, finish):
-    """For rows o in [first, last): out[t, o] += the table entries their codes pick in code columns
-    [column_start, column_stop), walked in slices of slice_columns (a slice of the table stays in
-    L2 while the block's rows pass through it); with finish, then out[t, o] = out[t, o] *
-    scales[o] (+ bias[o]).
+    """For the rows of tiles [first_tile, last_tile): out[t, row] += the table entries their codes
+    pick in slices [first_slice, last_slice), slice by slice (the block's rows all pass through
+    one slice of the table while it is in L1); with finish, then out[t, row] = out[t, row] *
+    scales[row] (+ bias[row]).
 
-    tables [T, (stop-start)*K] f32 (these columns' tables), codes [out, G*M], out [T, out] f32
-    (accumulated into), scales [out] f32, bias [out] f32 (read only if has_bias)."""
+    tables [T, >= (last_slice - pass_slice)*C*K] f32 (the pass's tables, from slice pass_slice on),
+    tiled [out/R, G*M/C, R, C], out [T, out] f32 (accumulated into), scales [out] f32, bias [out]
+    f32 (read only if has_bias)."""
     tokens = tables.shape[0]
-    for slice_start in range(column_start, column_stop, slice_columns):
-        slice_stop = min(column_stop, slice_start + slice_columns)
+    rows, columns = tiled.shape[2], tiled.shape[3]
+    slice_entries = columns << nbits
+    for s in range(first_slice, last_slice):
+        offset = (s - pass_slice) * slice_entries
         for t in range(tokens):
-            table = tables[t]
-            for row in range(first, last):
-                out[t, row] += _table_row_sum(table, codes, row, slice_start, slice_stop, column_start, nbits)
+            table = tables[t, offset:offset + slice_entries]
+            for tile in range(first_tile, last_tile):
+                for r in range(rows):
+                    out[t, tile * rows + r] += _table_row_sum(table, tiled[tile, s, r], nbits)
     if finish:
         for t in range(tokens):
-            for row in range(first, last):
+            for row in range(first_tile * rows, last_tile * rows):
                 value = out[t, row] * scales[row]
                 if has_bias:
                     value += bias[row]
@@ -192,143 +237,144 @@ def _gather_block(tables, codes, nbits, column_start, column_stop, slice_columns
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _lut_matmul_parallel(x, codebooks_t, codes, scales, bias, has_bias, nbits, pass_columns, slice_columns,
-                         rows_per_block):
-    """The lookup-table product on numba's threads: per table pass, the table units split among
-    threads, then the output rows in blocks of rows_per_block (a thread writes only its own rows,
-    so no two threads add into one output); scales and bias applied by the last pass. Two parallel
-    regions per pass: each start wakes the thread pool.
+def _lut_matmul_parallel(x, codebooks_t, tiled, scales, bias, has_bias, nbits, pass_slices, blocks, build_chunks):
+    """The lookup-table product on numba's threads. Per table pass (pass_slices slices of code
+    columns): the table built in build_chunks chunks of units, then the output in `blocks` blocks
+    of whole tiles (a thread writes only its own rows: no two threads add into one output); scales
+    and bias applied by the last pass. Two parallel regions per pass: each start wakes the pool.
 
-    x [T, in] f32, codebooks_t [M, g, K] f32, codes [out, G*M], scales [out] f32, bias [out] f32
-    (read only if has_bias) -> [T, out] f32."""
+    x [T, in] f32, codebooks_t [M, g, K] f32, tiled [out/R, G*M/C, R, C], scales [out] f32, bias
+    [out] f32 (read only if has_bias) -> [T, out] f32."""
     tokens = x.shape[0]
-    rows, total_columns = codes.shape
-    tables = np.empty((tokens, pass_columns << nbits), dtype=np.float32)
-    out = np.zeros((tokens, rows), dtype=np.float32)
-    blocks = (rows + rows_per_block - 1) // rows_per_block
-    for start in range(0, total_columns, pass_columns):
-        stop = min(total_columns, start + pass_columns)
-        units = tokens * (stop - start)
-        unit_chunks = min(units, 4 * numba.get_num_threads())
-        for chunk in prange(unit_chunks):
-            _build_table_units(x, codebooks_t, start, stop, tables, chunk * units // unit_chunks,
-                               (chunk + 1) * units // unit_chunks)
+    tiles, slices, rows, columns = tiled.shape
+    tables = np.empty((tokens, (pass_slices * columns) << nbits), dtype=np.float32)
+    out = np.zeros((tokens, tiles * rows), dtype=np.float32)
+    for first in range(0, slices, pass_slices):
+        last = min(slices, first + pass_slices)
+        units = tokens * (last - first) * columns
+        chunks = min(units, build_chunks)
+        for chunk in prange(chunks):
+            _build_table_units(x, codebooks_t, first * columns, last * columns, tables,
+                               chunk * units // chunks, (chunk + 1) * units // chunks)
         for block in prange(blocks):
-            _gather_block(tables, codes, nbits, start, stop, slice_columns, block * rows_per_block,
-                          min(rows, (block + 1) * rows_per_block), out, scales, bias, has_bias, stop == total_columns)
+            _gather_tiles(tables, tiled, nbits, first, last, first, block * tiles // blocks,
+                          (block + 1) * tiles // blocks, out, scales, bias, has_bias, last == slices)
     return out
 
 
 @njit(fastmath=True, cache=True)
-def _lut_matmul_serial(x, codebooks_t, codes, scales, bias, has_bias, nbits, pass_columns, slice_columns):
-    """_lut_matmul_parallel on the calling thread alone (small products: waking the pool would
-    cost more than the work). Same arguments and result, bitwise (the same per-row arithmetic)."""
+def _lut_matmul_serial(x, codebooks_t, tiled, scales, bias, has_bias, nbits, pass_slices):
+    """_lut_matmul_parallel on the calling thread alone (small products). Same arguments and
+    result, bitwise (the same arithmetic per row)."""
     tokens = x.shape[0]
-    rows, total_columns = codes.shape
-    tables = np.empty((tokens, pass_columns << nbits), dtype=np.float32)
-    out = np.zeros((tokens, rows), dtype=np.float32)
-    for start in range(0, total_columns, pass_columns):
-        stop = min(total_columns, start + pass_columns)
-        _build_table_units(x, codebooks_t, start, stop, tables, 0, tokens * (stop - start))
-        _gather_block(tables, codes, nbits, start, stop, slice_columns, 0, rows, out, scales, bias, has_bias,
-                      stop == total_columns)
+    tiles, slices, rows, columns = tiled.shape
+    tables = np.empty((tokens, (pass_slices * columns) << nbits), dtype=np.float32)
+    out = np.zeros((tokens, tiles * rows), dtype=np.float32)
+    for first in range(0, slices, pass_slices):
+        last = min(slices, first + pass_slices)
+        _build_table_units(x, codebooks_t, first * columns, last * columns, tables, 0, tokens * (last - first) * columns)
+        _gather_tiles(tables, tiled, nbits, first, last, first, 0, tiles, out, scales, bias, has_bias, last == slices)
     return out
 
 
-def table_plan(tokens: int, operands: CpuOperands, table_slice_bytes: int = TABLE_SLICE_BYTES,
-               table_pass_bytes: int = TABLE_PASS_BYTES) -> tuple[int, int]:
-    """(code columns per table pass, code columns per thread's L2 slice) for `tokens` tokens.
-
-    A pass builds the table of that many columns for all tokens (at most table_pass_bytes, at
-    least one column); a slice is what a thread sweeps its rows through (at most
-    table_slice_bytes per token)."""
-    column_bytes = 4 << operands.nbits  # K float32 entries
-    total_columns = operands.codes.shape[1]
-    pass_columns = max(1, min(total_columns, table_pass_bytes // (column_bytes * tokens)))
-    slice_columns = max(1, min(pass_columns, table_slice_bytes // column_bytes))
-    return pass_columns, slice_columns
+def pass_slices(tokens: int, operands: CpuOperands, table_pass_bytes: int = TABLE_PASS_BYTES) -> int:
+    """Slices of code columns whose tables (all tokens) one pass builds: at most table_pass_bytes,
+    at least one slice."""
+    slice_bytes = (4 << operands.nbits) * operands.codes.shape[3] * tokens
+    return max(1, min(operands.codes.shape[1], table_pass_bytes // slice_bytes))
 
 
-def lut_matmul_operands(x: np.ndarray, operands: CpuOperands, rows_per_block: int = ROWS_PER_BLOCK,
-                        table_slice_bytes: int = TABLE_SLICE_BYTES,
-                        table_pass_bytes: int = TABLE_PASS_BYTES) -> np.ndarray:
+def lut_matmul_operands(x: np.ndarray, operands: CpuOperands, table_pass_bytes: int = TABLE_PASS_BYTES) -> np.ndarray:
     """`lut_matmul` on prepared operands: x [T, in] float32 (C-contiguous) -> [T, out] float32."""
     if x.ndim != 2 or x.shape[1] != operands.in_features:
         raise ValueError(f"x {x.shape}: expected [tokens, {operands.in_features}]")
-    pass_columns, slice_columns = table_plan(x.shape[0], operands, table_slice_bytes, table_pass_bytes)
     has_bias = operands.bias is not None
     arguments = (x, operands.codebooks_t, operands.codes, operands.scales,
-                 operands.bias if has_bias else operands.scales, has_bias, operands.nbits, pass_columns, slice_columns)
-    if x.shape[0] * operands.codes.size < PARALLEL_MIN_LOADS or numba.get_num_threads() == 1:
+                 operands.bias if has_bias else operands.scales, has_bias, operands.nbits,
+                 pass_slices(x.shape[0], operands, table_pass_bytes))
+    threads = numba.get_num_threads()
+    if x.shape[0] * operands.codes.size < PARALLEL_MIN_LOADS or threads == 1:
         return _lut_matmul_serial(*arguments)
-    return _lut_matmul_parallel(*arguments, rows_per_block)
+    # one block of tiles per thread: the fewer blocks, the fewer times the table is read into L1
+    return _lut_matmul_parallel(*arguments, min(threads, operands.codes.shape[0]), 4 * threads)
+
+
+def lut_product(x: torch.Tensor, operands: CpuOperands, threads: int | None = None) -> torch.Tensor:
+    """x [T, in] -> [T, out] float32 through lookup tables, on prepared operands."""
+    x32 = np.ascontiguousarray(x.detach().to(torch.float32).numpy())
+    with numba_threads(threads):
+        return torch.from_numpy(lut_matmul_operands(x32, operands))
 
 
 def lut_matmul(x: torch.Tensor, w: QuantizedWeights, threads: int | None = None, *,
-               operands: CpuOperands | None = None, rows_per_block: int = ROWS_PER_BLOCK,
-               table_slice_bytes: int = TABLE_SLICE_BYTES) -> torch.Tensor:
+               operands: CpuOperands | None = None) -> torch.Tensor:
     """x [T, in] -> [T, out] float32 through lookup tables (the decode path; T = 1..a few).
 
     Any geometry: M codebooks of nbits <= 16 over groups of g inputs. `threads`: numba threads
-    (None: numba's current setting, all cores unless set). `operands`: `cpu_operands(w)` computed
-    once by the caller (FastQuantizedLinear keeps it), else computed here."""
-    operands = cpu_operands(w) if operands is None else operands
-    x32 = np.ascontiguousarray(x.detach().to(torch.float32).numpy())
-    with numba_threads(threads):
-        out = lut_matmul_operands(x32, operands, rows_per_block, table_slice_bytes)
-    return torch.from_numpy(out)
+    (None: numba's current setting, all cores unless set). `operands`: the kernels' view of w
+    held by the caller (FastQuantizedLinear keeps its codes tiled), else made here (a tiled copy
+    of the codes per call)."""
+    return lut_product(x, cpu_operands(w) if operands is None else operands, threads)
 
 
 # --- dequantized product (prefill) ------------------------------------------------------------
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _dequantize_rows(codes, codebooks, scales, first_row, dense):
-    """dense[r, j*g:(j+1)*g] = scales[first_row + r] * sum_m codebooks[m, codes[first_row + r, j*M + m]]
-    for r < dense.shape[0]. codes [out, G*M], codebooks [M, K, g] f32, dense [rows, G*g] f32."""
+def _dequantize_tiles(tiled, codebooks, scales, first_tile, dense):
+    """The dense rows of tiles first_tile.. (dense.shape[0] / R of them):
+    dense[r, j*g:(j+1)*g] = scales[row] * sum_m codebooks[m, code of (row, j, m)], row = first_tile*R + r.
+
+    tiled [out/R, G*M/C, R, C], codebooks [M, K, g] f32, scales [out] f32, dense [rows, G*g] f32."""
     num_codebooks, _, group_size = codebooks.shape
-    rows = dense.shape[0]
-    groups = codes.shape[1] // num_codebooks
-    for r in prange(rows):
-        row = first_row + r
-        scale = scales[row]
-        for j in range(groups):
-            base = j * group_size
-            first_code = codes[row, j * num_codebooks]
-            for d in range(group_size):
-                dense[r, base + d] = codebooks[0, first_code, d]
-            for m in range(1, num_codebooks):
-                code = codes[row, j * num_codebooks + m]
+    slices, rows, columns = tiled.shape[1], tiled.shape[2], tiled.shape[3]
+    for local in prange(dense.shape[0]):
+        tile = first_tile + local // rows
+        r = local - (local // rows) * rows
+        target = dense[local]
+        target[:] = 0
+        for s in range(slices):
+            codes = tiled[tile, s, r]
+            for c in range(columns):
+                column = s * columns + c
+                group = column // num_codebooks
+                codeword = codebooks[column - group * num_codebooks, codes[c]]
+                base = group * group_size
                 for d in range(group_size):
-                    dense[r, base + d] += codebooks[m, code, d]
-            for d in range(group_size):
-                dense[r, base + d] *= scale
+                    target[base + d] += codeword[d]
+        scale = scales[tile * rows + r]
+        for i in range(target.shape[0]):
+            target[i] *= scale
 
 
-def dequantized_rows_per_chunk(in_features: int, chunk_bytes: int = DEQUANTIZED_CHUNK_BYTES) -> int:
-    """Rows of a dense float32 chunk of at most chunk_bytes (at least one row)."""
-    return max(1, chunk_bytes // (4 * in_features))
+def dequantized_tiles_per_chunk(operands: CpuOperands, chunk_bytes: int = DEQUANTIZED_CHUNK_BYTES) -> int:
+    """Tiles of rows in a dense float32 chunk of at most chunk_bytes (at least one tile)."""
+    return max(1, chunk_bytes // (4 * operands.in_features * operands.codes.shape[2]))
+
+
+def dequantized_product(x: torch.Tensor, operands: CpuOperands, rows_per_chunk: int | None = None,
+                        threads: int | None = None) -> torch.Tensor:
+    """x [T, in] -> [T, out] float32 through dense chunks of rows, on prepared operands."""
+    x32 = x.detach().to(torch.float32).contiguous()
+    if x32.ndim != 2 or x32.shape[1] != operands.in_features:
+        raise ValueError(f"x {tuple(x32.shape)}: expected [tokens, {operands.in_features}]")
+    tiles, _, tile_rows, _ = operands.codes.shape
+    per_chunk = (max(1, rows_per_chunk // tile_rows) if rows_per_chunk else dequantized_tiles_per_chunk(operands))
+    out = torch.empty(x32.shape[0], operands.out_features, dtype=torch.float32)
+    chunk = np.empty((min(per_chunk, tiles) * tile_rows, operands.in_features), dtype=np.float32)
+    with numba_threads(threads):
+        for first in range(0, tiles, per_chunk):
+            count = min(per_chunk, tiles - first)
+            dense = chunk[:count * tile_rows]
+            _dequantize_tiles(operands.codes, operands.codebooks, operands.scales, first, dense)
+            out[:, first * tile_rows:(first + count) * tile_rows] = x32 @ torch.from_numpy(dense).T
+    if operands.bias is not None:
+        out += torch.from_numpy(operands.bias)
+    return out
 
 
 def dequantized_matmul(x: torch.Tensor, w: QuantizedWeights, rows_per_chunk: int | None = None, *,
                        operands: CpuOperands | None = None, threads: int | None = None) -> torch.Tensor:
-    """x [T, in] -> [T, out] float32 through dense float32 chunks of rows_per_chunk weight rows
-    (default: DEQUANTIZED_CHUNK_BYTES of them), one BLAS matmul per chunk: the prefill path, which
-    never holds more of the dense weight than one chunk."""
-    operands = cpu_operands(w) if operands is None else operands
-    x32 = x.detach().to(torch.float32).contiguous()
-    if x32.ndim != 2 or x32.shape[1] != operands.in_features:
-        raise ValueError(f"x {tuple(x32.shape)}: expected [tokens, {operands.in_features}]")
-    rows_per_chunk = rows_per_chunk or dequantized_rows_per_chunk(operands.in_features)
-    out_features = operands.out_features
-    out = torch.empty(x32.shape[0], out_features, dtype=torch.float32)
-    chunk = np.empty((min(rows_per_chunk, out_features), operands.in_features), dtype=np.float32)
-    bias = None if operands.bias is None else torch.from_numpy(operands.bias)
-    with numba_threads(threads):
-        for first in range(0, out_features, rows_per_chunk):
-            rows = min(rows_per_chunk, out_features - first)
-            dense = chunk[:rows]
-            _dequantize_rows(operands.codes, operands.codebooks, operands.scales, first, dense)
-            out[:, first:first + rows] = x32 @ torch.from_numpy(dense).T
-    if bias is not None:
-        out += bias
-    return out
+    """x [T, in] -> [T, out] float32 through dense float32 chunks of about rows_per_chunk weight
+    rows (whole tiles; default: DEQUANTIZED_CHUNK_BYTES of them), one BLAS matmul per chunk: the
+    prefill path, which never holds more of the dense weight than one chunk."""
+    return dequantized_product(x, cpu_operands(w) if operands is None else operands, rows_per_chunk, threads)

@@ -33,14 +33,20 @@ GPU_MAX_TOKENS = 8
 
 
 class FastQuantizedLinear(nn.Module):
-    """y = x W^T + b with W held as AQLM codes. forward(x [..., in]) -> [..., out] in x's dtype."""
+    """y = x W^T + b with W held as AQLM codes. forward(x [..., in]) -> [..., out] in x's dtype.
+
+    On the CPU the codes are held tiled for the CPU kernels (cpu_kernels.tile_codes: the same
+    bytes, reordered); on a GPU row-major [out, G, M] as QuantizedWeights has them. A move between
+    devices converts them, so there is always one copy."""
 
     def __init__(self, w: QuantizedWeights):
         super().__init__()
         self.in_features = w.in_features
         self.out_features = w.out_features
         self.nbits = w.nbits
-        self.register_buffer("codes", w.codes)
+        self.num_codebooks = w.num_codebooks
+        self.tiled = w.codes.device.type == "cpu"
+        self.register_buffer("codes", cpu_kernels.tile_codes(w.codes, w.nbits) if self.tiled else w.codes)
         self.register_buffer("codebooks", w.codebooks)
         self.register_buffer("scales", w.scales)
         self.register_buffer("bias", w.bias)
@@ -48,8 +54,10 @@ class FastQuantizedLinear(nn.Module):
 
     @property
     def weights(self) -> QuantizedWeights:
-        return QuantizedWeights(codes=self.codes, codebooks=self.codebooks, scales=self.scales,
-                                bias=self.bias, nbits=self.nbits)
+        """The layer as QuantizedWeights (row-major codes: a copy where they are held tiled)."""
+        codes = cpu_kernels.untile_codes(self.codes, self.num_codebooks) if self.tiled else self.codes
+        return QuantizedWeights(codes=codes, codebooks=self.codebooks, scales=self.scales, bias=self.bias,
+                                nbits=self.nbits)
 
     def quantized_weights(self) -> QuantizedWeights:
         """What decode.fuse_projections packs into one kernel launch on CUDA."""
@@ -57,15 +65,23 @@ class FastQuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"codebooks={self.codes.shape[-1]}x{self.nbits}bit, group={self.codebooks.shape[-1]}")
+                f"codebooks={self.num_codebooks}x{self.nbits}bit, group={self.codebooks.shape[-1]}, "
+                f"codes {'tiled' if self.tiled else 'row-major'}")
 
     def _apply(self, fn, recurse=True):
         self._cpu_operands = None  # a move or cast replaces the buffers the operands view
-        return super()._apply(fn, recurse)
+        result = super()._apply(fn, recurse)
+        on_cpu = self.codes.device.type == "cpu"
+        if on_cpu != self.tiled:  # moved between the CPU and a GPU: the layout of the new device
+            self.codes = (cpu_kernels.tile_codes(self.codes, self.nbits) if on_cpu
+                          else cpu_kernels.untile_codes(self.codes, self.num_codebooks))
+            self.tiled = on_cpu
+        return result
 
     def cpu_operands(self) -> cpu_kernels.CpuOperands:
         if self._cpu_operands is None:
-            self._cpu_operands = cpu_kernels.cpu_operands(self.weights)
+            self._cpu_operands = cpu_kernels.operands_from_tiled(self.codes, self.codebooks, self.scales, self.bias,
+                                                                 self.nbits)
         return self._cpu_operands
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,9 +90,9 @@ class FastQuantizedLinear(nn.Module):
         tokens = flat.shape[0]
         if flat.device.type == "cpu":
             if tokens <= LUT_MAX_TOKENS and self.nbits <= LUT_MAX_NBITS:
-                out = cpu_kernels.lut_matmul(flat, self.weights, operands=self.cpu_operands())
+                out = cpu_kernels.lut_product(flat, self.cpu_operands())
             else:
-                out = cpu_kernels.dequantized_matmul(flat, self.weights, operands=self.cpu_operands())
+                out = cpu_kernels.dequantized_product(flat, self.cpu_operands())
         elif flat.device.type == "cuda" and tokens <= GPU_MAX_TOKENS:
             from aqflow.inference.gpu_kernels import quantized_matmul  # Triton: imported where CUDA runs
 

@@ -11,10 +11,12 @@ model and its compressed variants are timed by the same harness.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import traceback
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -96,3 +98,31 @@ def torch_threads(threads: int | None) -> Iterator[None]:
             yield
     finally:
         torch.set_num_threads(before)
+
+
+def _child_main(connection, function: Callable[..., Any], args: tuple) -> None:
+    try:
+        connection.send(("ok", function(*args)))
+    except BaseException:  # noqa: BLE001 - the parent raises it, with this traceback
+        connection.send(("error", traceback.format_exc()))
+    finally:
+        connection.close()
+
+
+def call_in_child(function: Callable[..., Any], *args: Any, what: str = "a measurement") -> Any:
+    """function(*args) in a fresh spawned process (its peak memory and thread pools its own); the
+    result must pickle. A failure in the child raises RuntimeError with the child's traceback."""
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_child_main, args=(sender, function, args))
+    child.start()
+    sender.close()
+    try:
+        status, payload = receiver.recv()
+    except EOFError:
+        child.join()
+        raise RuntimeError(f"{what}: the child process died (exit code {child.exitcode}); out of memory?") from None
+    child.join()
+    if status != "ok":
+        raise RuntimeError(f"{what} failed in a child process:\n{payload}")
+    return payload

@@ -20,19 +20,17 @@ the device's name, the thread count and the versions; it is written atomically.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import platform
 import resource
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from aqflow.inference.runtime import (
-    PATHS, decoding_context, disk_weight_bytes, is_aqlm_folder, load_for_decoding, resident_weight_bytes,
+    PATHS, call_in_child, decoding_context, disk_weight_bytes, is_aqlm_folder, load_for_decoding, resident_weight_bytes,
     resolve_dtype, torch_threads,
 )
 from aqflow.io import artifacts
@@ -139,32 +137,9 @@ def measure(model_dir: str, device: str, dtype: str, path: str, settings: dict) 
     return result
 
 
-def _measure_child(connection, *args) -> None:
-    try:
-        connection.send(("ok", measure(*args)))
-    except BaseException:  # noqa: BLE001 - the parent re-raises it with the child's traceback
-        connection.send(("error", traceback.format_exc()))
-    finally:
-        connection.close()
-
-
 def measure_in_child(model_dir: Path, device: str, dtype: str, path: str, settings: dict) -> dict:
     """`measure` in a fresh spawned process: its peak memory is this path's alone."""
-    context = multiprocessing.get_context("spawn")
-    receiver, sender = context.Pipe(duplex=False)
-    child = context.Process(target=_measure_child, args=(sender, str(model_dir), device, dtype, path, settings))
-    child.start()
-    sender.close()
-    try:
-        status, payload = receiver.recv()
-    except EOFError:
-        child.join()
-        raise RuntimeError(f"speed: the child measuring the {path} path died (exit code {child.exitcode}); "
-                           "out of memory?") from None
-    child.join()
-    if status != "ok":
-        raise RuntimeError(f"speed: measuring the {path} path failed in its child:\n{payload}")
-    return payload
+    return call_in_child(measure, str(model_dir), device, dtype, path, settings, what=f"measuring the {path} path")
 
 
 def versions() -> dict:
