@@ -39,6 +39,7 @@ processes load the cache (~1 s).
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -96,19 +97,29 @@ def untile_codes(tiled: torch.Tensor, num_codebooks: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class CpuOperands:
+class CpuOperands:  # noqa: PLW1641 (cached properties need a __dict__: not slotted)
     """A layer's tensors as the kernels read them (numpy arrays sharing the torch tensors' memory).
 
-    codes [out/R, G*M/C, R, C] uint8 or int32 (tile_codes), codebooks_t [M, g, K] float32
-    (transposed so the table build runs along K), codebooks [M, K, g] float32, scales [out]
-    float32, bias [out] float32 or None."""
+    codes [out/R, G*M/C, R, C] uint8 or int32 (tile_codes), codebooks_cat [g, M*K] float32 torch
+    (codebooks side by side: x[group] @ codebooks_cat is the group's M tables), codebooks
+    [M, K, g] float32, scales [out] float32, bias [out] float32 or None."""
 
     codes: np.ndarray
-    codebooks_t: np.ndarray
+    codebooks_cat: torch.Tensor
     codebooks: np.ndarray
     scales: np.ndarray
     bias: np.ndarray | None
     nbits: int
+
+    @functools.cached_property
+    def bias_or_scales(self) -> np.ndarray:
+        """What the kernels take for bias (an array of the right type; read only where there is a bias)."""
+        return self.scales if self.bias is None else self.bias
+
+    @functools.cached_property
+    def one_pass_tokens(self) -> int:
+        """The most tokens whose tables one pass holds (TABLE_PASS_BYTES)."""
+        return TABLE_PASS_BYTES // ((4 << self.nbits) * self.code_columns)
 
     @property
     def out_features(self) -> int:
@@ -119,8 +130,16 @@ class CpuOperands:
         return self.codes.shape[1] * self.codes.shape[3]
 
     @property
+    def num_codebooks(self) -> int:
+        return self.codebooks.shape[0]
+
+    @property
+    def group_size(self) -> int:
+        return self.codebooks.shape[2]
+
+    @property
     def in_features(self) -> int:
-        return self.code_columns // self.codebooks.shape[0] * self.codebooks.shape[2]
+        return self.code_columns // self.num_codebooks * self.group_size
 
 
 def operands_from_tiled(tiled: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
@@ -135,7 +154,7 @@ def operands_from_tiled(tiled: torch.Tensor, codebooks: torch.Tensor, scales: to
     codebook_f32 = codebooks.detach().to(torch.float32).contiguous()
     return CpuOperands(
         codes=tiled.contiguous().numpy(),
-        codebooks_t=codebook_f32.permute(0, 2, 1).contiguous().numpy(),
+        codebooks_cat=codebook_f32.permute(2, 0, 1).reshape(codebook_f32.shape[2], -1).contiguous(),
         codebooks=codebook_f32.numpy(),
         scales=scales.detach().to(torch.float32).contiguous().numpy(),
         bias=None if bias is None else bias.detach().to(torch.float32).contiguous().numpy(),
@@ -169,29 +188,6 @@ def numba_threads(threads: int | None) -> Iterator[None]:
 
 
 # --- lookup-table product ---------------------------------------------------------------------
-
-@njit(fastmath=True, cache=True)
-def _build_table_units(x, codebooks_t, column_start, column_stop, tables, first_unit, last_unit):
-    """tables[t, (i - column_start)*K + k] = x[t, group(i)] . codebooks[m(i), k] for the units
-    (t, i) numbered t*(stop-start) + (i - start) in [first_unit, last_unit), code columns
-    i in [column_start, column_stop) (column i = j*M + m).
-
-    x [T, in] f32, codebooks_t [M, g, K] f32, tables [T, >= (stop-start)*K] f32 (overwritten)."""
-    num_codebooks, group_size, codewords = codebooks_t.shape
-    columns = column_stop - column_start
-    for unit in range(first_unit, last_unit):
-        t = unit // columns
-        local = unit - t * columns
-        column = column_start + local
-        group = column // num_codebooks
-        codebook = column - group * num_codebooks
-        row = tables[t, local * codewords:(local + 1) * codewords]
-        row[:] = 0
-        for d in range(group_size):
-            xd = x[t, group * group_size + d]
-            for k in range(codewords):
-                row[k] += xd * codebooks_t[codebook, d, k]
-
 
 @njit(fastmath=True, cache=True)
 def _table_row_sum(table, row_codes, nbits):
@@ -237,43 +233,38 @@ def _gather_tiles(tables, tiled, nbits, first_slice, last_slice, pass_slice, fir
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _lut_matmul_parallel(x, codebooks_t, tiled, scales, bias, has_bias, nbits, pass_slices, blocks, build_chunks):
-    """The lookup-table product on numba's threads. Per table pass (pass_slices slices of code
-    columns): the table built in build_chunks chunks of units, then the output in `blocks` blocks
-    of whole tiles (a thread writes only its own rows: no two threads add into one output); scales
-    and bias applied by the last pass. Two parallel regions per pass: each start wakes the pool.
+def _gather_parallel(tables, tiled, nbits, first_slice, last_slice, out, scales, bias, has_bias, finish, blocks):
+    """_gather_tiles over all tiles on numba's threads, in `blocks` blocks of whole tiles (a thread
+    writes only its own rows: no two threads add into one output). tables hold slices
+    first_slice.. (see _gather_tiles)."""
+    tiles = tiled.shape[0]
+    for block in prange(blocks):
+        _gather_tiles(tables, tiled, nbits, first_slice, last_slice, first_slice, block * tiles // blocks,
+                      (block + 1) * tiles // blocks, out, scales, bias, has_bias, finish)
 
-    x [T, in] f32, codebooks_t [M, g, K] f32, tiled [out/R, G*M/C, R, C], scales [out] f32, bias
-    [out] f32 (read only if has_bias) -> [T, out] f32."""
-    tokens = x.shape[0]
-    tiles, slices, rows, columns = tiled.shape
-    tables = np.empty((tokens, (pass_slices * columns) << nbits), dtype=np.float32)
-    out = np.zeros((tokens, tiles * rows), dtype=np.float32)
-    for first in range(0, slices, pass_slices):
-        last = min(slices, first + pass_slices)
-        units = tokens * (last - first) * columns
-        chunks = min(units, build_chunks)
-        for chunk in prange(chunks):
-            _build_table_units(x, codebooks_t, first * columns, last * columns, tables,
-                               chunk * units // chunks, (chunk + 1) * units // chunks)
-        for block in prange(blocks):
-            _gather_tiles(tables, tiled, nbits, first, last, first, block * tiles // blocks,
-                          (block + 1) * tiles // blocks, out, scales, bias, has_bias, last == slices)
+
+@njit(fastmath=True, cache=True)
+def _gather_serial(tables, tiled, nbits, first_slice, last_slice, out, scales, bias, has_bias, finish):
+    """_gather_parallel on the calling thread alone (small products): the same arithmetic per row."""
+    _gather_tiles(tables, tiled, nbits, first_slice, last_slice, first_slice, 0, tiled.shape[0], out, scales, bias,
+                  has_bias, finish)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _lut_one_pass_parallel(tables, tokens, tiled, nbits, scales, bias, has_bias, blocks):
+    """The product from the tables of every code column at once ([T*G, M*K], as one BLAS product
+    gives them), on numba's threads in `blocks` blocks of tiles -> [T, out] f32."""
+    out = np.zeros((tokens, tiled.shape[0] * tiled.shape[2]), dtype=np.float32)
+    _gather_parallel(tables.reshape((tokens, -1)), tiled, nbits, 0, tiled.shape[1], out, scales, bias, has_bias,
+                     True, blocks)
     return out
 
 
 @njit(fastmath=True, cache=True)
-def _lut_matmul_serial(x, codebooks_t, tiled, scales, bias, has_bias, nbits, pass_slices):
-    """_lut_matmul_parallel on the calling thread alone (small products). Same arguments and
-    result, bitwise (the same arithmetic per row)."""
-    tokens = x.shape[0]
-    tiles, slices, rows, columns = tiled.shape
-    tables = np.empty((tokens, (pass_slices * columns) << nbits), dtype=np.float32)
-    out = np.zeros((tokens, tiles * rows), dtype=np.float32)
-    for first in range(0, slices, pass_slices):
-        last = min(slices, first + pass_slices)
-        _build_table_units(x, codebooks_t, first * columns, last * columns, tables, 0, tokens * (last - first) * columns)
-        _gather_tiles(tables, tiled, nbits, first, last, first, 0, tiles, out, scales, bias, has_bias, last == slices)
+def _lut_one_pass_serial(tables, tokens, tiled, nbits, scales, bias, has_bias):
+    """_lut_one_pass_parallel on the calling thread alone."""
+    out = np.zeros((tokens, tiled.shape[0] * tiled.shape[2]), dtype=np.float32)
+    _gather_serial(tables.reshape((tokens, -1)), tiled, nbits, 0, tiled.shape[1], out, scales, bias, has_bias, True)
     return out
 
 
@@ -284,26 +275,70 @@ def pass_slices(tokens: int, operands: CpuOperands, table_pass_bytes: int = TABL
     return max(1, min(operands.codes.shape[1], table_pass_bytes // slice_bytes))
 
 
-def lut_matmul_operands(x: np.ndarray, operands: CpuOperands, table_pass_bytes: int = TABLE_PASS_BYTES) -> np.ndarray:
-    """`lut_matmul` on prepared operands: x [T, in] float32 (C-contiguous) -> [T, out] float32."""
+def build_tables(x: torch.Tensor, operands: CpuOperands, first_column: int, last_column: int) -> np.ndarray:
+    """The tables of code columns [first_column, last_column): [T, (last-first)*K] float32 with
+    tables[t, (i - first)*K + k] = x[t, group(i)] . codebooks[m(i), k] (column i = j*M + m).
+
+    One BLAS product of the groups' inputs [T*groups, g] with the codebooks side by side [g, M*K]
+    (3-6x faster than a numba loop for g = 8: an inner dimension LLVM does not vectorise well)."""
+    tokens = x.shape[0]
+    num_codebooks, group_size, codewords = operands.num_codebooks, operands.group_size, 1 << operands.nbits
+    first_group, last_group = first_column // num_codebooks, -(-last_column // num_codebooks)
+    groups = x.view(tokens, -1, group_size)[:, first_group:last_group].reshape(-1, group_size)
+    tables = torch.mm(groups, operands.codebooks_cat).view(tokens, -1)
+    offset = (first_column - first_group * num_codebooks) * codewords
+    if offset or last_group * num_codebooks != last_column:  # a pass boundary inside a group
+        tables = tables[:, offset:offset + (last_column - first_column) * codewords].contiguous()
+    return tables.numpy()
+
+
+def lut_matmul_operands(x: np.ndarray | torch.Tensor, operands: CpuOperands,
+                        table_pass_bytes: int = TABLE_PASS_BYTES) -> np.ndarray:
+    """`lut_matmul` on prepared operands: x [T, in] float32 -> [T, out] float32. Tables are built
+    and consumed in passes of at most table_pass_bytes (one pass unless codebooks are large)."""
+    x = torch.as_tensor(x)
     if x.ndim != 2 or x.shape[1] != operands.in_features:
-        raise ValueError(f"x {x.shape}: expected [tokens, {operands.in_features}]")
+        raise ValueError(f"x {tuple(x.shape)}: expected [tokens, {operands.in_features}]")
+    x = x.to(torch.float32).contiguous()
+    tokens = x.shape[0]
+    tiles, slices, _, columns = operands.codes.shape
     has_bias = operands.bias is not None
-    arguments = (x, operands.codebooks_t, operands.codes, operands.scales,
-                 operands.bias if has_bias else operands.scales, has_bias, operands.nbits,
-                 pass_slices(x.shape[0], operands, table_pass_bytes))
+    bias = operands.bias if has_bias else operands.scales
     threads = numba.get_num_threads()
-    if x.shape[0] * operands.codes.size < PARALLEL_MIN_LOADS or threads == 1:
-        return _lut_matmul_serial(*arguments)
-    # one block of tiles per thread: the fewer blocks, the fewer times the table is read into L1
-    return _lut_matmul_parallel(*arguments, min(threads, operands.codes.shape[0]), 4 * threads)
+    serial = tokens * operands.codes.size < PARALLEL_MIN_LOADS or threads == 1
+    per_pass = pass_slices(tokens, operands, table_pass_bytes)
+    out = np.zeros((tokens, operands.out_features), dtype=np.float32)
+    for first in range(0, slices, per_pass):
+        last = min(slices, first + per_pass)
+        tables = build_tables(x, operands, first * columns, last * columns)
+        arguments = (tables, operands.codes, operands.nbits, first, last, out, operands.scales, bias, has_bias,
+                     last == slices)
+        if serial:
+            _gather_serial(*arguments)
+        else:  # one block of tiles per thread: the fewer blocks, the fewer times a table slice is loaded
+            _gather_parallel(*arguments, min(threads, tiles))
+    return out
 
 
 def lut_product(x: torch.Tensor, operands: CpuOperands, threads: int | None = None) -> torch.Tensor:
-    """x [T, in] -> [T, out] float32 through lookup tables, on prepared operands."""
-    x32 = np.ascontiguousarray(x.detach().to(torch.float32).numpy())
-    with numba_threads(threads):
-        return torch.from_numpy(lut_matmul_operands(x32, operands))
+    """x [T, in] -> [T, out] float32 through lookup tables, on prepared operands. The path a decode
+    step takes ~200 times per token (SmolLM2): tables of one pass in one BLAS call, then one numba
+    call; ~10 us of Python around them."""
+    if threads is not None:
+        with numba_threads(threads):
+            return lut_product(x, operands)
+    x = x.detach()
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.to(torch.float32).contiguous()
+    tokens = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != operands.in_features or tokens > operands.one_pass_tokens:
+        return torch.from_numpy(lut_matmul_operands(x, operands))  # checks, or passes of tables
+    tables = torch.mm(x.view(-1, operands.group_size), operands.codebooks_cat).numpy()
+    arguments = (tables, tokens, operands.codes, operands.nbits, operands.scales, operands.bias_or_scales,
+                 operands.bias is not None)
+    if tokens * operands.codes.size < PARALLEL_MIN_LOADS or (threads := numba.get_num_threads()) == 1:
+        return torch.from_numpy(_lut_one_pass_serial(*arguments))
+    return torch.from_numpy(_lut_one_pass_parallel(*arguments, min(threads, operands.codes.shape[0])))
 
 
 def lut_matmul(x: torch.Tensor, w: QuantizedWeights, threads: int | None = None, *,

@@ -85,14 +85,14 @@ class FastQuantizedLinear(nn.Module):
         return self._cpu_operands
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        leading = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         tokens = flat.shape[0]
         if flat.device.type == "cpu":
+            operands = self._cpu_operands or self.cpu_operands()
             if tokens <= LUT_MAX_TOKENS and self.nbits <= LUT_MAX_NBITS:
-                out = cpu_kernels.lut_product(flat, self.cpu_operands())
+                out = cpu_kernels.lut_product(flat, operands)
             else:
-                out = cpu_kernels.dequantized_product(flat, self.cpu_operands())
+                out = cpu_kernels.dequantized_product(flat, operands)
         elif flat.device.type == "cuda" and tokens <= GPU_MAX_TOKENS:
             from aqflow.inference.gpu_kernels import quantized_matmul  # Triton: imported where CUDA runs
 
@@ -101,7 +101,9 @@ class FastQuantizedLinear(nn.Module):
             weights = self.weights
             out = nn.functional.linear(flat, dense_weight(weights).to(flat.dtype),
                                        None if weights.bias is None else weights.bias.to(flat.dtype))
-        return out.to(x.dtype).reshape(*leading, self.out_features)
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 def install_fast_linears(model: nn.Module) -> list[str]:
