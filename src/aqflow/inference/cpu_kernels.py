@@ -359,26 +359,77 @@ def _dequantize_tiles(tiled, codebooks, scales, first_tile, dense):
     """The dense rows of tiles first_tile.. (dense.shape[0] / R of them):
     dense[r, j*g:(j+1)*g] = scales[row] * sum_m codebooks[m, code of (row, j, m)], row = first_tile*R + r.
 
-    tiled [out/R, G*M/C, R, C], codebooks [M, K, g] f32, scales [out] f32, dense [rows, G*g] f32."""
-    num_codebooks, _, group_size = codebooks.shape
+    tiled [out/R, G*M/C, R, C], codebooks [M, K, g] f32, scales [out] f32, dense [rows, G*g] f32.
+    A row's codes are walked in column order (j, m) with counters (no divisions per code)."""
+    num_codebooks, codewords, group_size = codebooks.shape
     slices, rows, columns = tiled.shape[1], tiled.shape[2], tiled.shape[3]
+    flat = codebooks.reshape(-1)
     for local in prange(dense.shape[0]):
         tile = first_tile + local // rows
-        r = local - (local // rows) * rows
+        r = local % rows
         target = dense[local]
-        target[:] = 0
-        for s in range(slices):
-            codes = tiled[tile, s, r]
-            for c in range(columns):
-                column = s * columns + c
-                group = column // num_codebooks
-                codeword = codebooks[column - group * num_codebooks, codes[c]]
-                base = group * group_size
-                for d in range(group_size):
-                    target[base + d] += codeword[d]
         scale = scales[tile * rows + r]
-        for i in range(target.shape[0]):
-            target[i] *= scale
+        group = 0
+        codebook = 0
+        for s in range(slices):
+            for c in range(columns):
+                source = (codebook * codewords + tiled[tile, s, r, c]) * group_size
+                base = group * group_size
+                if codebook == 0:
+                    for d in range(group_size):
+                        target[base + d] = flat[source + d]
+                else:
+                    for d in range(group_size):
+                        target[base + d] += flat[source + d]
+                codebook += 1
+                if codebook == num_codebooks:
+                    for d in range(group_size):
+                        target[base + d] *= scale
+                    codebook = 0
+                    group += 1
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _dequantize_tiles_g8(tiled, codebooks, scales, first_tile, dense):
+    """_dequantize_tiles for groups of 8 (the 2x8 and 3x8 geometries): a group's 8 sums kept in
+    scalars and stored once, which LLVM can keep in registers (stores into `dense` may alias the
+    codebooks as far as it knows, so an array accumulator is reloaded per code): ~4x faster."""
+    num_codebooks, codewords, _ = codebooks.shape
+    slices, rows, columns = tiled.shape[1], tiled.shape[2], tiled.shape[3]
+    flat = codebooks.reshape(-1)
+    for local in prange(dense.shape[0]):
+        tile = first_tile + local // rows
+        r = local % rows
+        target = dense[local]
+        scale = scales[tile * rows + r]
+        group = 0
+        codebook = 0
+        v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
+        for s in range(slices):
+            for c in range(columns):
+                source = (codebook * codewords + tiled[tile, s, r, c]) * 8
+                v0 += flat[source]
+                v1 += flat[source + 1]
+                v2 += flat[source + 2]
+                v3 += flat[source + 3]
+                v4 += flat[source + 4]
+                v5 += flat[source + 5]
+                v6 += flat[source + 6]
+                v7 += flat[source + 7]
+                codebook += 1
+                if codebook == num_codebooks:
+                    base = group * 8
+                    target[base] = v0 * scale
+                    target[base + 1] = v1 * scale
+                    target[base + 2] = v2 * scale
+                    target[base + 3] = v3 * scale
+                    target[base + 4] = v4 * scale
+                    target[base + 5] = v5 * scale
+                    target[base + 6] = v6 * scale
+                    target[base + 7] = v7 * scale
+                    v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
+                    codebook = 0
+                    group += 1
 
 
 def dequantized_tiles_per_chunk(operands: CpuOperands, chunk_bytes: int = DEQUANTIZED_CHUNK_BYTES) -> int:
@@ -396,11 +447,12 @@ def dequantized_product(x: torch.Tensor, operands: CpuOperands, rows_per_chunk: 
     per_chunk = (max(1, rows_per_chunk // tile_rows) if rows_per_chunk else dequantized_tiles_per_chunk(operands))
     out = torch.empty(x32.shape[0], operands.out_features, dtype=torch.float32)
     chunk = np.empty((min(per_chunk, tiles) * tile_rows, operands.in_features), dtype=np.float32)
+    dequantize = _dequantize_tiles_g8 if operands.group_size == 8 else _dequantize_tiles
     with numba_threads(threads):
         for first in range(0, tiles, per_chunk):
             count = min(per_chunk, tiles - first)
             dense = chunk[:count * tile_rows]
-            _dequantize_tiles(operands.codes, operands.codebooks, operands.scales, first, dense)
+            dequantize(operands.codes, operands.codebooks, operands.scales, first, dense)
             out[:, first * tile_rows:(first + count) * tile_rows] = x32 @ torch.from_numpy(dense).T
     if operands.bias is not None:
         out += torch.from_numpy(operands.bias)
