@@ -13,7 +13,8 @@ whole models, on all cores.
     LUT_MAX_TOKENS).
 (b) decode: a Llama-3.2-3B-shaped model with seeded random weights (random codes: speed does not
     depend on their values), batch 1, --prompt-tokens then --new-tokens greedy tokens through
-    aqflow.inference.decode.greedy_decode (a static KV cache; a warm-up decode first): dense
+    aqflow.inference.decode.greedy_decode (a static KV cache; a warm-up decode first; the fastest
+    of --repeats decodes): dense
     float32, dense bfloat16, 2x8 through FastQuantizedLinear (unquantized parts in bfloat16, and in
     float32), and aqlm's own numba kernel (one thread: it races with more; float32, its only
     dtype) unless --no-aqlm-kernel. Each in a fresh process: weight bytes as held and the process's
@@ -22,6 +23,11 @@ whole models, on all cores.
     stage's measurement (aqflow.stages.speed.measure): fp in float32 and bfloat16, the checkpoint
     through the fast path (float32 and bfloat16 for its unquantized parts) and plain
     transformers + aqlm.
+
+(d) with --checkpoint and --eval-windows: evaluate's perplexity over random windows of the
+    checkpoint through `evaluation.cpu_kernel` dense (AQLM layers dequantized once after loading)
+    and fast (FastQuantizedLinear: rows dequantized a chunk at a time per forward), seconds and
+    memory held, each in a fresh process.
 
 Prints a table last; --out writes everything as JSON.
 """
@@ -51,6 +57,16 @@ def linear_shapes(shape: dict) -> dict[str, tuple[int, int]]:
     kv = shape["num_key_value_heads"] * shape["head_dim"]
     return {"q_proj/o_proj": (hidden, shape["num_attention_heads"] * shape["head_dim"]), "k_proj/v_proj": (hidden, kv),
             "gate_proj/up_proj": (hidden, mlp), "down_proj": (mlp, hidden)}
+
+
+def openmp_libraries() -> list[str]:
+    """The OpenMP runtimes loaded in this process (torch's and numba's threads come from these: two
+    different runtimes mean two thread pools, each spinning after its parallel regions)."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return []
+    names = {line.split()[-1] for line in maps.read_text().splitlines() if line.split()[-1].startswith("/")}
+    return sorted(name for name in names if any(tag in Path(name).name for tag in ("gomp", "iomp", "libomp", "tbb")))
 
 
 def last_level_cache_bytes() -> int:
@@ -202,12 +218,13 @@ def _aqlm_linear(w):
     return layer.requires_grad_(False)
 
 
-def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int, new_tokens: int, threads: int) -> dict:
+def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int, new_tokens: int, threads: int,
+                 repeats: int) -> dict:
     """Build one variant and time its batch-1 decode, in this (fresh) process."""
     from aqflow.inference.cpu_kernels import numba_threads
     from aqflow.inference.decode import greedy_decode
     from aqflow.inference.runtime import resident_weight_bytes
-    from aqflow.stages.speed import peak_rss_bytes, random_prompt
+    from aqflow.stages.speed import peak_rss_bytes, random_prompt, timed_decode
 
     dtype = getattr(torch, dtype_name)
     torch.set_num_threads(threads)
@@ -220,15 +237,29 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
         started = time.perf_counter()
         greedy_decode(model, random_prompt(LLAMA_3B["vocab_size"], prompt_tokens, 1), 2)  # compile, caches
         warmup_seconds = time.perf_counter() - started
-        _, timings = greedy_decode(model, random_prompt(LLAMA_3B["vocab_size"], prompt_tokens, 0), new_tokens)
+        runs, cpu_rates = zip(*[timed_decode(model, random_prompt(LLAMA_3B["vocab_size"], prompt_tokens, 0), new_tokens,
+                                             None, True) for _ in range(repeats)])
+    timings = max(runs, key=lambda run: run.decode_tokens_per_second)
     return {"variant": variant, "dtype": dtype_name, "linears": linears, "threads": threads,
+            "openmp_libraries": openmp_libraries(), "numba_threading_layer": _numba_layer(),
             "numba_threads": numba_count, "build_seconds": build_seconds, "warmup_seconds": warmup_seconds,
             "decode_tokens_per_second": timings.decode_tokens_per_second,
+            "decode_tokens_per_second_runs": [run.decode_tokens_per_second for run in runs],
+            "decode_tokens_per_cpu_second": max(cpu_rates), "decode_tokens_per_cpu_second_runs": list(cpu_rates),
             "prefill_tokens_per_second": timings.prefill_tokens_per_second,
             "decode": {"prompt_tokens": timings.prompt_tokens, "timed_steps": timings.timed_steps,
                        "decode_seconds": timings.decode_seconds},
             "resident_weight_bytes": resident_weight_bytes(model), "peak_rss_bytes": peak_rss_bytes(),
             "rss_before_build_bytes": rss_before}
+
+
+def _numba_layer() -> str | None:
+    import numba
+
+    try:
+        return numba.threading_layer()
+    except ValueError:  # no parallel region has run in this process
+        return None
 
 
 DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears)
@@ -248,7 +279,8 @@ def decode_rows(args, threads: int) -> list[dict]:
         if linears == "aqlm" and not args.aqlm_kernel:
             continue
         new_tokens = args.aqlm_new_tokens if linears == "aqlm" else args.new_tokens
-        row = call_in_child(decode_child, name, dtype, linears, args.prompt_tokens, new_tokens, threads, what=name)
+        repeats = 1 if linears == "aqlm" else args.repeats
+        row = call_in_child(decode_child, name, dtype, linears, args.prompt_tokens, new_tokens, threads, repeats, what=name)
         rows.append(row)
         print(f"  {name:28s} {row['decode_tokens_per_second']:7.2f} tokens/s, weights "
               f"{row['resident_weight_bytes'] / 2**30:6.2f} GiB, peak RSS {row['peak_rss_bytes'] / 2**30:6.2f} GiB", flush=True)
@@ -262,7 +294,7 @@ def checkpoint_rows(args, threads: int) -> list[dict]:
     from aqflow.stages.speed import measure
 
     settings = {"threads": threads, "prompt_tokens": args.prompt_tokens, "new_tokens": args.smol_new_tokens,
-                "warmup_tokens": 4, "prefill_tokens": args.prefill_tokens, "seed": 0}
+                "warmup_tokens": 4, "prefill_tokens": args.prefill_tokens, "seed": 0, "repeats": args.repeats}
     runs = [("fp16 source, float32", args.fp, "float32", "fast"), ("fp16 source, bfloat16", args.fp, "bfloat16", "fast"),
             ("2 bpp, fast, float32 rest", args.checkpoint, "float32", "fast"),
             ("2 bpp, fast, bfloat16 rest", args.checkpoint, "bfloat16", "fast"),
@@ -276,6 +308,43 @@ def checkpoint_rows(args, threads: int) -> list[dict]:
         rows.append(row)
         print(f"  {name:28s} {row['decode_tokens_per_second']:7.2f} tokens/s, weights "
               f"{row['resident_weight_bytes'] / 2**20:7.1f} MiB, peak RSS {row['peak_memory_bytes'] / 2**20:7.0f} MiB", flush=True)
+    return rows
+
+
+# --- (d) evaluation through each CPU kernel choice ------------------------------------------------
+
+def evaluation_child(model_dir: str, kernel: str, windows: int, context: int, batch_size: int, threads: int) -> dict:
+    """Perplexity of seeded random windows through evaluate's model loading with cpu_kernel
+    `kernel`, in this (fresh) process: seconds, the value (equal across kernels up to float
+    rounding) and the memory held."""
+    from aqflow.evaluation.perplexity import perplexity
+    from aqflow.inference.runtime import resident_weight_bytes
+    from aqflow.stages.evaluate import load_model
+    from aqflow.stages.speed import peak_rss_bytes
+
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    model = load_model(Path(model_dir), "float32", "cpu", cpu_kernel=kernel)
+    load_seconds = time.perf_counter() - started
+    ids = torch.randint(0, model.config.vocab_size, (windows, context), generator=torch.Generator().manual_seed(0))
+    perplexity(model, ids[:1, :16], progress=False)  # warm-up: kernels compiled or loaded from the cache
+    started = time.perf_counter()
+    value = perplexity(model, ids, batch_size=batch_size, progress=False)
+    return {"kernel": kernel, "load_seconds": load_seconds, "perplexity_seconds": time.perf_counter() - started,
+            "perplexity": value, "tokens": windows * context, "resident_weight_bytes": resident_weight_bytes(model),
+            "peak_rss_bytes": peak_rss_bytes(), "threads": threads}
+
+
+def evaluation_rows(args, threads: int) -> list[dict]:
+    from aqflow.inference.runtime import call_in_child
+
+    rows = []
+    for kernel in ("dense", "fast"):
+        row = call_in_child(evaluation_child, str(args.checkpoint), kernel, args.eval_windows, args.eval_context,
+                            args.eval_batch_size, threads, what=f"evaluation through {kernel}")
+        rows.append(row)
+        print(f"  cpu_kernel {kernel:6s} {row['perplexity_seconds']:7.2f} s for {row['tokens']} tokens, perplexity "
+              f"{row['perplexity']:.4f}, weights {row['resident_weight_bytes'] / 2**20:.1f} MiB", flush=True)
     return rows
 
 
@@ -293,8 +362,9 @@ def machine() -> dict:
             "aqlm": version("aqlm")}
 
 
-def speedup(rows: list[dict], fast: str, dense: tuple[str, ...]) -> float | None:
-    by_name = {row["variant"]: row["decode_tokens_per_second"] for row in rows}
+def speedup(rows: list[dict], fast: str, dense: tuple[str, ...], key: str = "decode_tokens_per_second") -> float | None:
+    """Decode tokens/s of `fast` over the best of `dense` (by `key`)."""
+    by_name = {row["variant"]: row[key] for row in rows}
     best = max((by_name[name] for name in dense if name in by_name), default=None)
     return by_name[fast] / best if best and fast in by_name else None
 
@@ -312,12 +382,19 @@ def table(record: dict) -> str:
                              ("smollm2", "SmolLM2-135M checkpoint, batch-1 decode", 2**20)):
         if record.get(key):
             suffix = "GiB" if unit == 2**30 else "MiB"
-            lines.append(f"{title:36s} {'tokens/s':>9s} {'weights ' + suffix:>12s} {'peak RSS ' + suffix:>13s}")
+            lines.append(f"{title:36s} {'tokens/s':>9s} {'tok/CPU-s':>9s} {'weights ' + suffix:>12s} "
+                         f"{'peak RSS ' + suffix:>13s}")
             for r in record[key]:
                 peak = r.get("peak_rss_bytes", r.get("peak_memory_bytes"))
-                lines.append(f"{r['variant']:36s} {r['decode_tokens_per_second']:9.2f} {r['resident_weight_bytes'] / unit:12.2f} "
-                             f"{peak / unit:13.2f}")
-    for key in ("cpu_decode_speedup_3b", "cpu_resident_fraction_of_bf16_3b", "smollm2_decode_speedup_over_fp16_source"):
+                lines.append(f"{r['variant']:36s} {r['decode_tokens_per_second']:9.2f} {r['decode_tokens_per_cpu_second']:9.2f} "
+                             f"{r['resident_weight_bytes'] / unit:12.2f} {peak / unit:13.2f}")
+    if record.get("evaluation"):
+        lines.append(f"{'evaluation of the checkpoint (perplexity)':44s} {'seconds':>8s} {'perplexity':>11s} {'weights MiB':>12s}")
+        for r in record["evaluation"]:
+            lines.append(f"{'cpu_kernel ' + r['kernel']:44s} {r['perplexity_seconds']:8.2f} {r['perplexity']:11.4f} "
+                         f"{r['resident_weight_bytes'] / 2**20:12.1f}")
+    for key in ("cpu_decode_speedup_3b", "cpu_decode_speedup_3b_cpu_time", "cpu_resident_fraction_of_bf16_3b",
+                "smollm2_decode_speedup_over_fp16_source", "smollm2_decode_speedup_over_fp16_source_cpu_time"):
         if record.get(key) is not None:
             lines.append(f"{key}: {record[key]:.3f}")
     return "\n".join(lines)
@@ -334,9 +411,16 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=8, help="(b): timed decode tokens (+1 from the prefill)")
     parser.add_argument("--aqlm-new-tokens", type=int, default=3, help="(b): for aqlm's one-thread kernel")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="(b), (c): decode this many times per variant, keep the fastest (a shared machine)")
     parser.add_argument("--checkpoint", type=Path, default=None, help="(c): a SmolLM2 AQLM checkpoint (model/)")
     parser.add_argument("--fp", type=Path, default=None, help="(c): its fp source folder")
     parser.add_argument("--smol-new-tokens", type=int, default=64, help="(c): decode tokens")
+    parser.add_argument("--eval-windows", type=int, default=0,
+                        help="(d): with --checkpoint, time evaluate's perplexity over this many random windows "
+                             "through cpu_kernel dense and fast (0: skip)")
+    parser.add_argument("--eval-context", type=int, default=512, help="(d): tokens per window (the demo's context)")
+    parser.add_argument("--eval-batch-size", type=int, default=1, help="(d): windows per forward")
     parser.add_argument("--prefill-tokens", type=int, default=256, help="(c): the long prompt")
     args = parser.parse_args()
     if (args.checkpoint is None) != (args.fp is None):
@@ -357,17 +441,26 @@ def main() -> int:
         print("(b) Llama-3.2-3B-shaped decode", flush=True)
         record["decode_3b"] = decode_rows(args, threads)
         record["cpu_decode_speedup_3b"] = speedup(record["decode_3b"], "2x8 fast (bf16 rest)", ("dense fp32", "dense bf16"))
+        record["cpu_decode_speedup_3b_cpu_time"] = speedup(record["decode_3b"], "2x8 fast (bf16 rest)",
+                                                           ("dense fp32", "dense bf16"), "decode_tokens_per_cpu_second")
         by_name = {row["variant"]: row for row in record["decode_3b"]}
         record["cpu_resident_fraction_of_bf16_3b"] = (by_name["2x8 fast (bf16 rest)"]["resident_weight_bytes"]
                                                       / by_name["dense bf16"]["resident_weight_bytes"])
     if args.checkpoint is not None:
         print("(c) SmolLM2 checkpoint", flush=True)
         record["smollm2"] = checkpoint_rows(args, threads)
-        by_name = {row["variant"]: row["decode_tokens_per_second"] for row in record["smollm2"]}
-        best_fp = max(by_name["fp16 source, float32"], by_name["fp16 source, bfloat16"])
-        best_2bpp = max(by_name["2 bpp, fast, float32 rest"], by_name["2 bpp, fast, bfloat16 rest"])
-        record["smollm2_decode_speedup_over_fp16_source"] = best_2bpp / best_fp
+        for suffix, key in (("", "decode_tokens_per_second"), ("_cpu_time", "decode_tokens_per_cpu_second")):
+            fast = max(("2 bpp, fast, float32 rest", "2 bpp, fast, bfloat16 rest"),
+                       key=lambda name: {r["variant"]: r[key] for r in record["smollm2"]}[name])
+            record["smollm2_decode_speedup_over_fp16_source" + suffix] = speedup(
+                record["smollm2"], fast, ("fp16 source, float32", "fp16 source, bfloat16"), key)
+    if args.checkpoint is not None and args.eval_windows > 0:
+        print("(d) evaluation through cpu_kernel dense and fast", flush=True)
+        record["evaluation"] = evaluation_rows(args, threads)
     record["seconds"] = time.perf_counter() - started
+    record["machine"]["openmp_libraries"] = openmp_libraries()
+    record["machine"]["numba_threading_layer"] = _numba_layer()
+    record["machine"]["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=2) + "\n")

@@ -97,7 +97,7 @@ def untile_codes(tiled: torch.Tensor, num_codebooks: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class CpuOperands:  # noqa: PLW1641 (cached properties need a __dict__: not slotted)
+class CpuOperands:
     """A layer's tensors as the kernels read them (numpy arrays sharing the torch tensors' memory).
 
     codes [out/R, G*M/C, R, C] uint8 or int32 (tile_codes), codebooks_cat [g, M*K] float32 torch

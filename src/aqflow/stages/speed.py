@@ -6,9 +6,12 @@ and a CUDA graph per decode step on a GPU; `plain` = the folder as transformers 
 eager) a fresh child process loads the model and measures:
 
 - batch-1 decode: --prompt-tokens seeded random token ids, then --new-tokens greedy tokens
-  (aqflow.inference.decode.greedy_decode, a static KV cache; the first --warmup-tokens of a warm-up
-  run are not timed: kernels compiled, caches filled); decode tokens/s over the timed steps;
+  (aqflow.inference.decode.greedy_decode, a static KV cache; a warm-up run of --warmup-tokens
+  first, untimed: kernels compiled, caches filled); decode tokens/s over the timed steps;
 - prefill: one forward of --prefill-tokens tokens (a long prompt) into the static cache, tokens/s;
+- both timed --repeats times, the fastest kept (every run's figure is recorded); on a CPU also the
+  decode steps' tokens per CPU second of the measuring process (with one thread: the speed the
+  decode would have alone on a core that other processes share);
 - weights: bytes of the folder's weight files on disk, and of the model's parameters and buffers
   as held in memory after loading (tied tensors once);
 - peak memory: on a GPU torch's max allocated bytes; on a CPU the child's peak RSS (ru_maxrss; the
@@ -57,6 +60,9 @@ class SpeedSettings:
     new_tokens: int = field(default=128, metadata=option("new tokens decoded (timed after the first)"))
     warmup_tokens: int = field(default=8, metadata=option("tokens of an untimed warm-up decode first"))
     prefill_tokens: int = field(default=1024, metadata=option("tokens of the long prompt whose prefill is timed"))
+    repeats: int = field(default=1, metadata=option(
+        "time the decode and the prefill this many times and keep the fastest (on a shared machine the "
+        "slower runs measure the other processes)"))
     threads: int | None = field(default=None, metadata=option("CPU threads (default: all cores)"))
     seed: int = field(default=0, metadata=option("seed of the random prompt ids"))
 
@@ -77,7 +83,7 @@ def check_settings(settings: SpeedSettings, paths: SpeedPaths) -> None:
     unknown = sorted(set(settings.paths) - set(PATHS))
     if unknown or not settings.paths:
         raise StageInputError(f"--paths {list(settings.paths)}: expected some of {list(PATHS)}")
-    for name in ("prompt_tokens", "new_tokens", "prefill_tokens"):
+    for name in ("prompt_tokens", "new_tokens", "prefill_tokens", "repeats"):
         if getattr(settings, name) < 1:
             raise StageInputError(f"--{name.replace('_', '-')} {getattr(settings, name)}: at least 1")
     if settings.new_tokens < 2:
@@ -95,6 +101,33 @@ def peak_rss_bytes() -> int:
 def random_prompt(vocab_size: int, tokens: int, seed: int) -> torch.Tensor:
     """[1, tokens] int64 token ids, seeded (speed does not depend on which tokens)."""
     return torch.randint(0, vocab_size, (1, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+class CpuClock:
+    """An on_token callback for greedy_decode recording this process's CPU time at every token:
+    the CPU seconds of the decode steps are those between the first token (the prefill's) and
+    the last. On a CPU shared with other processes, one thread's CPU seconds are what the decode
+    would take alone (wall seconds include the time other processes held the core)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, token: int) -> None:
+        self.times.append(time.process_time())
+
+    def decode_tokens_per_cpu_second(self) -> float:
+        steps = len(self.times) - 1
+        return steps / (self.times[-1] - self.times[0]) if steps > 0 and self.times[-1] > self.times[0] else float("nan")
+
+
+def timed_decode(model, prompt: torch.Tensor, new_tokens: int, graphs: bool | None, cpu_clock: bool):
+    """greedy_decode's timings, and the decode steps' tokens per CPU second (NaN unless cpu_clock:
+    the per-token callback syncs a GPU every token, so it is only used on a CPU)."""
+    from aqflow.inference.decode import greedy_decode
+
+    clock = CpuClock() if cpu_clock else None
+    _, timings = greedy_decode(model, prompt, new_tokens, graphs=graphs, on_token=clock)
+    return timings, clock.decode_tokens_per_cpu_second() if clock else float("nan")
 
 
 def measure(model_dir: str, device: str, dtype: str, path: str, settings: dict) -> dict:
@@ -115,14 +148,21 @@ def measure(model_dir: str, device: str, dtype: str, path: str, settings: dict) 
             if settings["warmup_tokens"] > 0:
                 greedy_decode(model, random_prompt(vocab, settings["prompt_tokens"], settings["seed"] + 1),
                               settings["warmup_tokens"] + 1, graphs=graphs)
-            _, decode = greedy_decode(model, random_prompt(vocab, settings["prompt_tokens"], settings["seed"]),
-                                      settings["new_tokens"], graphs=graphs)
-            _, prefill = greedy_decode(model, random_prompt(vocab, settings["prefill_tokens"], settings["seed"] + 2), 1,
-                                       graphs=False)
+            decodes, cpu_rates = zip(*[timed_decode(model, random_prompt(vocab, settings["prompt_tokens"], settings["seed"]),
+                                                    settings["new_tokens"], graphs, not cuda)
+                                       for _ in range(settings["repeats"])])
+            prefills = [greedy_decode(model, random_prompt(vocab, settings["prefill_tokens"], settings["seed"] + 2), 1,
+                                      graphs=False)[1] for _ in range(settings["repeats"])]
+        decode = max(decodes, key=lambda timings: timings.decode_tokens_per_second)
+        prefill = max(prefills, key=lambda timings: timings.prefill_tokens_per_second)
         threads = torch.get_num_threads()
     result = {
         "path": path, "load_seconds": load_seconds, "threads": threads,
         "decode_tokens_per_second": decode.decode_tokens_per_second, "decode_mode": decode.mode,
+        "decode_tokens_per_second_runs": [timings.decode_tokens_per_second for timings in decodes],
+        "decode_tokens_per_cpu_second": max(cpu_rates),
+        "decode_tokens_per_cpu_second_runs": list(cpu_rates),
+        "prefill_tokens_per_second_runs": [timings.prefill_tokens_per_second for timings in prefills],
         "decode": asdict(decode),
         "prefill_tokens_per_second": prefill.prefill_tokens_per_second, "prefill": asdict(prefill),
         "resident_weight_bytes": resident_weight_bytes(model),
@@ -170,7 +210,7 @@ def run(settings: SpeedSettings, paths: SpeedPaths) -> dict:
     dtype = resolve_dtype(paths.model_dir, device, settings.dtype)
     child_settings = {"threads": settings.threads, "prompt_tokens": settings.prompt_tokens,
                       "new_tokens": settings.new_tokens, "warmup_tokens": settings.warmup_tokens,
-                      "prefill_tokens": settings.prefill_tokens, "seed": settings.seed}
+                      "prefill_tokens": settings.prefill_tokens, "seed": settings.seed, "repeats": settings.repeats}
     results = {path: measure_in_child(paths.model_dir, device, dtype, path, child_settings) for path in settings.paths}
     aqlm = is_aqlm_folder(paths.model_dir)
     payload = {
