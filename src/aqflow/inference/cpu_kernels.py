@@ -23,9 +23,12 @@ slice by slice, every row of the block through the same L1-resident slice of the
 of a (tile, slice) contiguous. In C that layout reads 3.0-3.6e9 codes/s per core against 1.5-2.2e9
 for the row-major codes (the same slicing, but every row's slice a separate stream).
 
-Threads split the output into blocks of tiles, each thread writing only its own rows (aqlm's numba
-kernel splits the input groups instead and adds into shared outputs, which races with more than
-one thread); small products run on the calling thread (waking the pool costs more).
+The tables are built in the same numba call, split among the threads (for g = 8 at ~28e9
+multiply-adds/s per core, as fast as a BLAS call on one core, and parallel: a torch.mm of this
+shape runs on one thread). Threads then split the output into blocks of tiles, each thread
+writing only its own rows (aqlm's numba kernel splits the input groups instead and adds into
+shared outputs, which races with more than one thread); small products run on the calling thread
+(waking the pool costs more).
 
 `dequantized_matmul` is the prefill path (many tokens): tiles of rows are dequantized a chunk at a
 time into a float32 buffer and multiplied by one dense matmul (torch's BLAS), so the dense weight
@@ -100,12 +103,12 @@ def untile_codes(tiled: torch.Tensor, num_codebooks: int) -> torch.Tensor:
 class CpuOperands:
     """A layer's tensors as the kernels read them (numpy arrays sharing the torch tensors' memory).
 
-    codes [out/R, G*M/C, R, C] uint8 or int32 (tile_codes), codebooks_cat [g, M*K] float32 torch
-    (codebooks side by side: x[group] @ codebooks_cat is the group's M tables), codebooks
-    [M, K, g] float32, scales [out] float32, bias [out] float32 or None."""
+    codes [out/R, G*M/C, R, C] uint8 or int32 (tile_codes), codebooks_t [M, g, K] float32
+    (transposed: the table build runs along K), codebooks [M, K, g] float32, scales [out] float32,
+    bias [out] float32 or None."""
 
     codes: np.ndarray
-    codebooks_cat: torch.Tensor
+    codebooks_t: np.ndarray
     codebooks: np.ndarray
     scales: np.ndarray
     bias: np.ndarray | None
@@ -115,11 +118,6 @@ class CpuOperands:
     def bias_or_scales(self) -> np.ndarray:
         """What the kernels take for bias (an array of the right type; read only where there is a bias)."""
         return self.scales if self.bias is None else self.bias
-
-    @functools.cached_property
-    def one_pass_tokens(self) -> int:
-        """The most tokens whose tables one pass holds (TABLE_PASS_BYTES)."""
-        return TABLE_PASS_BYTES // ((4 << self.nbits) * self.code_columns)
 
     @property
     def out_features(self) -> int:
@@ -154,7 +152,7 @@ def operands_from_tiled(tiled: torch.Tensor, codebooks: torch.Tensor, scales: to
     codebook_f32 = codebooks.detach().to(torch.float32).contiguous()
     return CpuOperands(
         codes=tiled.contiguous().numpy(),
-        codebooks_cat=codebook_f32.permute(2, 0, 1).reshape(codebook_f32.shape[2], -1).contiguous(),
+        codebooks_t=codebook_f32.permute(0, 2, 1).contiguous().numpy(),
         codebooks=codebook_f32.numpy(),
         scales=scales.detach().to(torch.float32).contiguous().numpy(),
         bias=None if bias is None else bias.detach().to(torch.float32).contiguous().numpy(),
@@ -190,6 +188,42 @@ def numba_threads(threads: int | None) -> Iterator[None]:
 # --- lookup-table product ---------------------------------------------------------------------
 
 @njit(fastmath=True, cache=True)
+def _build_units(x, codebooks_t, first_column, last_column, tables, first_unit, last_unit):
+    """tables[t, (i - first_column)*K + k] = x[t, group(i)] . codebooks[m(i), k] for the units
+    (t, i) numbered t*(last-first) + (i - first) in [first_unit, last_unit), code columns
+    i in [first_column, last_column) (column i = j*M + m).
+
+    x [T, in] f32, codebooks_t [M, g, K] f32, tables [T, >= (last-first)*K] f32 (overwritten).
+    For g = 8 the group's inputs and codebook rows are held in scalars and each entry is stored
+    once (LLVM vectorises it along K: ~28e9 multiply-adds/s per core, like a BLAS call, 4x the
+    general loop, whose stores into `tables` may alias the codebooks as far as LLVM knows)."""
+    num_codebooks, group_size, codewords = codebooks_t.shape
+    columns = last_column - first_column
+    for unit in range(first_unit, last_unit):
+        t = unit // columns
+        local = unit - t * columns
+        column = first_column + local
+        group = column // num_codebooks
+        m = column - group * num_codebooks
+        row = tables[t, local * codewords:(local + 1) * codewords]
+        base = group * group_size
+        if group_size == 8:
+            x0, x1, x2, x3 = x[t, base], x[t, base + 1], x[t, base + 2], x[t, base + 3]
+            x4, x5, x6, x7 = x[t, base + 4], x[t, base + 5], x[t, base + 6], x[t, base + 7]
+            c0, c1, c2, c3 = codebooks_t[m, 0], codebooks_t[m, 1], codebooks_t[m, 2], codebooks_t[m, 3]
+            c4, c5, c6, c7 = codebooks_t[m, 4], codebooks_t[m, 5], codebooks_t[m, 6], codebooks_t[m, 7]
+            for k in range(codewords):
+                row[k] = ((x0 * c0[k] + x1 * c1[k]) + (x2 * c2[k] + x3 * c3[k])) + \
+                         ((x4 * c4[k] + x5 * c5[k]) + (x6 * c6[k] + x7 * c7[k]))
+        else:
+            row[:] = 0
+            for d in range(group_size):
+                xd = x[t, base + d]
+                for k in range(codewords):
+                    row[k] += xd * codebooks_t[m, d, k]
+
+
+@njit(fastmath=True, cache=True)
 def _table_row_sum(table, row_codes, nbits):
     """sum over i of table[(i << nbits) | row_codes[i]]: a table slice [C*K] and one row's codes [C].
 
@@ -203,21 +237,21 @@ def _table_row_sum(table, row_codes, nbits):
 
 
 @njit(fastmath=True, cache=True)
-def _gather_tiles(tables, tiled, nbits, first_slice, last_slice, pass_slice, first_tile, last_tile, out,
-                  scales, bias, has_bias, finish):
+def _gather_tiles(tables, tiled, nbits, first_slice, last_slice, first_tile, last_tile, out, scales, bias, has_bias,
+                  finish):
     """For the rows of tiles [first_tile, last_tile): out[t, row] += the table entries their codes
     pick in slices [first_slice, last_slice), slice by slice (the block's rows all pass through
     one slice of the table while it is in L1); with finish, then out[t, row] = out[t, row] *
     scales[row] (+ bias[row]).
 
-    tables [T, >= (last_slice - pass_slice)*C*K] f32 (the pass's tables, from slice pass_slice on),
-    tiled [out/R, G*M/C, R, C], out [T, out] f32 (accumulated into), scales [out] f32, bias [out]
-    f32 (read only if has_bias)."""
+    tables [T, >= (last_slice - first_slice)*C*K] f32 (the pass's tables, from slice first_slice
+    on), tiled [out/R, G*M/C, R, C], out [T, out] f32 (accumulated into), scales [out] f32, bias
+    [out] f32 (read only if has_bias)."""
     tokens = tables.shape[0]
     rows, columns = tiled.shape[2], tiled.shape[3]
     slice_entries = columns << nbits
     for s in range(first_slice, last_slice):
-        offset = (s - pass_slice) * slice_entries
+        offset = (s - first_slice) * slice_entries
         for t in range(tokens):
             table = tables[t, offset:offset + slice_entries]
             for tile in range(first_tile, last_tile):
@@ -233,39 +267,36 @@ def _gather_tiles(tables, tiled, nbits, first_slice, last_slice, pass_slice, fir
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _gather_parallel(tables, tiled, nbits, first_slice, last_slice, out, scales, bias, has_bias, finish, blocks):
-    """_gather_tiles over all tiles on numba's threads, in `blocks` blocks of whole tiles (a thread
-    writes only its own rows: no two threads add into one output). tables hold slices
-    first_slice.. (see _gather_tiles)."""
-    tiles = tiled.shape[0]
+def _lut_pass_parallel(x, codebooks_t, tiled, nbits, first_slice, last_slice, tables, out, scales, bias, has_bias,
+                       blocks, build_chunks):
+    """One table pass on numba's threads: the tables of slices [first_slice, last_slice) built in
+    build_chunks chunks, then gathered in `blocks` blocks of whole tiles (a thread writes only its
+    own rows: no two threads add into one output); scales and bias applied by the last pass. Two
+    parallel regions: each start wakes the thread pool.
+
+    x [T, in] f32, codebooks_t [M, g, K] f32, tiled [out/R, G*M/C, R, C], tables [T, >= pass
+    columns * K] f32 (scratch), out [T, out] f32, scales [out] f32, bias [out] f32 (read only if
+    has_bias)."""
+    tiles, slices, _, columns = tiled.shape
+    first_column, last_column = first_slice * columns, last_slice * columns
+    units = x.shape[0] * (last_column - first_column)
+    chunks = min(units, build_chunks)
+    for chunk in prange(chunks):
+        _build_units(x, codebooks_t, first_column, last_column, tables, chunk * units // chunks,
+                     (chunk + 1) * units // chunks)
     for block in prange(blocks):
-        _gather_tiles(tables, tiled, nbits, first_slice, last_slice, first_slice, block * tiles // blocks,
-                      (block + 1) * tiles // blocks, out, scales, bias, has_bias, finish)
+        _gather_tiles(tables, tiled, nbits, first_slice, last_slice, block * tiles // blocks,
+                      (block + 1) * tiles // blocks, out, scales, bias, has_bias, last_slice == slices)
 
 
 @njit(fastmath=True, cache=True)
-def _gather_serial(tables, tiled, nbits, first_slice, last_slice, out, scales, bias, has_bias, finish):
-    """_gather_parallel on the calling thread alone (small products): the same arithmetic per row."""
-    _gather_tiles(tables, tiled, nbits, first_slice, last_slice, first_slice, 0, tiled.shape[0], out, scales, bias,
-                  has_bias, finish)
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def _lut_one_pass_parallel(tables, tokens, tiled, nbits, scales, bias, has_bias, blocks):
-    """The product from the tables of every code column at once ([T*G, M*K], as one BLAS product
-    gives them), on numba's threads in `blocks` blocks of tiles -> [T, out] f32."""
-    out = np.zeros((tokens, tiled.shape[0] * tiled.shape[2]), dtype=np.float32)
-    _gather_parallel(tables.reshape((tokens, -1)), tiled, nbits, 0, tiled.shape[1], out, scales, bias, has_bias,
-                     True, blocks)
-    return out
-
-
-@njit(fastmath=True, cache=True)
-def _lut_one_pass_serial(tables, tokens, tiled, nbits, scales, bias, has_bias):
-    """_lut_one_pass_parallel on the calling thread alone."""
-    out = np.zeros((tokens, tiled.shape[0] * tiled.shape[2]), dtype=np.float32)
-    _gather_serial(tables.reshape((tokens, -1)), tiled, nbits, 0, tiled.shape[1], out, scales, bias, has_bias, True)
-    return out
+def _lut_pass_serial(x, codebooks_t, tiled, nbits, first_slice, last_slice, tables, out, scales, bias, has_bias):
+    """_lut_pass_parallel on the calling thread alone (small products): the same arithmetic."""
+    tiles, slices, _, columns = tiled.shape
+    first_column, last_column = first_slice * columns, last_slice * columns
+    _build_units(x, codebooks_t, first_column, last_column, tables, 0, x.shape[0] * (last_column - first_column))
+    _gather_tiles(tables, tiled, nbits, first_slice, last_slice, 0, tiles, out, scales, bias, has_bias,
+                  last_slice == slices)
 
 
 def pass_slices(tokens: int, operands: CpuOperands, table_pass_bytes: int = TABLE_PASS_BYTES) -> int:
@@ -275,70 +306,37 @@ def pass_slices(tokens: int, operands: CpuOperands, table_pass_bytes: int = TABL
     return max(1, min(operands.codes.shape[1], table_pass_bytes // slice_bytes))
 
 
-def build_tables(x: torch.Tensor, operands: CpuOperands, first_column: int, last_column: int) -> np.ndarray:
-    """The tables of code columns [first_column, last_column): [T, (last-first)*K] float32 with
-    tables[t, (i - first)*K + k] = x[t, group(i)] . codebooks[m(i), k] (column i = j*M + m).
-
-    One BLAS product of the groups' inputs [T*groups, g] with the codebooks side by side [g, M*K]
-    (3-6x faster than a numba loop for g = 8: an inner dimension LLVM does not vectorise well)."""
-    tokens = x.shape[0]
-    num_codebooks, group_size, codewords = operands.num_codebooks, operands.group_size, 1 << operands.nbits
-    first_group, last_group = first_column // num_codebooks, -(-last_column // num_codebooks)
-    groups = x.view(tokens, -1, group_size)[:, first_group:last_group].reshape(-1, group_size)
-    tables = torch.mm(groups, operands.codebooks_cat).view(tokens, -1)
-    offset = (first_column - first_group * num_codebooks) * codewords
-    if offset or last_group * num_codebooks != last_column:  # a pass boundary inside a group
-        tables = tables[:, offset:offset + (last_column - first_column) * codewords].contiguous()
-    return tables.numpy()
-
-
 def lut_matmul_operands(x: np.ndarray | torch.Tensor, operands: CpuOperands,
                         table_pass_bytes: int = TABLE_PASS_BYTES) -> np.ndarray:
     """`lut_matmul` on prepared operands: x [T, in] float32 -> [T, out] float32. Tables are built
     and consumed in passes of at most table_pass_bytes (one pass unless codebooks are large)."""
-    x = torch.as_tensor(x)
+    x = np.ascontiguousarray(torch.as_tensor(x).detach().to(torch.float32).numpy())
     if x.ndim != 2 or x.shape[1] != operands.in_features:
         raise ValueError(f"x {tuple(x.shape)}: expected [tokens, {operands.in_features}]")
-    x = x.to(torch.float32).contiguous()
     tokens = x.shape[0]
     tiles, slices, _, columns = operands.codes.shape
-    has_bias = operands.bias is not None
-    bias = operands.bias if has_bias else operands.scales
+    per_pass = pass_slices(tokens, operands, table_pass_bytes)
+    tables = np.empty((tokens, (per_pass * columns) << operands.nbits), dtype=np.float32)
+    out = np.zeros((tokens, operands.out_features), dtype=np.float32)
     threads = numba.get_num_threads()
     serial = tokens * operands.codes.size < PARALLEL_MIN_LOADS or threads == 1
-    per_pass = pass_slices(tokens, operands, table_pass_bytes)
-    out = np.zeros((tokens, operands.out_features), dtype=np.float32)
     for first in range(0, slices, per_pass):
-        last = min(slices, first + per_pass)
-        tables = build_tables(x, operands, first * columns, last * columns)
-        arguments = (tables, operands.codes, operands.nbits, first, last, out, operands.scales, bias, has_bias,
-                     last == slices)
+        arguments = (x, operands.codebooks_t, operands.codes, operands.nbits, first, min(slices, first + per_pass),
+                     tables, out, operands.scales, operands.bias_or_scales, operands.bias is not None)
         if serial:
-            _gather_serial(*arguments)
+            _lut_pass_serial(*arguments)
         else:  # one block of tiles per thread: the fewer blocks, the fewer times a table slice is loaded
-            _gather_parallel(*arguments, min(threads, tiles))
+            _lut_pass_parallel(*arguments, min(threads, tiles), 4 * threads)
     return out
 
 
 def lut_product(x: torch.Tensor, operands: CpuOperands, threads: int | None = None) -> torch.Tensor:
-    """x [T, in] -> [T, out] float32 through lookup tables, on prepared operands. The path a decode
-    step takes ~200 times per token (SmolLM2): tables of one pass in one BLAS call, then one numba
-    call; ~10 us of Python around them."""
+    """x [T, in] -> [T, out] float32 through lookup tables, on prepared operands (the path a decode
+    step takes ~200 times per token for SmolLM2: one numba call, ~10 us of Python around it)."""
     if threads is not None:
         with numba_threads(threads):
             return lut_product(x, operands)
-    x = x.detach()
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        x = x.to(torch.float32).contiguous()
-    tokens = x.shape[0]
-    if x.dim() != 2 or x.shape[1] != operands.in_features or tokens > operands.one_pass_tokens:
-        return torch.from_numpy(lut_matmul_operands(x, operands))  # checks, or passes of tables
-    tables = torch.mm(x.view(-1, operands.group_size), operands.codebooks_cat).numpy()
-    arguments = (tables, tokens, operands.codes, operands.nbits, operands.scales, operands.bias_or_scales,
-                 operands.bias is not None)
-    if tokens * operands.codes.size < PARALLEL_MIN_LOADS or (threads := numba.get_num_threads()) == 1:
-        return torch.from_numpy(_lut_one_pass_serial(*arguments))
-    return torch.from_numpy(_lut_one_pass_parallel(*arguments, min(threads, operands.codes.shape[0])))
+    return torch.from_numpy(lut_matmul_operands(x, operands))
 
 
 def lut_matmul(x: torch.Tensor, w: QuantizedWeights, threads: int | None = None, *,
