@@ -306,26 +306,59 @@ def pass_slices(tokens: int, operands: CpuOperands, table_pass_bytes: int = TABL
     return max(1, min(operands.codes.shape[1], table_pass_bytes // slice_bytes))
 
 
+@njit(fastmath=True, cache=True)
+def _lut_one_pass_serial(x, codebooks_t, tiled, nbits, scales, bias, has_bias):
+    """The whole product in one pass on the calling thread; tables and output allocated here (one
+    call from Python per product: what a decode step makes ~200 times per token)."""
+    tiles, slices, rows, columns = tiled.shape
+    tables = np.empty((x.shape[0], (slices * columns) << nbits), dtype=np.float32)
+    out = np.zeros((x.shape[0], tiles * rows), dtype=np.float32)
+    _lut_pass_serial(x, codebooks_t, tiled, nbits, 0, slices, tables, out, scales, bias, has_bias)
+    return out
+
+
+@njit(fastmath=True, cache=True)
+def _lut_one_pass_parallel(x, codebooks_t, tiled, nbits, scales, bias, has_bias, blocks, build_chunks):
+    """_lut_one_pass_serial on numba's threads (_lut_pass_parallel)."""
+    tiles, slices, rows, columns = tiled.shape
+    tables = np.empty((x.shape[0], (slices * columns) << nbits), dtype=np.float32)
+    out = np.zeros((x.shape[0], tiles * rows), dtype=np.float32)
+    _lut_pass_parallel(x, codebooks_t, tiled, nbits, 0, slices, tables, out, scales, bias, has_bias, blocks,
+                       build_chunks)
+    return out
+
+
 def lut_matmul_operands(x: np.ndarray | torch.Tensor, operands: CpuOperands,
                         table_pass_bytes: int = TABLE_PASS_BYTES) -> np.ndarray:
     """`lut_matmul` on prepared operands: x [T, in] float32 -> [T, out] float32. Tables are built
     and consumed in passes of at most table_pass_bytes (one pass unless codebooks are large)."""
-    x = np.ascontiguousarray(torch.as_tensor(x).detach().to(torch.float32).numpy())
+    if isinstance(x, torch.Tensor):
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.to(torch.float32).contiguous()
+        x = (x.detach() if x.requires_grad else x).numpy()
+    elif x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] != operands.in_features:
         raise ValueError(f"x {tuple(x.shape)}: expected [tokens, {operands.in_features}]")
     tokens = x.shape[0]
     tiles, slices, _, columns = operands.codes.shape
     per_pass = pass_slices(tokens, operands, table_pass_bytes)
+    serial = tokens * operands.codes.size < PARALLEL_MIN_LOADS
+    threads = 1 if serial else numba.get_num_threads()
+    common = (x, operands.codebooks_t, operands.codes, operands.nbits)
+    bias = (operands.scales, operands.bias_or_scales, operands.bias is not None)
+    if per_pass >= slices:
+        if threads == 1:
+            return _lut_one_pass_serial(*common, *bias)
+        # one block of tiles per thread: the fewer blocks, the fewer times a table slice is loaded
+        return _lut_one_pass_parallel(*common, *bias, min(threads, tiles), 4 * threads)
     tables = np.empty((tokens, (per_pass * columns) << operands.nbits), dtype=np.float32)
     out = np.zeros((tokens, operands.out_features), dtype=np.float32)
-    threads = numba.get_num_threads()
-    serial = tokens * operands.codes.size < PARALLEL_MIN_LOADS or threads == 1
     for first in range(0, slices, per_pass):
-        arguments = (x, operands.codebooks_t, operands.codes, operands.nbits, first, min(slices, first + per_pass),
-                     tables, out, operands.scales, operands.bias_or_scales, operands.bias is not None)
-        if serial:
+        arguments = (*common, first, min(slices, first + per_pass), tables, out, *bias)
+        if threads == 1:
             _lut_pass_serial(*arguments)
-        else:  # one block of tiles per thread: the fewer blocks, the fewer times a table slice is loaded
+        else:
             _lut_pass_parallel(*arguments, min(threads, tiles), 4 * threads)
     return out
 
