@@ -318,18 +318,18 @@ def evaluation_child(model_dir: str, kernel: str, windows: int, context: int, ba
     `kernel`, in this (fresh) process: seconds, the value (equal across kernels up to float
     rounding) and the memory held."""
     from aqflow.evaluation.perplexity import perplexity
-    from aqflow.inference.runtime import resident_weight_bytes
+    from aqflow.inference.runtime import resident_weight_bytes, torch_threads
     from aqflow.stages.evaluate import load_model
     from aqflow.stages.speed import peak_rss_bytes
 
-    torch.set_num_threads(threads)
     started = time.perf_counter()
     model = load_model(Path(model_dir), "float32", "cpu", cpu_kernel=kernel)
     load_seconds = time.perf_counter() - started
     ids = torch.randint(0, model.config.vocab_size, (windows, context), generator=torch.Generator().manual_seed(0))
-    perplexity(model, ids[:1, :16], progress=False)  # warm-up: kernels compiled or loaded from the cache
-    started = time.perf_counter()
-    value = perplexity(model, ids, batch_size=batch_size, progress=False)
+    with torch_threads(threads):  # torch's and numba's threads alike
+        perplexity(model, ids[:1, :16], progress=False)  # warm-up: kernels compiled or loaded from the cache
+        started = time.perf_counter()
+        value = perplexity(model, ids, batch_size=batch_size, progress=False)
     return {"kernel": kernel, "load_seconds": load_seconds, "perplexity_seconds": time.perf_counter() - started,
             "perplexity": value, "tokens": windows * context, "resident_weight_bytes": resident_weight_bytes(model),
             "peak_rss_bytes": peak_rss_bytes(), "threads": threads}
