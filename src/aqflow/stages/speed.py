@@ -14,7 +14,7 @@ eager) a fresh child process loads the model and measures:
   decode would have alone on a core that other processes share);
 - weights: bytes of the folder's weight files on disk, and of the model's parameters and buffers
   as held in memory after loading (tied tensors once);
-- peak memory: on a GPU torch's max allocated bytes; on a CPU the child's peak RSS (ru_maxrss; the
+- peak memory: on a GPU torch's max allocated bytes; on a CPU the child's peak RSS (VmHWM; the
   interpreter and libraries included, their share is `rss_before_load_bytes`).
 
 A child per path keeps one path's memory out of the other's peak. speed.json holds every setting,
@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import platform
 import resource
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -94,8 +95,16 @@ def check_settings(settings: SpeedSettings, paths: SpeedPaths) -> None:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident set: VmHWM of /proc/self/status on Linux (the peak of this
+    program's memory since its exec), else ru_maxrss. Not ru_maxrss on Linux: it keeps the peak
+    from before the exec, so a child spawned by a big parent would report the parent's size."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
 def random_prompt(vocab_size: int, tokens: int, seed: int) -> torch.Tensor:
