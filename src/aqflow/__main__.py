@@ -22,6 +22,8 @@ STAGES = {
     "domain-distances": "aqflow.stages.domain_distances",
     "paper-tables": "aqflow.stages.paper_tables",
     "clean": "aqflow.stages.clean",
+    "generate": "aqflow.stages.generate",  # stream text from a model folder (fp or AQLM), with tokens/s
+    "speed": "aqflow.stages.speed",  # decode/prefill tokens/s and weight memory of a model folder -> speed.json
 }
 
 USAGE = ("usage: python -m aqflow [--version] <stage> [options]   (`python -m aqflow <stage> --help`: its options)\n\n"

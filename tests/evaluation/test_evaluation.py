@@ -363,7 +363,7 @@ def test_evaluate_stage_writes_a_complete_eval_json(tiny_dir, corpora_dir, task_
     assert len(data["wikitext2"]["windows_sha256"]) == 64
 
 
-@pytest.mark.parametrize("cpu_kernel", ["dense", "aqlm"])
+@pytest.mark.parametrize("cpu_kernel", ["dense", "fast", "aqlm"])
 def test_evaluate_stage_on_an_aqlm_checkpoint_matches_its_dequantized_weights(tiny_dir, corpora_dir, task_dir, tmp_path,
                                                                               cpu_kernel):
     weights = _write_aqlm_checkpoint(tiny_dir, tmp_path / "aqlm")

@@ -101,8 +101,10 @@ class EvaluateSettings:
         "compute dtype (auto: float32 on CPU, the model folder's dtype on GPU)",
         choices=("auto", "float16", "bfloat16", "float32")))
     cpu_kernel: str = field(default="dense", metadata=option(
-        "AQLM layers on a CPU: dense (dequantized once after loading, multi-threaded) or aqlm (aqlm's numba "
-        "kernel, one thread, 5-14x slower per layer)", choices=("dense", "aqlm")))
+        "AQLM layers on a CPU: dense (dequantized once after loading, multi-threaded; RAM holds the dense "
+        "model), fast (aqflow.inference's FastQuantizedLinear: the model stays 2-bit in RAM, each forward "
+        "dequantizes a chunk of rows at a time) or aqlm (aqlm's numba kernel, one thread, 5-14x slower per "
+        "layer)", choices=("dense", "fast", "aqlm")))
     gpu_kernel: str = field(default="dense", metadata=option(
         "AQLM layers on a GPU: dense (dequantized once after loading, cuBLAS matmuls) or aqlm (aqlm's CUDA "
         "kernels: its 2x8 kernel runs one matrix-vector product per token)", choices=("dense", "aqlm")))
@@ -228,11 +230,13 @@ def _timed(timings: dict, key: str) -> Iterator[None]:
 def load_model(model_dir: Path, dtype: str, device: str, cpu_kernel: str = "dense", gpu_kernel: str = "dense"):
     """Load a plain or AQLM model folder, offline, in eval mode. With the kernel of the device
     (`cpu_kernel` on a CPU, `gpu_kernel` otherwise) "dense", the AQLM layers loaded by
-    transformers + aqlm become equal dense linears."""
+    transformers + aqlm become equal dense linears; with "fast" (CPU), FastQuantizedLinear layers
+    holding the same codes."""
     config = quantization_config(model_dir)
     is_aqlm = config is not None and config.get("quant_method") == "aqlm"
+    kernel = cpu_kernel if device == "cpu" else gpu_kernel
     if is_aqlm:
-        if device == "cpu":
+        if device == "cpu" and kernel == "aqlm":
             # aqlm's numba kernel for 8-bit codebooks races with more than one thread (wrong
             # outputs); numba reads this when it is first imported.
             os.environ["NUMBA_NUM_THREADS"] = "1"
@@ -241,8 +245,13 @@ def load_model(model_dir: Path, dtype: str, device: str, cpu_kernel: str = "dens
         import transformers.quantizers  # noqa: F401
 
     model = load_causal_lm(model_dir, dtype=dtype, device=device)
-    if is_aqlm and (cpu_kernel if device == "cpu" else gpu_kernel) == "dense":
+    if is_aqlm and kernel == "dense":
         dequantize_aqlm_linears(model)
+    elif is_aqlm and kernel == "fast":
+        # imported here: it imports numba, which must not start before NUMBA_NUM_THREADS is set above
+        from aqflow.inference.fast_linear import install_fast_linears
+
+        install_fast_linears(model)
     return model
 
 

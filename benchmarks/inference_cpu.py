@@ -1,0 +1,478 @@
+"""2-bit decoding on a CPU: the lookup-table kernel against dense matmuls, and batch-1 decode of
+whole models, on all cores.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/inference_cpu.py --out benchmarks/results/inference_cpu_<machine>.json \\
+        [--checkpoint results/smollm2/2bpp/.../model --fp resources/models/smollm2] [--new-tokens 8]
+
+(a) kernels: every linear shape of Llama-3.2-3B and SmolLM2-135M (and the 3B's tied lm_head), one
+    token: `lut_matmul` on 2x8 codes (2 bits per weight) against torch's dense matmul in float32 and
+    bfloat16, on all cores. Each variant cycles through copies of its tensors totalling twice the
+    last-level cache, so every call reads its weights from DRAM as a decode step does. GB/s are
+    the bytes of the stored tensors read per second (codes for the tables, the weight for dense).
+    --crossover adds lut_matmul against dequantized_matmul at 1..64 tokens (FastQuantizedLinear's
+    LUT_MAX_TOKENS).
+(b) decode: a Llama-3.2-3B-shaped model with seeded random weights (random codes: speed does not
+    depend on their values), batch 1, --prompt-tokens then --new-tokens greedy tokens through
+    aqflow.inference.decode.greedy_decode (a static KV cache; a warm-up decode first; the fastest
+    of --repeats decodes): dense
+    float32, dense bfloat16, 2x8 through FastQuantizedLinear (unquantized parts in bfloat16, and in
+    float32), and aqlm's own numba kernel (one thread: it races with more; float32, its only
+    dtype) unless --no-aqlm-kernel. Each in a fresh process: weight bytes as held and the process's
+    peak RSS are its own. `cpu_decode_speedup_3b` = decode tokens/s of 2x8 with bf16 unquantized
+    parts (the variant within the memory target: its embedding in float32 alone is 1.5 GiB) over
+    the best dense; `..._fp32_rest` the same for float32 unquantized parts; `..._cpu_time` by
+    CPU seconds of the decode steps (meaningful with --threads 1 on a shared machine).
+(c) with --checkpoint and --fp: the real SmolLM2 checkpoint and its fp16 source through the speed
+    stage's measurement (aqflow.stages.speed.measure): fp in float32 and bfloat16, the checkpoint
+    through the fast path (float32 and bfloat16 for its unquantized parts) and plain
+    transformers + aqlm.
+
+(d) with --checkpoint and --eval-windows: evaluate's perplexity over random windows of the
+    checkpoint through `evaluation.cpu_kernel` dense (AQLM layers dequantized once after loading)
+    and fast (FastQuantizedLinear: rows dequantized a chunk at a time per forward), seconds and
+    memory held, each in a fresh process.
+
+Prints a table last; --out writes everything as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA_3B = dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                num_attention_heads=24, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+               rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+
+def linear_shapes(shape: dict) -> dict[str, tuple[int, int]]:
+    """{projection: (in, out)} of one decoder layer of a Llama shape."""
+    hidden, mlp = shape["hidden_size"], shape["intermediate_size"]
+    kv = shape["num_key_value_heads"] * shape["head_dim"]
+    return {"q_proj/o_proj": (hidden, shape["num_attention_heads"] * shape["head_dim"]), "k_proj/v_proj": (hidden, kv),
+            "gate_proj/up_proj": (hidden, mlp), "down_proj": (mlp, hidden)}
+
+
+def openmp_libraries() -> list[str]:
+    """The OpenMP runtimes loaded in this process (torch's and numba's threads come from these: two
+    different runtimes mean two thread pools, each spinning after its parallel regions)."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return []
+    names = {line.split()[-1] for line in maps.read_text().splitlines() if line.split()[-1].startswith("/")}
+    return sorted(name for name in names if any(tag in Path(name).name for tag in ("gomp", "iomp", "libomp", "tbb")))
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache (sysfs), or 256 MiB where it cannot be read."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes) if sizes else 256 << 20
+
+
+def random_weights(out_features: int, in_features: int, generator: torch.Generator, dtype=torch.float32):
+    """2x8 QuantizedWeights (2 codebooks of 256 codewords over groups of 8: 2 bits per weight)."""
+    from aqflow.inference.layout import QuantizedWeights
+
+    return QuantizedWeights(
+        codes=torch.randint(0, 256, (out_features, in_features // 8, 2), generator=generator, dtype=torch.uint8),
+        codebooks=(torch.randn(2, 256, 8, generator=generator) * 0.02).to(dtype),
+        scales=(torch.rand(out_features, generator=generator) + 0.5).to(dtype), bias=None, nbits=8)
+
+
+def time_calls(calls: list, min_seconds: float = 0.5, min_calls: int = 5) -> float:
+    """The fastest call's seconds, cycling through `calls` (one warm-up round first). The minimum,
+    not the median: on a shared machine a parallel call that loses a thread to another process
+    waits a scheduler slice, which says nothing about the kernel."""
+    for call in calls:
+        call()
+    times = []
+    started = time.perf_counter()
+    index = 0
+    while len(times) < min_calls or time.perf_counter() - started < min_seconds:
+        begin = time.perf_counter()
+        calls[index % len(calls)]()
+        times.append(time.perf_counter() - begin)
+        index += 1
+    return min(times)
+
+
+# --- (a) kernels ------------------------------------------------------------------------------
+
+def kernel_rows(budget_bytes: int, crossover: bool) -> list[dict]:
+    from aqflow.inference import cpu_kernels
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = [("llama3b", name, io) for name, io in linear_shapes(LLAMA_3B).items()]
+    shapes.append(("llama3b", "lm_head", (LLAMA_3B["hidden_size"], LLAMA_3B["vocab_size"])))
+    shapes += [("smollm2", name, io) for name, io in linear_shapes(SMOLLM2).items()]
+    rows = []
+    for model, name, (in_features, out_features) in shapes:
+        x = torch.randn(1, in_features, generator=generator)
+        row = {"model": model, "layer": name, "in": in_features, "out": out_features}
+        dense_bytes = in_features * out_features * 4
+        copies = max(1, min(1024, budget_bytes // dense_bytes))
+        dense = [torch.randn(out_features, in_features, generator=generator) * 0.02 for _ in range(copies)]
+        row["fp32_seconds"] = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in dense])
+        dense = [w.to(torch.bfloat16) for w in dense]
+        xb = x.to(torch.bfloat16)
+        row["bf16_seconds"] = time_calls([lambda w=w: torch.nn.functional.linear(xb, w) for w in dense])
+        del dense
+        code_bytes = out_features * in_features // 4
+        copies = max(1, min(1024, budget_bytes // code_bytes))
+        operands = [cpu_kernels.cpu_operands(random_weights(out_features, in_features, generator)) for _ in range(copies)]
+        x32 = x.numpy()
+        started = time.perf_counter()
+        cpu_kernels.lut_matmul_operands(x32, operands[0])
+        row["lut_first_call_seconds"] = time.perf_counter() - started
+        row["lut_seconds"] = time_calls([lambda o=o: cpu_kernels.lut_matmul_operands(x32, o) for o in operands])
+        row["fp32_gb_per_second"] = dense_bytes / row["fp32_seconds"] / 1e9
+        row["bf16_gb_per_second"] = dense_bytes / 2 / row["bf16_seconds"] / 1e9
+        row["lut_gb_per_second"] = code_bytes / row["lut_seconds"] / 1e9
+        row["lut_table_loads_per_second"] = out_features * in_features / 4 / row["lut_seconds"]
+        row["lut_speedup_over_best_dense"] = min(row["fp32_seconds"], row["bf16_seconds"]) / row["lut_seconds"]
+        if crossover and name != "lm_head":
+            w = random_weights(out_features, in_features, generator)
+            ops = cpu_kernels.cpu_operands(w)
+            row["crossover"] = {}
+            for tokens in (1, 2, 4, 8, 16, 32, 64):
+                xt = torch.randn(tokens, in_features, generator=generator)
+                row["crossover"][tokens] = {
+                    "lut_seconds": time_calls([lambda: cpu_kernels.lut_matmul(xt, w, operands=ops)], 0.2, 3),
+                    "dequantized_seconds": time_calls([lambda: cpu_kernels.dequantized_matmul(xt, w, operands=ops)], 0.2, 3)}
+        del operands
+        rows.append(row)
+        print(f"  {model:8s} {name:18s} fp32 {row['fp32_seconds'] * 1e3:8.3f} ms  bf16 {row['bf16_seconds'] * 1e3:8.3f} ms  "
+              f"lut {row['lut_seconds'] * 1e3:8.3f} ms", flush=True)
+    return rows
+
+
+# --- (b) decode of a random Llama-3.2-3B-shaped model --------------------------------------------
+
+def _materialize(model, dtype: torch.dtype, generator: torch.Generator) -> None:
+    """Give every parameter still on the meta device seeded random values in `dtype` on the CPU;
+    rebuild the rotary embedding (its buffers are computed at construction); tie lm_head."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    tied = model.config.tie_word_embeddings
+    for module in model.modules():
+        if tied and module is model.lm_head:
+            continue  # the embedding's weight, tied below (never a second copy)
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            if parameter.is_meta:
+                value = torch.empty(parameter.shape, dtype=dtype)
+                if name == "weight" and value.dim() == 1:  # RMSNorm
+                    value.fill_(1.0)
+                else:
+                    value.uniform_(-0.03, 0.03, generator=generator)
+                setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
+    model.model.rotary_emb = LlamaRotaryEmbedding(model.config)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def random_llama(shape: dict, dtype: torch.dtype, linears: str, seed: int = 0):
+    """A LlamaForCausalLM of `shape`, seeded random weights, unquantized parts in `dtype`; its
+    decoder linears dense (linears="dense", in dtype), FastQuantizedLinear ("fast") or aqlm's
+    QuantizedLinear ("aqlm"), the last two 2x8 with random codes. Built on the meta device first,
+    so no dense copy of a quantized model is ever made."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from aqflow.inference.fast_linear import FastQuantizedLinear
+
+    generator = torch.Generator().manual_seed(seed)
+    config = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    if linears != "dense":
+        for layer in model.model.layers:
+            for block in (layer.self_attn, layer.mlp):
+                for name, child in list(block.named_children()):
+                    if isinstance(child, torch.nn.Linear):
+                        w = random_weights(child.out_features, child.in_features, generator, dtype)
+                        setattr(block, name, FastQuantizedLinear(w) if linears == "fast" else _aqlm_linear(w))
+    _materialize(model, dtype, generator)
+    return model.eval()
+
+
+def _aqlm_linear(w):
+    import transformers.quantizers  # noqa: F401  (before aqlm's integration)
+    from aqlm import QuantizedLinear
+
+    from aqflow.quant.representation import pack_codes
+
+    layer = QuantizedLinear(w.in_features, w.out_features, in_group_size=8, out_group_size=1, num_codebooks=2,
+                            nbits_per_codebook=8, bias=False, dtype=w.codebooks.dtype)
+    layer.codes.data = pack_codes(w.codes.to(torch.int64), 8)
+    layer.codebooks.data = w.codebooks[:, :, None, :].clone()
+    layer.scales.data = w.scales.reshape(-1, 1, 1, 1).clone()
+    return layer.requires_grad_(False)
+
+
+def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int, new_tokens: int, threads: int,
+                 repeats: int) -> dict:
+    """Build one variant and time its batch-1 decode, in this (fresh) process."""
+    from aqflow.inference.cpu_kernels import numba_threads
+    from aqflow.inference.decode import greedy_decode
+    from aqflow.inference.runtime import resident_weight_bytes
+    from aqflow.stages.speed import peak_rss_bytes, random_prompt, timed_decode
+
+    dtype = getattr(torch, dtype_name)
+    torch.set_num_threads(threads)
+    rss_before = peak_rss_bytes()
+    started = time.perf_counter()
+    model = random_llama(LLAMA_3B, dtype, linears)
+    build_seconds = time.perf_counter() - started
+    numba_count = 1 if linears == "aqlm" else threads
+    with numba_threads(numba_count):
+        started = time.perf_counter()
+        greedy_decode(model, random_prompt(LLAMA_3B["vocab_size"], prompt_tokens, 1), 2)  # compile, caches
+        warmup_seconds = time.perf_counter() - started
+        runs, cpu_rates = zip(*[timed_decode(model, random_prompt(LLAMA_3B["vocab_size"], prompt_tokens, 0), new_tokens,
+                                             None, True) for _ in range(repeats)])
+    timings = max(runs, key=lambda run: run.decode_tokens_per_second)
+    return {"variant": variant, "dtype": dtype_name, "linears": linears, "threads": threads,
+            "openmp_libraries": openmp_libraries(), "numba_threading_layer": _numba_layer(),
+            "numba_threads": numba_count, "build_seconds": build_seconds, "warmup_seconds": warmup_seconds,
+            "decode_tokens_per_second": timings.decode_tokens_per_second,
+            "decode_tokens_per_second_runs": [run.decode_tokens_per_second for run in runs],
+            "decode_tokens_per_cpu_second": max(cpu_rates), "decode_tokens_per_cpu_second_runs": list(cpu_rates),
+            "prefill_tokens_per_second": timings.prefill_tokens_per_second,
+            "decode": {"prompt_tokens": timings.prompt_tokens, "timed_steps": timings.timed_steps,
+                       "decode_seconds": timings.decode_seconds},
+            "resident_weight_bytes": resident_weight_bytes(model), "peak_rss_bytes": peak_rss_bytes(),
+            "rss_before_build_bytes": rss_before}
+
+
+def _numba_layer() -> str | None:
+    import numba
+
+    try:
+        return numba.threading_layer()
+    except ValueError:  # no parallel region has run in this process
+        return None
+
+
+DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears)
+    ("dense fp32", "float32", "dense"),
+    ("dense bf16", "bfloat16", "dense"),
+    ("2x8 fast (bf16 rest)", "bfloat16", "fast"),
+    ("2x8 fast (fp32 rest)", "float32", "fast"),
+    ("2x8 aqlm kernel (1 thread)", "float32", "aqlm"),
+]
+
+
+def decode_rows(args, threads: int) -> list[dict]:
+    from aqflow.inference.runtime import call_in_child
+
+    rows = []
+    for name, dtype, linears in DECODE_VARIANTS:
+        if linears == "aqlm" and not args.aqlm_kernel:
+            continue
+        new_tokens = args.aqlm_new_tokens if linears == "aqlm" else args.new_tokens
+        repeats = 1 if linears == "aqlm" else args.repeats
+        row = call_in_child(decode_child, name, dtype, linears, args.prompt_tokens, new_tokens, threads, repeats, what=name)
+        rows.append(row)
+        print(f"  {name:28s} {row['decode_tokens_per_second']:7.2f} tokens/s, weights "
+              f"{row['resident_weight_bytes'] / 2**30:6.2f} GiB, peak RSS {row['peak_rss_bytes'] / 2**30:6.2f} GiB", flush=True)
+    return rows
+
+
+# --- (c) a real checkpoint ----------------------------------------------------------------------
+
+def checkpoint_rows(args, threads: int) -> list[dict]:
+    from aqflow.inference.runtime import call_in_child
+    from aqflow.stages.speed import measure
+
+    settings = {"threads": threads, "prompt_tokens": args.prompt_tokens, "new_tokens": args.smol_new_tokens,
+                "warmup_tokens": 4, "prefill_tokens": args.prefill_tokens, "seed": 0, "repeats": args.repeats}
+    runs = [("fp16 source, float32", args.fp, "float32", "fast"), ("fp16 source, bfloat16", args.fp, "bfloat16", "fast"),
+            ("2 bpp, fast, float32 rest", args.checkpoint, "float32", "fast"),
+            ("2 bpp, fast, bfloat16 rest", args.checkpoint, "bfloat16", "fast"),
+            ("2 bpp, transformers+aqlm", args.checkpoint, "float32", "plain")]
+    rows = []
+    for name, folder, dtype, path in runs:
+        if path == "plain" and not args.aqlm_kernel:
+            continue
+        row = {"variant": name, "model_dir": str(folder), "dtype": dtype,
+               **call_in_child(measure, str(folder), "cpu", dtype, path, settings, what=name)}
+        rows.append(row)
+        print(f"  {name:28s} {row['decode_tokens_per_second']:7.2f} tokens/s, weights "
+              f"{row['resident_weight_bytes'] / 2**20:7.1f} MiB, peak RSS {row['peak_memory_bytes'] / 2**20:7.0f} MiB", flush=True)
+    return rows
+
+
+# --- (d) evaluation through each CPU kernel choice ------------------------------------------------
+
+def evaluation_child(model_dir: str, kernel: str, windows: int, context: int, batch_size: int, threads: int) -> dict:
+    """Perplexity of seeded random windows through evaluate's model loading with cpu_kernel
+    `kernel`, in this (fresh) process: seconds, the value (equal across kernels up to float
+    rounding) and the memory held."""
+    from aqflow.evaluation.perplexity import perplexity
+    from aqflow.inference.runtime import resident_weight_bytes, torch_threads
+    from aqflow.stages.evaluate import load_model
+    from aqflow.stages.speed import peak_rss_bytes
+
+    started = time.perf_counter()
+    model = load_model(Path(model_dir), "float32", "cpu", cpu_kernel=kernel)
+    load_seconds = time.perf_counter() - started
+    ids = torch.randint(0, model.config.vocab_size, (windows, context), generator=torch.Generator().manual_seed(0))
+    with torch_threads(threads):  # torch's and numba's threads alike
+        perplexity(model, ids[:1, :16], progress=False)  # warm-up: kernels compiled or loaded from the cache
+        started = time.perf_counter()
+        value = perplexity(model, ids, batch_size=batch_size, progress=False)
+    return {"kernel": kernel, "load_seconds": load_seconds, "perplexity_seconds": time.perf_counter() - started,
+            "perplexity": value, "tokens": windows * context, "resident_weight_bytes": resident_weight_bytes(model),
+            "peak_rss_bytes": peak_rss_bytes(), "threads": threads}
+
+
+def evaluation_rows(args, threads: int) -> list[dict]:
+    from aqflow.inference.runtime import call_in_child
+
+    rows = []
+    for kernel in ("dense", "fast"):
+        row = call_in_child(evaluation_child, str(args.checkpoint), kernel, args.eval_windows, args.eval_context,
+                            args.eval_batch_size, threads, what=f"evaluation through {kernel}")
+        rows.append(row)
+        print(f"  cpu_kernel {kernel:6s} {row['perplexity_seconds']:7.2f} s for {row['tokens']} tokens, perplexity "
+              f"{row['perplexity']:.4f}, weights {row['resident_weight_bytes'] / 2**20:.1f} MiB", flush=True)
+    return rows
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+def machine() -> dict:
+    from importlib.metadata import version
+
+    from aqflow.stages.speed import device_name
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"cpu": device_name("cpu"), "cores": os.cpu_count(), "platform": platform.platform(),
+            "last_level_cache_bytes": last_level_cache_bytes(), "load_average_at_start": load,
+            "torch": torch.__version__, "transformers": version("transformers"), "numba": version("numba"),
+            "aqlm": version("aqlm")}
+
+
+def speedup(rows: list[dict], fast: str, dense: tuple[str, ...], key: str = "decode_tokens_per_second") -> float | None:
+    """Decode tokens/s of `fast` over the best of `dense` (by `key`)."""
+    by_name = {row["variant"]: row[key] for row in rows}
+    best = max((by_name[name] for name in dense if name in by_name), default=None)
+    return by_name[fast] / best if best and fast in by_name else None
+
+
+def table(record: dict) -> str:
+    lines = [f"machine: {record['machine']['cpu']}, {record['machine']['cores']} cores, threads {record['threads']}"]
+    if record.get("kernels"):
+        lines.append(f"{'kernel (1 token)':30s} {'fp32 ms':>8s} {'bf16 ms':>8s} {'lut ms':>8s} {'fp32 GB/s':>9s} "
+                     f"{'bf16 GB/s':>9s} {'lut GB/s':>8s} {'lut/best':>8s}")
+        for r in record["kernels"]:
+            lines.append(f"{r['model'] + ' ' + r['layer']:30s} {r['fp32_seconds'] * 1e3:8.3f} {r['bf16_seconds'] * 1e3:8.3f} "
+                         f"{r['lut_seconds'] * 1e3:8.3f} {r['fp32_gb_per_second']:9.1f} {r['bf16_gb_per_second']:9.1f} "
+                         f"{r['lut_gb_per_second']:8.1f} {r['lut_speedup_over_best_dense']:7.2f}x")
+    for key, title, unit in (("decode_3b", "Llama-3.2-3B shape, batch-1 decode", 2**30),
+                             ("smollm2", "SmolLM2-135M checkpoint, batch-1 decode", 2**20)):
+        if record.get(key):
+            suffix = "GiB" if unit == 2**30 else "MiB"
+            lines.append(f"{title:36s} {'tokens/s':>9s} {'tok/CPU-s':>9s} {'weights ' + suffix:>12s} "
+                         f"{'peak RSS ' + suffix:>13s}")
+            for r in record[key]:
+                peak = r.get("peak_rss_bytes", r.get("peak_memory_bytes"))
+                lines.append(f"{r['variant']:36s} {r['decode_tokens_per_second']:9.2f} {r['decode_tokens_per_cpu_second']:9.2f} "
+                             f"{r['resident_weight_bytes'] / unit:12.2f} {peak / unit:13.2f}")
+    if record.get("evaluation"):
+        lines.append(f"{'evaluation of the checkpoint (perplexity)':44s} {'seconds':>8s} {'perplexity':>11s} {'weights MiB':>12s}")
+        for r in record["evaluation"]:
+            lines.append(f"{'cpu_kernel ' + r['kernel']:44s} {r['perplexity_seconds']:8.2f} {r['perplexity']:11.4f} "
+                         f"{r['resident_weight_bytes'] / 2**20:12.1f}")
+    for key in ("cpu_decode_speedup_3b", "cpu_decode_speedup_3b_cpu_time", "cpu_decode_speedup_3b_fp32_rest",
+                "cpu_resident_fraction_of_bf16_3b",
+                "smollm2_decode_speedup_over_fp16_source", "smollm2_decode_speedup_over_fp16_source_cpu_time"):
+        if record.get(key) is not None:
+            lines.append(f"{key}: {record[key]:.3f}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None, help="write the results here (JSON)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch and numba threads (default: all cores)")
+    parser.add_argument("--no-kernels", dest="kernels", action="store_false", help="skip (a)")
+    parser.add_argument("--crossover", action="store_true", help="(a): lut against dequantized at 1..64 tokens")
+    parser.add_argument("--no-decode", dest="decode", action="store_false", help="skip (b)")
+    parser.add_argument("--no-aqlm-kernel", dest="aqlm_kernel", action="store_false", help="skip aqlm's own kernel")
+    parser.add_argument("--prompt-tokens", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=8, help="(b): timed decode tokens (+1 from the prefill)")
+    parser.add_argument("--aqlm-new-tokens", type=int, default=3, help="(b): for aqlm's one-thread kernel")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="(b), (c): decode this many times per variant, keep the fastest (a shared machine)")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="(c): a SmolLM2 AQLM checkpoint (model/)")
+    parser.add_argument("--fp", type=Path, default=None, help="(c): its fp source folder")
+    parser.add_argument("--smol-new-tokens", type=int, default=64, help="(c): decode tokens")
+    parser.add_argument("--eval-windows", type=int, default=0,
+                        help="(d): with --checkpoint, time evaluate's perplexity over this many random windows "
+                             "through cpu_kernel dense and fast (0: skip)")
+    parser.add_argument("--eval-context", type=int, default=512, help="(d): tokens per window (the demo's context)")
+    parser.add_argument("--eval-batch-size", type=int, default=1, help="(d): windows per forward")
+    parser.add_argument("--prefill-tokens", type=int, default=256, help="(c): the long prompt")
+    args = parser.parse_args()
+    if (args.checkpoint is None) != (args.fp is None):
+        parser.error("--checkpoint and --fp go together")
+
+    import numba
+
+    threads = min(args.threads, numba.config.NUMBA_NUM_THREADS)
+    torch.set_num_threads(threads)
+    numba.set_num_threads(threads)
+    record = {"machine": machine(), "threads": threads, "settings": {k: str(v) if isinstance(v, Path) else v
+                                                                     for k, v in vars(args).items()}}
+    started = time.perf_counter()
+    if args.kernels:
+        print("(a) kernels, one token", flush=True)
+        record["kernels"] = kernel_rows(2 * record["machine"]["last_level_cache_bytes"], args.crossover)
+    if args.decode:
+        print("(b) Llama-3.2-3B-shaped decode", flush=True)
+        record["decode_3b"] = decode_rows(args, threads)
+        record["cpu_decode_speedup_3b"] = speedup(record["decode_3b"], "2x8 fast (bf16 rest)", ("dense fp32", "dense bf16"))
+        record["cpu_decode_speedup_3b_cpu_time"] = speedup(record["decode_3b"], "2x8 fast (bf16 rest)",
+                                                           ("dense fp32", "dense bf16"), "decode_tokens_per_cpu_second")
+        record["cpu_decode_speedup_3b_fp32_rest"] = speedup(record["decode_3b"], "2x8 fast (fp32 rest)",
+                                                            ("dense fp32", "dense bf16"))
+        by_name = {row["variant"]: row for row in record["decode_3b"]}
+        record["cpu_resident_fraction_of_bf16_3b"] = (by_name["2x8 fast (bf16 rest)"]["resident_weight_bytes"]
+                                                      / by_name["dense bf16"]["resident_weight_bytes"])
+    if args.checkpoint is not None:
+        print("(c) SmolLM2 checkpoint", flush=True)
+        record["smollm2"] = checkpoint_rows(args, threads)
+        for suffix, key in (("", "decode_tokens_per_second"), ("_cpu_time", "decode_tokens_per_cpu_second")):
+            fast = max(("2 bpp, fast, float32 rest", "2 bpp, fast, bfloat16 rest"),
+                       key=lambda name: {r["variant"]: r[key] for r in record["smollm2"]}[name])
+            record["smollm2_decode_speedup_over_fp16_source" + suffix] = speedup(
+                record["smollm2"], fast, ("fp16 source, float32", "fp16 source, bfloat16"), key)
+    if args.checkpoint is not None and args.eval_windows > 0:
+        print("(d) evaluation through cpu_kernel dense and fast", flush=True)
+        record["evaluation"] = evaluation_rows(args, threads)
+    record["seconds"] = time.perf_counter() - started
+    record["machine"]["openmp_libraries"] = openmp_libraries()
+    record["machine"]["numba_threading_layer"] = _numba_layer()
+    record["machine"]["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(table(record))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

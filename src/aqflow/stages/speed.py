@@ -1,0 +1,248 @@
+"""`python -m aqflow speed MODEL_DIR --output speed.json`: how fast and how big one model folder is
+on one device, through the project's fastest path and through plain transformers + aqlm.
+
+For each path (aqflow.inference.runtime: `fast` = FastQuantizedLinear kernels, fused projections
+and a CUDA graph per decode step on a GPU; `plain` = the folder as transformers + aqlm load it,
+eager) a fresh child process loads the model and measures:
+
+- batch-1 decode: --prompt-tokens seeded random token ids, then --new-tokens greedy tokens
+  (aqflow.inference.decode.greedy_decode, a static KV cache; a warm-up run of --warmup-tokens
+  first, untimed: kernels compiled, caches filled); decode tokens/s over the timed steps;
+- prefill: one forward of --prefill-tokens tokens (a long prompt) into the static cache, tokens/s;
+- both timed --repeats times, the fastest kept (every run's figure is recorded); on a CPU also the
+  decode steps' tokens per CPU second of the measuring process (with one thread: the speed the
+  decode would have alone on a core that other processes share);
+- weights: bytes of the folder's weight files on disk, and of the model's parameters and buffers
+  as held in memory after loading (tied tensors once);
+- peak memory: on a GPU torch's max allocated bytes; on a CPU the child's peak RSS (VmHWM; the
+  interpreter and libraries included, their share is `rss_before_load_bytes`).
+
+A child per path keeps one path's memory out of the other's peak. speed.json holds every setting,
+the device's name, the thread count and the versions; it is written atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from aqflow.inference.runtime import (
+    PATHS, call_in_child, decoding_context, disk_weight_bytes, is_aqlm_folder, load_for_decoding, resident_weight_bytes,
+    resolve_dtype, torch_threads,
+)
+from aqflow.io import artifacts
+from aqflow.io.artifacts import verify_inputs
+from aqflow.models.fetch import ModelInputError
+from aqflow.models.folder import read_config, stored_bits_per_parameter
+from aqflow.stagekit import stage_cli
+from aqflow.stagekit.stage_cli import option
+from aqflow.stagekit.stage_errors import EXPECTED_ERRORS, StageInputError
+
+STAGE = "speed"
+INPUT_ERRORS = (*EXPECTED_ERRORS, ModelInputError)
+
+
+@dataclass(frozen=True)
+class SpeedSettings:
+    device: str = field(default="auto", metadata=option("cpu, cuda, cuda:N or auto (a GPU where one is visible)"))
+    dtype: str = field(default="auto", metadata=option(
+        "compute dtype of the unquantized parts (auto: float32 on a CPU, the folder's dtype on a GPU)",
+        choices=("auto", "float16", "bfloat16", "float32")))
+    paths: tuple[str, ...] = field(default=PATHS, metadata=option(
+        f"paths to measure, among {list(PATHS)}", metavar="PATH"))
+    prompt_tokens: int = field(default=32, metadata=option("prompt tokens before the timed decode"))
+    new_tokens: int = field(default=128, metadata=option("new tokens decoded (timed after the first)"))
+    warmup_tokens: int = field(default=8, metadata=option("tokens of an untimed warm-up decode first"))
+    prefill_tokens: int = field(default=1024, metadata=option("tokens of the long prompt whose prefill is timed"))
+    repeats: int = field(default=1, metadata=option(
+        "time the decode and the prefill this many times and keep the fastest (on a shared machine the "
+        "slower runs measure the other processes)"))
+    threads: int | None = field(default=None, metadata=option("CPU threads (default: all cores)"))
+    seed: int = field(default=0, metadata=option("seed of the random prompt ids"))
+
+
+@dataclass(frozen=True)
+class SpeedPaths:
+    model_dir: Path = field(metadata=option("model folder: plain or AQLM", positional=True))
+    output: Path = field(metadata=option("speed.json to write"))
+
+
+def resolve_device(device: str) -> str:
+    return stage_cli.default_device() if device == "auto" else device
+
+
+def check_settings(settings: SpeedSettings, paths: SpeedPaths) -> None:
+    if not (paths.model_dir / "config.json").is_file():
+        raise StageInputError(f"{paths.model_dir}: not a model folder (no config.json)")
+    unknown = sorted(set(settings.paths) - set(PATHS))
+    if unknown or not settings.paths:
+        raise StageInputError(f"--paths {list(settings.paths)}: expected some of {list(PATHS)}")
+    for name in ("prompt_tokens", "new_tokens", "prefill_tokens", "repeats"):
+        if getattr(settings, name) < 1:
+            raise StageInputError(f"--{name.replace('_', '-')} {getattr(settings, name)}: at least 1")
+    if settings.new_tokens < 2:
+        raise StageInputError("--new-tokens: at least 2 (the first new token comes from the prefill)")
+    device = resolve_device(settings.device)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise StageInputError(f"--device {device}: no GPU is visible")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set: VmHWM of /proc/self/status on Linux (the peak of this
+    program's memory since its exec), else ru_maxrss. Not ru_maxrss on Linux: it keeps the peak
+    from before the exec, so a child spawned by a big parent would report the parent's size."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def random_prompt(vocab_size: int, tokens: int, seed: int) -> torch.Tensor:
+    """[1, tokens] int64 token ids, seeded (speed does not depend on which tokens)."""
+    return torch.randint(0, vocab_size, (1, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+class CpuClock:
+    """An on_token callback for greedy_decode recording this process's CPU time at every token:
+    the CPU seconds of the decode steps are those between the first token (the prefill's) and
+    the last. On a CPU shared with other processes, one thread's CPU seconds are what the decode
+    would take alone (wall seconds include the time other processes held the core)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, token: int) -> None:
+        self.times.append(time.process_time())
+
+    def decode_tokens_per_cpu_second(self) -> float:
+        steps = len(self.times) - 1
+        return steps / (self.times[-1] - self.times[0]) if steps > 0 and self.times[-1] > self.times[0] else float("nan")
+
+
+def timed_decode(model, prompt: torch.Tensor, new_tokens: int, graphs: bool | None, cpu_clock: bool):
+    """greedy_decode's timings, and the decode steps' tokens per CPU second (NaN unless cpu_clock:
+    the per-token callback syncs a GPU every token, so it is only used on a CPU)."""
+    from aqflow.inference.decode import greedy_decode
+
+    clock = CpuClock() if cpu_clock else None
+    _, timings = greedy_decode(model, prompt, new_tokens, graphs=graphs, on_token=clock)
+    return timings, clock.decode_tokens_per_cpu_second() if clock else float("nan")
+
+
+def measure(model_dir: str, device: str, dtype: str, path: str, settings: dict) -> dict:
+    """One path's measurements, in this process (run it in a fresh one: see `run`)."""
+    from aqflow.inference.decode import greedy_decode
+
+    rss_before = peak_rss_bytes()
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    with torch_threads(settings["threads"]):
+        started = time.perf_counter()
+        model = load_for_decoding(model_dir, device, dtype, path)
+        load_seconds = time.perf_counter() - started
+        vocab = model.config.vocab_size
+        graphs = None if path == "fast" else False
+        with decoding_context(model_dir, device, path):
+            if settings["warmup_tokens"] > 0:
+                greedy_decode(model, random_prompt(vocab, settings["prompt_tokens"], settings["seed"] + 1),
+                              settings["warmup_tokens"] + 1, graphs=graphs)
+            decodes, cpu_rates = zip(*[timed_decode(model, random_prompt(vocab, settings["prompt_tokens"], settings["seed"]),
+                                                    settings["new_tokens"], graphs, not cuda)
+                                       for _ in range(settings["repeats"])])
+            prefills = [greedy_decode(model, random_prompt(vocab, settings["prefill_tokens"], settings["seed"] + 2), 1,
+                                      graphs=False)[1] for _ in range(settings["repeats"])]
+        decode = max(decodes, key=lambda timings: timings.decode_tokens_per_second)
+        prefill = max(prefills, key=lambda timings: timings.prefill_tokens_per_second)
+        threads = torch.get_num_threads()
+    result = {
+        "path": path, "load_seconds": load_seconds, "threads": threads,
+        "decode_tokens_per_second": decode.decode_tokens_per_second, "decode_mode": decode.mode,
+        "decode_tokens_per_second_runs": [timings.decode_tokens_per_second for timings in decodes],
+        "decode_tokens_per_cpu_second": max(cpu_rates),
+        "decode_tokens_per_cpu_second_runs": list(cpu_rates),
+        "prefill_tokens_per_second_runs": [timings.prefill_tokens_per_second for timings in prefills],
+        "decode": asdict(decode),
+        "prefill_tokens_per_second": prefill.prefill_tokens_per_second, "prefill": asdict(prefill),
+        "resident_weight_bytes": resident_weight_bytes(model),
+    }
+    if cuda:
+        result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        result["peak_memory_kind"] = "cuda max allocated"
+    else:
+        result["peak_memory_bytes"] = peak_rss_bytes()
+        result["peak_memory_kind"] = "peak RSS of the measuring process"
+        result["rss_before_load_bytes"] = rss_before
+    return result
+
+
+def measure_in_child(model_dir: Path, device: str, dtype: str, path: str, settings: dict) -> dict:
+    """`measure` in a fresh spawned process: its peak memory is this path's alone."""
+    return call_in_child(measure, str(model_dir), device, dtype, path, settings, what=f"measuring the {path} path")
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version()}
+    for package in ("torch", "transformers", "aqlm", "numba", "triton"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
+    return model or platform.processor() or platform.machine()
+
+
+def run(settings: SpeedSettings, paths: SpeedPaths) -> dict:
+    """Measure every requested path and write speed.json; its payload."""
+    check_settings(settings, paths)
+    verify_inputs(paths.model_dir)
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(paths.model_dir, device, settings.dtype)
+    child_settings = {"threads": settings.threads, "prompt_tokens": settings.prompt_tokens,
+                      "new_tokens": settings.new_tokens, "warmup_tokens": settings.warmup_tokens,
+                      "prefill_tokens": settings.prefill_tokens, "seed": settings.seed, "repeats": settings.repeats}
+    results = {path: measure_in_child(paths.model_dir, device, dtype, path, child_settings) for path in settings.paths}
+    aqlm = is_aqlm_folder(paths.model_dir)
+    payload = {
+        "model_dir": str(paths.model_dir),
+        "format": "aqlm" if aqlm else "plain",
+        "model_type": read_config(paths.model_dir).get("model_type"),
+        "bits_per_parameter": stored_bits_per_parameter(paths.model_dir)["bits_per_parameter"],
+        "disk_weight_bytes": disk_weight_bytes(paths.model_dir),
+        "device": device, "device_name": device_name(device),
+        "cpu_cores": os.cpu_count(),
+        "settings": {**asdict(settings), "device": device, "dtype": dtype, "paths": list(settings.paths)},
+        "versions": versions(),
+        "paths": results,
+    }
+    artifacts.write_json(paths.output, payload)
+    return payload
+
+
+def summary(payload: dict) -> str:
+    parts = [f"{name}: decode {r['decode_tokens_per_second']:.2f} tokens/s, prefill {r['prefill_tokens_per_second']:.1f} "
+             f"tokens/s, weights {r['resident_weight_bytes'] / 2**20:.1f} MiB, peak {r['peak_memory_bytes'] / 2**20:.0f} MiB"
+             for name, r in payload["paths"].items()]
+    return f"{payload['model_dir']} on {payload['device']} ({payload['settings']['dtype']}): " + "; ".join(parts)
+
+
+build_parser, main = stage_cli.entry_points(STAGE, __doc__, run, INPUT_ERRORS, summary)

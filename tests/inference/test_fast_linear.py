@@ -1,0 +1,79 @@
+"""FastQuantizedLinear in a model loaded by transformers + aqlm: logits equal those of the same
+checkpoint with dense dequantized layers, through the lookup tables (few tokens) and the
+dequantized chunks (many), and the model keeps only codes, codebooks and scales."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aqflow.evaluation.dense_aqlm import dequantize_aqlm_linears
+from aqflow.inference import fast_linear
+from aqflow.inference.decode import greedy_decode
+from aqflow.inference.fast_linear import FastQuantizedLinear, install_fast_linears
+from aqflow.models import build_tiny_llama
+from aqflow.models.fetch import load_causal_lm
+from tests.inference.aqlm_checkpoints import write_random_aqlm_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_aqlm(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fast-linear")
+    fp_dir = build_tiny_llama(root / "fp", hidden_size=64, intermediate_size=128, num_layers=2, seed=0)
+    write_random_aqlm_checkpoint(fp_dir, root / "aqlm", num_codebooks=2, nbits=8, group_size=8)
+    return root / "aqlm"
+
+
+def _load(folder):
+    import transformers.quantizers  # noqa: F401  (before aqlm's integration)
+
+    return load_causal_lm(folder, dtype="float32", device="cpu")
+
+
+def test_install_replaces_every_aqlm_layer_and_keeps_only_the_codes(tiny_aqlm):
+    model = _load(tiny_aqlm)
+    names = install_fast_linears(model)
+    assert len(names) == 7 * model.config.num_hidden_layers
+    assert not any(type(m).__name__ == "QuantizedLinear" for m in model.modules())
+    for name in names:
+        layer = model.get_submodule(name)
+        assert isinstance(layer, FastQuantizedLinear)
+        assert {n for n, _ in layer.named_buffers()} == {"codes", "codebooks", "scales"}
+        assert not list(layer.parameters()) and layer.codes.dtype == torch.uint8
+        assert layer.codes.numel() == layer.out_features * layer.in_features // 8 * 2  # 2 bits per weight
+    assert install_fast_linears(model) == []  # nothing left to replace
+
+
+@pytest.mark.parametrize("tokens", [1, 3, fast_linear.LUT_MAX_TOKENS + 13])
+def test_logits_equal_the_dequantized_reference(tiny_aqlm, tokens):
+    """Few tokens go through lut_matmul, more through dequantized_matmul: both equal the model
+    whose AQLM layers were replaced by their dequantized weights, within float32 rounding."""
+    reference = _load(tiny_aqlm)
+    dequantize_aqlm_linears(reference)
+    fast = _load(tiny_aqlm)
+    install_fast_linears(fast)
+    ids = torch.randint(0, fast.config.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(tokens))
+    with torch.no_grad():
+        expected, got = reference(ids).logits, fast(ids[:1]).logits
+    torch.testing.assert_close(got, expected[:1], rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # a batch of 2 x tokens rows: the kernel sees 2*tokens rows at once
+        torch.testing.assert_close(fast(ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_decoding_through_the_tables_picks_the_reference_tokens(tiny_aqlm):
+    reference = _load(tiny_aqlm)
+    dequantize_aqlm_linears(reference)
+    fast = _load(tiny_aqlm)
+    install_fast_linears(fast)
+    prompt = torch.randint(0, fast.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(3))
+    expected, _ = greedy_decode(reference, prompt, 12)
+    got, timings = greedy_decode(fast, prompt, 12)
+    assert torch.equal(got, expected) and timings.new_tokens == 12
+
+
+def test_a_layer_after_aqlms_cpu_kernel_is_refused_by_name(tiny_aqlm):
+    model = _load(tiny_aqlm)
+    layer = model.model.layers[0].mlp.down_proj
+    layer.codes.data = layer.codes.data.permute(1, 0, 2).contiguous()  # what aqlm's CPU kernel leaves
+    with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj"):
+        install_fast_linears(model)

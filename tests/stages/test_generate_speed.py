@@ -1,0 +1,106 @@
+"""The generate and speed stages on a tiny Llama and a tiny AQLM checkpoint of it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from aqflow.evaluation.dense_aqlm import dequantize_aqlm_linears
+from aqflow.inference.decode import greedy_decode
+from aqflow.inference.runtime import load_for_decoding, resident_weight_bytes
+from aqflow.models import build_tiny_llama, load_tokenizer
+from aqflow.stagekit.stage_cli import run_stage_module
+from aqflow.stages import generate, speed
+from tests.inference.aqlm_checkpoints import write_random_aqlm_checkpoint
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generate")
+    fp_dir = build_tiny_llama(root / "fp", hidden_size=64, intermediate_size=128, num_layers=2, seed=0)
+    write_random_aqlm_checkpoint(fp_dir, root / "aqlm", num_codebooks=2, nbits=8, group_size=8)
+    return fp_dir, root / "aqlm"
+
+
+def _generate(model_dir, output, **settings):
+    return run_stage_module(generate, generate.GenerateSettings(device="cpu", **settings),
+                            generate.GeneratePaths(model_dir=model_dir, output=output))
+
+
+def test_generate_streams_the_greedy_tokens_of_the_dequantized_model(folders, tmp_path, capsys):
+    _, aqlm_dir = folders
+    prompt = "the quick brown fox"
+    assert _generate(aqlm_dir, tmp_path / "fast.json", prompt=prompt, max_new_tokens=8) == 0
+    record = json.loads((tmp_path / "fast.json").read_text())
+    reference = load_for_decoding(aqlm_dir, "cpu", "float32", "plain")
+    quantized = dequantize_aqlm_linears(reference)
+    tokenizer = load_tokenizer(aqlm_dir)
+    expected, _ = greedy_decode(reference, tokenizer(prompt, return_tensors="pt").input_ids, 8,
+                                stop_tokens={tokenizer.eos_token_id})
+    assert record["tokens"] == expected.tolist()
+    out = capsys.readouterr().out
+    assert out.startswith(prompt + record["text"]) and "tokens/s" in out.splitlines()[-1]
+    assert record["format"] == "aqlm" and record["timings"]["decode_tokens_per_second"] > 0
+    # held: the dense model's bytes with each linear's float32 weight swapped for its codes (one
+    # byte per 8-bit code, 2 per group of 8), codebooks [2, 256, 8] and scales [out], float32
+    linears = [reference.get_submodule(name) for name in quantized]
+    expected = (resident_weight_bytes(reference) - sum(4 * l.weight.numel() for l in linears)
+                + sum(l.weight.numel() // 8 * 2 + 4 * 2 * 256 * 8 + 4 * l.out_features for l in linears))
+    assert record["resident_weight_bytes"] == expected
+    # aqlm's own kernels (one numba thread) pick the same tokens
+    assert _generate(aqlm_dir, tmp_path / "plain.json", prompt=prompt, max_new_tokens=8, path="plain") == 0
+    assert json.loads((tmp_path / "plain.json").read_text())["tokens"] == record["tokens"]
+
+
+def test_sampling_is_seeded_and_top_p_near_zero_is_greedy(folders, tmp_path):
+    fp_dir, _ = folders
+    runs = {}
+    for name, settings in {"a": dict(seed=1), "b": dict(seed=1), "c": dict(seed=2)}.items():
+        assert _generate(fp_dir, tmp_path / f"{name}.json", max_new_tokens=12, temperature=5.0, stream=False, **settings) == 0
+        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())["tokens"]
+    assert runs["a"] == runs["b"] and runs["a"] != runs["c"]
+    assert _generate(fp_dir, tmp_path / "greedy.json", max_new_tokens=6, stream=False) == 0
+    assert _generate(fp_dir, tmp_path / "top.json", max_new_tokens=6, temperature=1.0, top_p=1e-6, stream=False) == 0
+    greedy = json.loads((tmp_path / "greedy.json").read_text())["tokens"]
+    assert json.loads((tmp_path / "top.json").read_text())["tokens"] == greedy
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([0.1, 0.5, 0.3, 0.1]))
+    kept = generate.top_p_filter(logits, 0.75).isfinite()
+    assert kept.tolist() == [False, True, True, False]
+    assert generate.top_p_filter(logits, 1.0).isfinite().all()
+
+
+def test_speed_measures_the_paths_it_is_given(folders, tmp_path):
+    """The AQLM checkpoint through the fast path, the fp model through the plain one (aqlm's own
+    CPU kernel compiles for half a minute per process: generate's test runs it)."""
+    fp_dir, aqlm_dir = folders
+    payloads = {}
+    for name, folder, paths in (("aqlm", aqlm_dir, ("fast",)), ("fp", fp_dir, ("plain",))):
+        settings = speed.SpeedSettings(device="cpu", paths=paths, prompt_tokens=4, new_tokens=4, warmup_tokens=1,
+                                       prefill_tokens=16)
+        assert run_stage_module(speed, settings, speed.SpeedPaths(model_dir=folder, output=tmp_path / f"{name}.json")) == 0
+        payloads[name] = json.loads((tmp_path / f"{name}.json").read_text())
+        assert list(payloads[name]["paths"]) == list(paths) and payloads[name]["format"] == ("aqlm" if name == "aqlm" else "plain")
+    aqlm, fp = payloads["aqlm"], payloads["fp"]
+    assert aqlm["settings"]["prefill_tokens"] == 16 and aqlm["settings"]["dtype"] == "float32"
+    assert aqlm["versions"]["numba"] and aqlm["device_name"] and aqlm["cpu_cores"] >= 1
+    for result in (aqlm["paths"]["fast"], fp["paths"]["plain"]):
+        assert result["decode_tokens_per_second"] > 0 and result["prefill_tokens_per_second"] > 0
+        assert result["decode"]["timed_steps"] == 3 and result["prefill"]["prompt_tokens"] == 16
+        assert result["peak_memory_bytes"] >= result["rss_before_load_bytes"] > 0
+    fast = load_for_decoding(aqlm_dir, "cpu", "float32", "fast")
+    assert aqlm["paths"]["fast"]["resident_weight_bytes"] == resident_weight_bytes(fast)
+    assert fp["paths"]["plain"]["resident_weight_bytes"] == resident_weight_bytes(load_for_decoding(fp_dir, "cpu", "float32", "plain"))
+    assert aqlm["bits_per_parameter"] < fp["bits_per_parameter"] == 32  # the tiny model's codebooks weigh much
+    assert 0 < aqlm["disk_weight_bytes"] < fp["disk_weight_bytes"]
+
+
+def test_speed_refuses_an_unknown_path(folders, tmp_path, capsys):
+    _, aqlm_dir = folders
+    settings = speed.SpeedSettings(device="cpu", paths=("fast", "fastest"))
+    assert run_stage_module(speed, settings, speed.SpeedPaths(model_dir=aqlm_dir, output=tmp_path / "s.json")) == 2
+    assert "fastest" in capsys.readouterr().err and not (tmp_path / "s.json").exists()
