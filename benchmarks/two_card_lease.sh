@@ -25,7 +25,7 @@ setup)
   cd "$BENCH/repo"
   # card 1: the GPU decode benchmark, then the 8B kit, then (once start3b has installed .whl2) the 8B run
   setsid nohup bash -c '
-    CUDA_VISIBLE_DEVICES=1 taskset -c 0-15 timeout 300 '"$PY"' benchmarks/inference_gpu.py --out '"$BENCH"' > '"$BENCH"'/inference_gpu.log 2>&1
+    PYTHONPATH=src CUDA_VISIBLE_DEVICES=1 taskset -c 0-15 timeout 300 '"$PY"' benchmarks/inference_gpu.py --out '"$BENCH"' > '"$BENCH"'/inference_gpu.log 2>&1
     echo $? > '"$BENCH"'/inference_gpu.rc
     export STAGE=/root/stage8 HEADLINE_CARD=1 CUDA_VISIBLE_DEVICES=1 GPU_SLOTS=4
     taskset -c 0-15 bash benchmarks/headline_gpu.sh kit llama8b > '"$BENCH"'/kit8b.log 2>&1
