@@ -6,7 +6,8 @@
 # benchmark are the 16 it has). Each headline run has its own staging folder and samples its own card.
 #   bash benchmarks/two_card_lease.sh setup   # carry .whl and .device-carry/headline: wheels, the 3B
 #                                             # kit on card 0; card 1's chain and the CPU benchmark start
-#   bash benchmarks/two_card_lease.sh start3b # carry .whl2: transformers 5.23; the 3B run starts
+#   bash benchmarks/two_card_lease.sh start3b # carry .whl2 .whl4: transformers 5.23, huggingface_hub 2.4
+#                                             # (1.x, the box's, fails offline with allow_patterns); the 3B run starts
 #   bash benchmarks/two_card_lease.sh wait S  # watch for S seconds; what exists so far goes to $OUT
 set -euo pipefail
 export CUDA_DEVICE_ORDER=PCI_BUS_ID PYTHONUNBUFFERED=1
@@ -39,7 +40,7 @@ setup)
   CUDA_VISIBLE_DEVICES=0 taskset -c 0-15 bash benchmarks/headline_gpu.sh kit llama3b | tail -8
   ;;
 start3b)
-  STAGE=/root/stage WHEELS=.whl2 bash benchmarks/gpu_pipeline.sh install | tail -2 && touch /root/stage/whl2.done
+  STAGE=/root/stage WHEELS=".whl2 .whl4" bash benchmarks/gpu_pipeline.sh install | tail -2 && touch /root/stage/whl2.done
   STAGE=/root/stage HEADLINE_CARD=0 CUDA_VISIBLE_DEVICES=0 GPU_SLOTS=6 taskset -c 0-15 bash benchmarks/headline_gpu.sh start llama3b all
   ;;
 wait)
