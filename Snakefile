@@ -15,6 +15,10 @@ include: "workflow/rules/overrides.smk"
 validate(config, "workflow/schemas/config.schema.yaml")
 
 
+# the image every rule runs in with `--sdm apptainer` (built from docker/Dockerfile)
+container: config["container"]
+
+
 report: "workflow/report/workflow.rst"
 
 

@@ -61,8 +61,8 @@ join)
     [ -f "$gguf" ] && continue  # joined and checked by an earlier join
     mkdir -p "$(dirname "$gguf")"
     cat "$parts"* > "$gguf.tmp"
-    if "$PY" -c "import sys; from aqflow.models.presets import get_preset; from aqflow.io.fetching import sha256_file; \
-sys.exit(sha256_file(sys.argv[2]) != get_preset(sys.argv[1]).sha256)" "$preset" "$gguf.tmp"; then
+    if "$PY" -c "import sys; from aqflow.models.presets import get_preset; from aqflow.io.artifacts import file_sha256; \
+sys.exit(file_sha256(sys.argv[2]) != get_preset(sys.argv[1]).sha256)" "$preset" "$gguf.tmp"; then
       mv "$gguf.tmp" "$gguf"; echo "$gguf: sha256 OK"
     else
       rm -f "$gguf.tmp"; echo "$preset: $(ls "$parts" | wc -l) part(s) staged, not all of them yet"

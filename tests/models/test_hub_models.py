@@ -189,16 +189,14 @@ def test_cached_config_resolves_refs_and_commits_without_huggingface_hub(hub_hom
 
 def test_gpu_compute_dtype_follows_the_model_folder(tmp_path):
     """On a GPU every stage computes in the folder's declared dtype; on a CPU in float32."""
-    from aqflow.stages.evaluate import build_parser as evaluate_parser, compute_dtype
+    from aqflow.stages.evaluate import EvaluateSettings, compute_dtype
     from aqflow.stages.pvtune import auto_amp_dtype
 
     folder = build_tiny_model(tmp_path / "bf16", "llama", dtype="bfloat16")
     assert model_compute_dtype(folder, "cuda") == "bfloat16" and model_compute_dtype(folder, "cuda:1") == "bfloat16"
     assert model_compute_dtype(folder, "cpu") == "float32"
-    args = evaluate_parser().parse_args(["--model-dir", str(folder), "--output", "x.json", "--device", "cuda"])
-    assert compute_dtype(args) == "bfloat16"
-    args.dtype = "float16"
-    assert compute_dtype(args) == "float16"  # an explicit --dtype wins
+    assert compute_dtype(EvaluateSettings(device="cuda"), folder) == "bfloat16"
+    assert compute_dtype(EvaluateSettings(device="cuda", dtype="float16"), folder) == "float16"  # an explicit --dtype wins
     assert [auto_amp_dtype(d) for d in ("float32", "float16", "bfloat16")] == ["none", "bfloat16", "bfloat16"]
 
 

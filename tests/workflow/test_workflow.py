@@ -47,7 +47,7 @@ def finished_run(tmp_path_factory):
 
 def edited_config(workdir: Path, section: str, key: str, value) -> Path:
     config = yaml.safe_load(CONFIG.read_text())
-    config[section][key] = value
+    config.setdefault(section, {})[key] = value
     path = workdir / f"config.{section}.{key}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -131,6 +131,17 @@ def test_quantization_setting_reruns_quantize_and_after_not_calibrate(finished_r
 def test_pvtune_setting_reruns_only_pvtune_and_after(finished_run):
     jobs = planned_jobs(finished_run, config=edited_config(finished_run, "pvtune", "code_lr", 2.0e-3))
     assert jobs == {"pvtune": 2, "evaluate_pvtuned": 2, "report": 1}
+
+
+@pytest.mark.slow
+def test_execution_settings_rerun_nothing_and_evaluation_settings_rerun_the_evaluations(finished_run):
+    """The logits budget reaches the evaluations through their `execution` param, which Snakemake
+    leaves out of its rerun check (no builtin value): changing how a job runs replans nothing. The
+    same evaluations replan when what they measure changes."""
+    for key, value in (("logits_budget_gib", 0.5), ("warm_worker_idle_seconds", 3), ("warm_workers", True)):
+        assert planned_jobs(finished_run, config=edited_config(finished_run, "execution", key, value)) == {}, key
+    jobs = planned_jobs(finished_run, config=edited_config(finished_run, "evaluation", "context", 32))
+    assert jobs == {"evaluate_fp": 1, "evaluate_quantized": 2, "evaluate_pvtuned": 2, "report": 1}
 
 
 @pytest.mark.slow

@@ -1,23 +1,21 @@
 checkpoint calibrate:
     input:
         model=model_dir,
-        corpus=lambda w: corpus_path(text_corpus(w.model, "calibration")),
+        corpus=calibration_corpus,
     output:
         directory("results/{model}/calib/{calib}"),
     log:
         "logs/calibrate/{model}/{calib}.log",
     benchmark:
         "logs/benchmarks/calibrate/{model}/{calib}.tsv"
-    priority: model_priority
+    priority: PLAN.model_priority
     conda:
         "../../envs/quantize.yaml"
-    container:
-        CONTAINER
-    threads: rule_threads("calibrate")
+    threads: PLAN.threads("calibrate")
     resources:
-        **rule_resources("calibrate"),
+        **PLAN.resources("calibrate"),
     params:
-        settings=CALIBRATE_SETTINGS,
+        settings=PLAN.calibrate_settings(),
     script:
         "../scripts/calibrate.py"
 
@@ -42,26 +40,16 @@ rule calibrate_block:
         "logs/calibrate_block/{model}/{bpp}bpp/{init}/{variant}/block{block}.log",
     benchmark:
         "logs/benchmarks/calibrate_block/{model}/{bpp}bpp/{init}/{variant}/block{block}.tsv"
-    priority: cell_priority
+    priority: PLAN.cell_priority
     conda:
         "../../envs/quantize.yaml"
-    container:
-        CONTAINER
-    threads: rule_threads("calibrate_block")
+    threads: PLAN.threads("calibrate_block")
     resources:
-        **rule_resources("calibrate_block"),
+        **PLAN.resources("calibrate_block"),
     params:
-        previous_layers_dir=lambda w: (
-            tuned_block_dir(w, int(w.block) - 1)
-            if FINETUNE
-            else f"{variant_dir(w)}/layers"
-        ),
-        previous_block_tensors=lambda w: (
-            f"{tuned_block_dir(w, int(w.block) - 1)}/block.safetensors"
-            if FINETUNE
-            else ""
-        ),
-        settings=CALIBRATE_BLOCK_SETTINGS,
+        previous_layers_dir=previous_layers_dir,
+        previous_block_tensors=previous_block_tensors,
+        settings=PLAN.calibrate_block_settings(),
     script:
         "../scripts/calibrate_block.py"
 
@@ -70,7 +58,7 @@ rule finetune_block:
     input:
         model=model_dir,
         calibration=calibration_dir,
-        layers=lambda w: block_layer_artifacts(w, int(w.block)),
+        layers=block_layers,
         inputs=finetune_inputs,
     output:
         directory("results/{model}/{bpp}bpp/{init}/{variant}/tuned/block{block}"),
@@ -78,16 +66,14 @@ rule finetune_block:
         "logs/finetune_block/{model}/{bpp}bpp/{init}/{variant}/block{block}.log",
     benchmark:
         "logs/benchmarks/finetune_block/{model}/{bpp}bpp/{init}/{variant}/block{block}.tsv"
-    priority: cell_priority
+    priority: PLAN.cell_priority
     conda:
         "../../envs/quantize.yaml"
-    container:
-        CONTAINER
-    threads: rule_threads("finetune_block")
+    threads: PLAN.threads("finetune_block")
     resources:
-        **rule_resources("finetune_block"),
+        **PLAN.resources("finetune_block"),
     params:
-        layers_dir=lambda w: f"{variant_dir(w)}/layers",
-        settings=BLOCK_FINETUNE,
+        layers_dir=layers_dir,
+        settings=PLAN.block_finetune,
     script:
         "../scripts/finetune_block.py"

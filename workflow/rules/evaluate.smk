@@ -10,20 +10,19 @@ rule evaluate_quantized:
         "logs/evaluate/{model}/{bpp}bpp/{init}/{variant}.log",
     benchmark:
         "logs/benchmarks/evaluate_quantized/{model}/{bpp}bpp/{init}/{variant}.tsv"
-    priority: cell_priority
+    priority: PLAN.cell_priority
     conda:
         "../../envs/evaluate.yaml"
-    container:
-        CONTAINER
-    threads: rule_threads("evaluate")
+    threads: PLAN.threads("evaluate")
     resources:
-        **rule_resources("evaluate"),
+        **PLAN.resources("evaluate"),
     params:
-        evaluation=EVALUATION_SETTINGS,
-        domains=lambda w: evaluation_domains(w.model),
-        settings=quantizer_settings,
-        calibration=calibration_settings,
-        label=lambda w: f"{w.model}/{w.bpp}bpp/{w.init}/{w.variant}",
+        evaluation=PLAN.evaluation_settings(),
+        domains=PLAN.domains,
+        settings=PLAN.quantizer_settings,
+        calibration=PLAN.calibration_record,
+        label=PLAN.variant_label,
+        execution=EXECUTION,
     script:
         "../scripts/evaluate.py"
 
@@ -42,16 +41,15 @@ rule evaluate_fp:
         "logs/benchmarks/evaluate_fp/{model}.tsv"
     conda:
         "../../envs/evaluate.yaml"
-    container:
-        CONTAINER
-    threads: rule_threads("evaluate")
+    threads: PLAN.threads("evaluate")
     resources:
-        **rule_resources("evaluate"),
+        **PLAN.resources("evaluate"),
     params:
-        evaluation=EVALUATION_SETTINGS,
-        domains=lambda w: evaluation_domains(w.model),
+        evaluation=PLAN.evaluation_settings(),
+        domains=PLAN.domains,
         settings={},
         calibration={},
-        label=lambda w: f"{w.model}/fp",
+        label=PLAN.fp_label,
+        execution=EXECUTION,
     script:
         "../scripts/evaluate.py"

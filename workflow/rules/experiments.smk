@@ -4,7 +4,7 @@
 rule domain_distances:
     input:
         model=model_dir,
-        calibration=lambda w: corpus_path(text_corpus(w.model, "calibration")),
+        calibration=calibration_corpus,
         corpora=evaluation_corpora,
     output:
         "results/{model}/domains.json",
@@ -14,11 +14,9 @@ rule domain_distances:
         "logs/benchmarks/domain_distances/{model}.tsv"
     conda:
         "../../envs/evaluate.yaml"
-    container:
-        CONTAINER
-    threads: rule_threads("domain_distances")
+    threads: PLAN.threads("domain_distances")
     resources:
-        **rule_resources("domain_distances"),
+        **PLAN.resources("domain_distances"),
     script:
         "../scripts/domain_distances.py"
 
@@ -39,21 +37,19 @@ if "paper" in config.get("experiments", {}):
             "logs/benchmarks/paper_grid.tsv"
         conda:
             "../../envs/report.yaml"
-        container:
-            CONTAINER
         params:
-            cells=lambda w: experiment_cells("paper"),
+            cells=PLAN.experiment_cells("paper"),
         script:
             "../scripts/paper_grid.py"
 
     rule paper:
         input:
-            evals=experiment_evals("paper"),
+            evals=PLAN.experiment_evals("paper"),
             grid=rules.paper_grid.output[0],
             # one per model, under its own tokenizer: each model's domain table, plot and claim
             distances=[
                 output_path(rules.domain_distances.output[0], model=model)
-                for model in experiment_models("paper")
+                for model in PLAN.experiment_models("paper")
             ],
         output:
             readme="results/paper/README.md",
@@ -100,13 +96,11 @@ if "paper" in config.get("experiments", {}):
             "logs/benchmarks/paper.tsv"
         conda:
             "../../envs/report.yaml"
-        container:
-            CONTAINER
-        threads: rule_threads("report")
+        threads: PLAN.threads("report")
         resources:
-            **rule_resources("report"),
+            **PLAN.resources("report"),
         params:
-            domains=experiment_domains("paper"),
-            models=experiment_models("paper"),
+            domains=PLAN.experiment_domains("paper"),
+            models=PLAN.experiment_models("paper"),
         script:
             "../scripts/paper_tables.py"

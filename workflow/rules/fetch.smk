@@ -5,16 +5,16 @@ rule fetch_model:
         "logs/fetch_model/{model}.log",
     benchmark:
         "logs/benchmarks/fetch_model/{model}.tsv"
-    priority: model_priority
+    priority: PLAN.model_priority
+    # downloads (package registries, the hub) fail now and then for reasons of the network
+    retries: 2
     conda:
         "../../envs/quantize.yaml"
-    container:
-        CONTAINER
-    threads: rule_threads("fetch_model")
+    threads: PLAN.threads("fetch_model")
     resources:
-        **rule_resources("fetch_model"),
+        **PLAN.resources("fetch_model"),
     params:
-        request=fetch_model_settings,
+        request=PLAN.fetch_model_settings,
     script:
         "../scripts/fetch_model.py"
 
@@ -31,18 +31,15 @@ rule fetch_data:
         "logs/fetch_data/{corpus}.log",
     benchmark:
         "logs/benchmarks/fetch_data/{corpus}.tsv"
+    retries: 2
     conda:
         "../../envs/quantize.yaml"
-    container:
-        CONTAINER
-    threads: rule_threads("fetch_data")
+    threads: PLAN.threads("fetch_data")
     resources:
-        **rule_resources("fetch_data"),
+        **PLAN.resources("fetch_data"),
     params:
-        calibration_fraction=lambda w: user_corpus(w.corpus).get(
-            "calibration_fraction", config["data"]["calibration_fraction"]
-        ),
+        calibration_fraction=PLAN.calibration_fraction,
         seed=config["data"]["split_seed"],
-        user=lambda w: user_corpus(w.corpus),
+        user=PLAN.user_corpus,
     script:
         "../scripts/fetch_data.py"

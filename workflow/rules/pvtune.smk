@@ -1,11 +1,11 @@
 # PV-tuning of a stitched checkpoint, and the evaluation of its result (only when enabled).
-if PV_ENABLED:
+if PLAN.pv_enabled:
 
     rule pvtune:
         input:
             model=model_dir,
             checkpoint=rules.stitch.output[0],
-            corpus=lambda w: corpus_path(text_corpus(w.model, "pvtune")),
+            corpus=pvtune_corpus,
         output:
             model=directory("results/{model}/{bpp}bpp/{init}/{variant}/pv/model"),
             train_log="results/{model}/{bpp}bpp/{init}/{variant}/pv/train_log.parquet",
@@ -14,16 +14,15 @@ if PV_ENABLED:
             "logs/pvtune/{model}/{bpp}bpp/{init}/{variant}.log",
         benchmark:
             "logs/benchmarks/pvtune/{model}/{bpp}bpp/{init}/{variant}.tsv"
-        priority: cell_priority
+        priority: PLAN.cell_priority
         conda:
             "../../envs/quantize.yaml"
-        container:
-            CONTAINER
-        threads: rule_threads("pvtune")
+        threads: PLAN.threads("pvtune")
         resources:
-            **rule_resources("pvtune"),
+            **PLAN.resources("pvtune"),
         params:
-            settings=PVTUNE_SETTINGS,
+            settings=PLAN.pvtune_settings(),
+            execution=EXECUTION,
         script:
             "../scripts/pvtune.py"
 
@@ -41,19 +40,18 @@ if PV_ENABLED:
             "logs/evaluate/{model}/{bpp}bpp/{init}/{variant}-pv.log",
         benchmark:
             "logs/benchmarks/evaluate_pvtuned/{model}/{bpp}bpp/{init}/{variant}.tsv"
-        priority: cell_priority
+        priority: PLAN.cell_priority
         conda:
             "../../envs/evaluate.yaml"
-        container:
-            CONTAINER
-        threads: rule_threads("evaluate")
+        threads: PLAN.threads("evaluate")
         resources:
-            **rule_resources("evaluate"),
+            **PLAN.resources("evaluate"),
         params:
-            evaluation=EVALUATION_SETTINGS,
-            domains=lambda w: evaluation_domains(w.model),
-            settings=quantizer_settings,
-            calibration=calibration_settings,
-            label=lambda w: f"{w.model}/{w.bpp}bpp/{w.init}/{w.variant}+pv",
+            evaluation=PLAN.evaluation_settings(),
+            domains=PLAN.domains,
+            settings=PLAN.quantizer_settings,
+            calibration=PLAN.calibration_record,
+            label=PLAN.pvtuned_label,
+            execution=EXECUTION,
         script:
             "../scripts/evaluate.py"

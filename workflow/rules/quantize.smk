@@ -9,16 +9,15 @@ rule quantize_layer:
         "logs/quantize_layer/{model}/{bpp}bpp/{init}/{variant}/{layer}.log",
     benchmark:
         "logs/benchmarks/quantize_layer/{model}/{bpp}bpp/{init}/{variant}/{layer}.tsv"
-    priority: cell_priority
+    priority: PLAN.cell_priority
     conda:
         "../../envs/quantize.yaml"
-    container:
-        CONTAINER
-    threads: rule_threads("quantize_layer")
+    threads: PLAN.threads("quantize_layer")
     resources:
-        **rule_resources("quantize_layer"),
+        **PLAN.resources("quantize_layer"),
     params:
-        settings=quantizer_settings,
+        settings=PLAN.quantizer_settings,
+        execution=EXECUTION,
     script:
         "../scripts/quantize_layer.py"
 
@@ -34,21 +33,17 @@ rule stitch:
         "logs/stitch/{model}/{bpp}bpp/{init}/{variant}.log",
     benchmark:
         "logs/benchmarks/stitch/{model}/{bpp}bpp/{init}/{variant}.tsv"
-    priority: cell_priority
+    priority: PLAN.cell_priority
     conda:
         "../../envs/quantize.yaml"
-    container:
-        CONTAINER
-    threads: rule_threads("stitch")
+    threads: PLAN.threads("stitch")
     resources:
-        **rule_resources("stitch"),
+        **PLAN.resources("stitch"),
     params:
         layers_dirs=stitch_layers_dirs,
-        replace_tensors=lambda w: [
-            f"{folder}/block.safetensors" for folder in finetuned_blocks(w)
-        ],
-        num_codebooks=lambda w: quantizer_settings(w)["num_codebooks"],
-        nbits=lambda w: quantizer_settings(w)["nbits"],
-        group_size=lambda w: quantizer_settings(w)["group_size"],
+        replace_tensors=replaced_block_tensors,
+        num_codebooks=PLAN.quantizer_setting("num_codebooks"),
+        nbits=PLAN.quantizer_setting("nbits"),
+        group_size=PLAN.quantizer_setting("group_size"),
     script:
         "../scripts/stitch.py"

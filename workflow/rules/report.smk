@@ -37,11 +37,9 @@ rule report:
         "logs/benchmarks/report.tsv"
     conda:
         "../../envs/report.yaml"
-    container:
-        CONTAINER
-    threads: rule_threads("report")
+    threads: PLAN.threads("report")
     resources:
-        **rule_resources("report"),
+        **PLAN.resources("report"),
     params:
         # read where present, not inputs: a missing timing (results made before benchmark files,
         # or logs cleaned) must not rerun the jobs it times

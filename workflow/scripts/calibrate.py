@@ -1,8 +1,6 @@
-from aqflow.jobs.workflow_glue import run_stage
+from aqflow.jobs import stage_settings
+from aqflow.jobs.workflow_glue import job_gpus, run_stage
 
-settings = dict(snakemake.params.settings)  # config.yaml `calibration`: the stage's settings among it
-# the job's GPUs (resources.gpu): more than one shards the windows over them (same XᵀX; fp only)
-if settings["propagation"] == "fp":
-    settings["num_devices"] = max(1, snakemake.resources.gpu)
-run_stage(snakemake, "calibrate", settings={**settings, "quiet": True},
+# the job's GPUs (resources.gpu): more than one shards the windows over them (fp only)
+run_stage(snakemake, "calibrate", settings=stage_settings.calibrate(snakemake.params.settings, job_gpus(snakemake)),
           paths={"model_dir": snakemake.input.model, "corpus": snakemake.input.corpus, "output_dir": snakemake.output[0]})

@@ -1,3 +1,4 @@
+from aqflow.jobs import stage_settings
 from aqflow.jobs.workflow_glue import run_stage
 
 p = snakemake.params
@@ -7,5 +8,5 @@ paths = {"model_dir": snakemake.input.model, "calibration_dir": snakemake.input.
          # a named input of one file reads as that path, of none as an empty list (block 1: the embeddings)
          "previous_inputs": str(snakemake.input.previous_inputs) if snakemake.input.previous_inputs else None,
          "previous_block_tensors": p.previous_block_tensors or None}
-run_stage(snakemake, "calibrate-block", settings={**p.settings, "block": int(snakemake.wildcards.block), "quiet": True},
+run_stage(snakemake, "calibrate-block", settings=stage_settings.calibrate_block(p.settings, int(snakemake.wildcards.block)),
           paths=paths)

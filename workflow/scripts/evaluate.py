@@ -1,5 +1,6 @@
 import json
 
+from aqflow.jobs import stage_settings
 from aqflow.jobs.workflow_glue import block_finetune_summaries, layer_summaries, run_stage
 
 p = snakemake.params
@@ -19,21 +20,11 @@ pvtune = snakemake.input.get("pvtune")
 if pvtune:  # the PV-tuned model: its training record, and the pre-PV evaluation embedded whole
     with open(pvtune) as handle:
         upstream["pvtune"] = json.load(handle)
-ev = p.evaluation
-settings = {"label": p.label, "upstream": upstream, "quiet": True,
-            "context": ev["context"], "c4_windows": ev["c4_windows"], "batch_size": ev["batch_size"],
-            "tasks": ev["tasks"], "cpu_kernel": ev["cpu_kernel"], "gpu_kernel": ev["gpu_kernel"],
-            "task_batch_size": ev.get("task_batch_size"),
-            "max_windows": ev.get("max_windows"), "task_limit": ev.get("task_limit"),
-            # how the job runs, not what it measures: read from the config, not a rule param, so
-            # changing it reruns no evaluation
-            "logits_budget_gib": snakemake.config["execution"]["logits_budget_gib"]}
 # one perplexity per evaluation domain (config.yaml `text`): its name, protocol and corpus file
 corpora = snakemake.input.get("corpora", [])
 corpora = [corpora] if isinstance(corpora, str) else list(corpora)  # one file may come as a str
 domains = [(name, protocol, corpus) for (name, protocol), corpus in zip(p.domains, corpora)]
-if not domains:
-    settings["perplexity"] = []  # no domain: no perplexity
+settings = stage_settings.evaluate(p.evaluation, p.label, upstream, p.execution, with_perplexity=bool(domains))
 paths = {"model_dir": snakemake.input.model, "output": snakemake.output[0], "domain": domains or None,
          "pre_pv": snakemake.input.pre_pv if pvtune else None}
 run_stage(snakemake, "evaluate", settings=settings, paths=paths)

@@ -1,12 +1,9 @@
 from pathlib import Path
 
+from aqflow.jobs import stage_settings
 from aqflow.jobs.workflow_glue import run_stage_on_gpus
 
 out = snakemake.output
-# the PV-tuning settings of config.yaml, flat (the loop's and the data's; a key left out takes the
-# stage's default); how often the state is saved is no param (it changes no result)
-settings = {**snakemake.params.settings, "save_state_every": snakemake.config["pvtune"]["save_state_every"],
-            "quiet": True}
 paths = {
     "model_dir": snakemake.input.model, "checkpoint_dir": snakemake.input.checkpoint, "corpus": snakemake.input.corpus,
     "output_dir": out.model, "train_log": out.train_log, "metrics": out.metrics,
@@ -15,4 +12,5 @@ paths = {
     "state_dir": str(Path(out.metrics).parent / "state"),
 }
 # the job's GPUs (resources.gpu): more than one runs data-parallel under torchrun
-run_stage_on_gpus(snakemake, "pvtune", settings, paths, snakemake.resources.gpu)
+run_stage_on_gpus(snakemake, "pvtune", stage_settings.pvtune(snakemake.params.settings, snakemake.params.execution),
+                  paths, snakemake.resources.gpu)

@@ -1,8 +1,8 @@
+from aqflow.jobs import stage_settings
 from aqflow.jobs.workflow_glue import run_stage
 
-run_stage(snakemake, "quantize-layer",
-          settings={"quantizer": snakemake.params.settings},
+run_stage(snakemake, "quantize-layer", settings=stage_settings.quantize_layer(snakemake.params.settings),
           paths={"model_dir": snakemake.input.model, "calibration_dir": snakemake.input.calibration,
                  "layer": snakemake.wildcards.layer, "output": snakemake.output.layer,
                  "metrics": snakemake.output.metrics},
-          execution=snakemake.config.get("execution"))
+          execution=snakemake.params.execution)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from aqflow.io.fetching import sha256_file
+from aqflow.io.artifacts import file_sha256
 from .offline_text import CALIBRATION, COLUMNS, EVALUATION, CorpusError, write_split_corpus
 
 
@@ -131,7 +131,7 @@ def load_hub_corpus(name: str) -> tuple[pd.DataFrame, dict]:
             raise CorpusError(f"{hub_file.repo_id}/{hub_file.filename} ({path}) has no rows")
         frames.append(file_documents(texts, hub_file, name))
         files.append({"repo_id": hub_file.repo_id, "filename": hub_file.filename, "repo_type": "dataset",
-                      "revision": snapshot_revision(path), "sha256": sha256_file(path), "role": hub_file.role,
+                      "revision": snapshot_revision(path), "sha256": file_sha256(path), "role": hub_file.role,
                       "rows": len(texts)})
     origin = {"kind": "hub", "corpus": name, "split": "by file", "files": files}
     return pd.concat(frames, ignore_index=True), origin

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from aqflow.io.fetching import sha256_file
+from aqflow.io.artifacts import file_sha256
 from .offline_text import COLUMNS, CorpusError, split_documents, write_split_corpus
 
 FORMATS = ("text", "jsonl", "parquet")
@@ -119,7 +119,7 @@ def read_user_corpus(name: str, path: str | os.PathLike, text_column: str = "tex
     repeated = frame["doc_id"][frame["doc_id"].duplicated()].unique()
     if len(repeated):
         raise CorpusError(f"corpus file {path}: id column {id_column!r} repeats {list(repeated[:5])}")
-    origin = {"kind": "user", "corpus": name, "path": str(path), "format": file_format, "sha256": sha256_file(path),
+    origin = {"kind": "user", "corpus": name, "path": str(path), "format": file_format, "sha256": file_sha256(path),
               "text_column": text_column if file_format != "text" else None, "id_column": id_column,
               "separator": separator if file_format == "text" else None, "documents": len(frame)}
     return frame, origin

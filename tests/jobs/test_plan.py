@@ -1,0 +1,158 @@
+"""The plan of a config, without Snakemake: the params finished runs recorded, the checks that refuse
+impossible targets by name, grids, priorities and the DAG-time checksum check."""
+
+import copy
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from aqflow.io import artifacts
+from aqflow.jobs.plan import WorkflowPlan, unchanged_since_written
+from aqflow.jobs.stage_settings import Execution
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEMA = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+GREEDY = SimpleNamespace(model="tiny", bpp="2", init="greedy", variant="b2e2")
+
+
+def with_defaults(config: dict, schema: dict) -> dict:
+    """The schema's defaults filled in, as Snakemake's validate does before the plan is made."""
+    for key, spec in schema.get("properties", {}).items():
+        if "default" in spec and key not in config:
+            config[key] = copy.deepcopy(spec["default"])
+        if isinstance(config.get(key), dict) and "properties" in spec:
+            with_defaults(config[key], spec)
+    return config
+
+
+def tiny_config(**sections) -> dict:
+    config = yaml.safe_load((REPO / "tests" / "workflow" / "config.tiny.yaml").read_text())
+    for name, changes in sections.items():
+        config[name] = {**config.get(name, {}), **changes}
+    return with_defaults(config, SCHEMA)
+
+
+def test_the_params_are_the_values_runs_made_before_the_plan_recorded():
+    """Snakemake reruns a job whose params' repr changed: these are the reprs a finished tiny run
+    recorded with the Snakefile's own code, before that code became this module."""
+    plan = WorkflowPlan(tiny_config())
+    assert repr(plan.quantizer_settings(GREEDY)) == (
+        "{'beam_size': 2, 'group_size': 8, 'init': 'greedy', 'kmeans_max_iter': 50, 'lr': 0.0001, 'max_epochs': 2, "
+        "'nbits': 6, 'num_codebooks': 2, 'oaem_damping': 0.01, 'oaem_lr': 0.0001, 'oaem_rounds': 2, 'oaem_steps': 20, "
+        "'relative_tolerance': 0.0, 'seed': 42, 'steps_per_epoch': 20}")
+    assert repr(plan.pvtune_settings()) == (
+        "{'batch_size': 4, 'code_lr': 0.001, 'epochs': 1, 'eval_every_steps': 1, 'heldout_fraction': 0.1, "
+        "'heldout_samples': 4, 'kl_chunk_tokens': 64, 'lr': 0.0001, 'max_code_change_fraction': 0.05, "
+        "'micro_batch_size': 2, 'num_samples': 8, 'window_tokens': 64}")
+    assert repr(plan.calibration_record(GREEDY)) == (
+        "{'batch_size': 4, 'corpus': 'c4-standin', 'num_windows': 8, 'propagation': 'fp', 'seed': 0, 'window_tokens': 64}")
+    assert repr(plan.calibrate_settings()) == (
+        "{'batch_size': 4, 'num_windows': 8, 'propagation': 'fp', 'seed': 0, 'window_tokens': 64}")
+    assert repr(plan.evaluation_settings()) == (
+        "{'batch_size': 4, 'c4_windows': 8, 'context': 64, 'cpu_kernel': 'dense', 'gpu_kernel': 'dense', "
+        "'max_windows': 8, 'task_limit': 4, 'tasks': ['arc_easy', 'arc_challenge', 'hellaswag', 'piqa', 'winogrande', "
+        "'lambada_openai']}")
+    assert plan.domains(GREEDY) == [["wikitext2-standin", "joined"], ["c4-standin", "sampled"]]
+    assert repr(plan.fetch_model_settings(GREEDY)) == (
+        "{'preset': 'tiny', 'dtype': 'float32', 'tiny_layers': 2, 'tiny_hidden': 64, 'group_size': 8}")
+    assert plan.pvtuned_label(GREEDY) == "tiny/2bpp/greedy/b2e2+pv" and plan.fp_label(GREEDY) == "tiny/fp"
+    assert plan.calibration_id("tiny") == "c4-standin-n8-t64-s0-fp"
+    assert [plan.quantizer_setting(key)(GREEDY) for key in ("num_codebooks", "nbits", "group_size")] == [2, 6, 8]
+
+
+def test_a_later_setting_enters_the_params_only_where_it_changes_the_behaviour():
+    assert "code_lr_scale" not in WorkflowPlan(tiny_config(pvtune={"code_lr_scale": "absolute"})).pvtune_settings()
+    assert WorkflowPlan(tiny_config(pvtune={"code_lr_scale": "weight_rms"})).pvtune_settings()["code_lr_scale"] == "weight_rms"
+    # how often PV-tuning saves its state is how the job runs: no param, the job's execution
+    config = tiny_config(pvtune={"save_state_every": 7}, execution={"logits_budget_gib": 2})
+    assert "save_state_every" not in WorkflowPlan(config).pvtune_settings()
+    execution = Execution.from_config(config)
+    assert execution.save_state_every == 7 and execution.logits_budget_gib == 2
+
+
+@pytest.mark.parametrize("wildcards, named", [
+    ({"model": "huge"}, "wildcard model='huge' is not one of config models: allowed ['tiny']"),
+    ({"model": "tiny", "bpp": "3"}, "wildcard bpp='3' is not one of config bitrates: allowed ['2']"),
+    ({"model": "tiny", "bpp": "2", "init": "kmeans"}, "wildcard init='kmeans' is not one of the known inits"),
+    ({"model": "tiny", "bpp": "2", "init": "oaem", "variant": "b0"}, "wildcard variant='b0': beam and epochs"),
+    ({"model": "tiny", "bpp": "2", "init": "oaem", "variant": "b2e0"}, "wildcard variant='b2e0'"),
+    ({"model": "tiny", "bpp": "2", "init": "oaem", "variant": "g8m3k256-b2"}, "variant 'g8m3k256-b2' stores 3 code bits"),
+])
+def test_an_impossible_target_is_refused_naming_what_is_wrong(wildcards, named):
+    plan = WorkflowPlan(tiny_config())
+    with pytest.raises(ValueError, match="^" + named.replace("[", r"\[").replace("(", r"\(")):
+        if "variant" in wildcards:
+            plan.variant_folder(SimpleNamespace(**wildcards))
+        else:
+            plan.check_model(SimpleNamespace(**wildcards))
+
+
+@pytest.mark.parametrize("sections, named", [
+    ({"models": {"report": {"preset": "tiny"}}}, "are folders of results/"),
+    ({"calibration": {"block_finetune": {"enabled": True}}}, "needs calibration.propagation: sequential"),
+    ({"text": {"offline": {"calibration": "wikitext2"}}}, "text.offline.calibration: corpus 'wikitext2' is evaluation"),
+    ({"corpora": {"c4": {"path": "x.txt"}}}, "built-in corpus names"),
+])
+def test_an_impossible_config_is_refused_before_any_job(sections, named):
+    config = tiny_config(**{key: value for key, value in sections.items() if key != "models"})
+    config["models"].update(sections.get("models", {}))
+    with pytest.raises(ValueError, match=named):
+        WorkflowPlan(config)
+
+
+def test_a_grid_multiplies_out_and_a_cell_equal_to_a_target_is_its_run():
+    grid = {"models": ["tiny"], "cells": [
+        {"bpp": 2, "inits": ["greedy", "oaem"], "beams": [2], "epochs": [2], "seeds": [42, 43]},
+        {"bpp": 2, "inits": ["greedy"], "beams": [2], "geometries": ["g8m2k64", "g4m1k64"]},
+        {"bpp": 2, "inits": ["greedy"], "beams": [2], "seeds": [42]},  # the first entry's cell again
+    ]}
+    plan = WorkflowPlan(tiny_config(experiments={"paper": grid}))
+    evals = plan.experiment_evals("paper")
+    assert evals == ["results/tiny/2bpp/greedy/b2/eval.json", "results/tiny/2bpp/greedy/b2s43/eval.json",
+                     "results/tiny/2bpp/oaem/b2/eval.json", "results/tiny/2bpp/oaem/b2s43/eval.json",
+                     "results/tiny/2bpp/greedy/g4m1k64-b2/eval.json"]
+    # the configured epoch budget and seed and the bit rate's geometry stay out of the path, as in targets
+    assert plan.final_eval(plan.targets()[0]) == "results/tiny/2bpp/greedy/b2e2/eval.json"
+    assert plan.experiment_models("paper") == ["tiny"] and plan.experiment_domains("paper") == []
+    with pytest.raises(ValueError, match="no experiment grid 'other'"):
+        plan.experiment_cells("other")
+
+
+def test_listed_cells_go_first_in_order_and_their_models_shared_jobs_with_them():
+    order = ["results/tiny/2bpp/oaem/b2e2/eval.json", "results/tiny/2bpp/greedy/b2e2/eval.json"]
+    plan = WorkflowPlan(tiny_config(execution={"cell_order": order}))
+    assert plan.cell_priority(SimpleNamespace(model="tiny", bpp="2", init="oaem", variant="b2e2")) == 2
+    assert plan.cell_priority(GREEDY) == 1
+    assert plan.cell_priority(SimpleNamespace(model="tiny", bpp="2", init="oaem", variant="b4")) == 0
+    assert plan.model_priority(SimpleNamespace(model="tiny")) == 2
+    assert WorkflowPlan(tiny_config()).model_priority(SimpleNamespace(model="tiny")) == 0
+
+
+def test_the_report_reads_every_job_of_the_targets_once_in_a_fixed_order():
+    plan = WorkflowPlan(tiny_config(calibration={"propagation": "sequential", "block_finetune": {"enabled": True}}))
+    jobs = plan.report_jobs(lambda wildcards: ["model.layers.0.mlp", "model.layers.1.mlp"], lambda wildcards: 2)
+    rules = [rule for rule, _ in jobs]
+    assert rules[:5] == ["fetch_model", "calibrate", "evaluate_fp", "fetch_data", "fetch_data"]
+    per_variant = ["quantize_layer", "quantize_layer", "calibrate_block", "finetune_block", "finetune_block",
+                   "stitch", "evaluate_quantized", "pvtune", "evaluate_pvtuned"]
+    assert rules[5:] == per_variant * 2
+    assert jobs[1][1] == {"model": "tiny", "calib": "c4-standin-n8-t64-s0-sequential"}
+    assert jobs[7] == ("calibrate_block", {"model": "tiny", "bpp": 2, "init": "greedy", "variant": "b2e2", "block": 1})
+
+
+def test_resources_are_the_rules_over_the_default():
+    plan = WorkflowPlan(tiny_config(resources={"evaluate": {"cpus": 3, "gpu": 1}}))
+    assert plan.threads("evaluate") == 3 and plan.threads("stitch") == 1
+    assert plan.resources("evaluate") == {"mem_mb": 2000, "runtime": 10, "gpu": 1}
+
+
+def test_a_changed_finished_file_is_refused_while_the_dag_is_built(tmp_path):
+    layer = tmp_path / "layer.json"
+    artifacts.write_json(layer, {"codes": [1, 2, 3]})
+    assert unchanged_since_written(str(layer)) == str(layer)
+    assert unchanged_since_written(str(tmp_path / "missing.json")) == str(tmp_path / "missing.json")
+    layer.write_text(layer.read_text().replace("3", "4"))
+    with pytest.raises(artifacts.ArtifactError, match="layer.json: corrupt"):
+        unchanged_since_written(str(layer))
