@@ -8,8 +8,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from aqflow.io import artifacts
-from aqflow.jobs.plan import WorkflowPlan, unchanged_since_written
+from aqflow.jobs.plan import WorkflowPlan
 from aqflow.jobs.stage_settings import Execution
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,13 +145,3 @@ def test_resources_are_the_rules_over_the_default():
     plan = WorkflowPlan(tiny_config(resources={"evaluate": {"cpus": 3, "gpu": 1}}))
     assert plan.threads("evaluate") == 3 and plan.threads("stitch") == 1
     assert plan.resources("evaluate") == {"mem_mb": 2000, "runtime": 10, "gpu": 1}
-
-
-def test_a_changed_finished_file_is_refused_while_the_dag_is_built(tmp_path):
-    layer = tmp_path / "layer.json"
-    artifacts.write_json(layer, {"codes": [1, 2, 3]})
-    assert unchanged_since_written(str(layer)) == str(layer)
-    assert unchanged_since_written(str(tmp_path / "missing.json")) == str(tmp_path / "missing.json")
-    layer.write_text(layer.read_text().replace("3", "4"))
-    with pytest.raises(artifacts.ArtifactError, match="layer.json: corrupt"):
-        unchanged_since_written(str(layer))

@@ -19,7 +19,6 @@ from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
 from aqflow.data.corpus_catalog import BUILTIN_CORPORA, check_role, evaluation_protocol, model_text_world, text_choice
-from aqflow.io.artifacts import verified
 from aqflow.jobs.variants import VARIANT_FORM, geometry_name, parse_variant, variant_name
 from aqflow.models.entries import ModelEntry, entry_problems, fetch_model_request, parse_model_entry
 
@@ -54,15 +53,6 @@ def wildcard_values(wildcards: Any) -> dict:
     if hasattr(wildcards, "items"):
         return dict(wildcards.items())
     return dict(vars(wildcards))
-
-
-def unchanged_since_written(path: str) -> str:
-    """`path`, refused (ArtifactError, naming it) if its bytes no longer match the sha256 recorded
-    when aqflow wrote it: called while the DAG is built, so caught before Snakemake deletes the
-    outputs of the job it would rerun (stitch's model/). A missing file, or one without a record, passes."""
-    if os.path.isfile(path):
-        verified(path, required=False)
-    return path
 
 
 class WorkflowPlan:
