@@ -28,7 +28,10 @@ wildcard_constraints:
     block=r"\d+",
 
 
-PLAN = WorkflowPlan(config)
+PLAN = WorkflowPlan(
+    config,
+    model_folder=lambda model: output_path(rules.fetch_model.output[0], model=model),
+)
 # how jobs run, not what they compute: a param of the rules that read it (reruns nothing)
 EXECUTION = Execution.from_config(config)
 # With PV-tuning on, eval.json is the PV-tuned model's evaluation (with the pre-PV one embedded)
