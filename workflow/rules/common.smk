@@ -170,8 +170,10 @@ def num_blocks(wildcards):
 
 def layer_files(wildcards, pattern):
     """One file per quantized layer of a variant (`pattern`: a quantize_layer output)."""
+    PLAN.variant_folder(wildcards)  # checked before the calibration is looked up
+    variant = variant_wildcards(wildcards)
     names = quantized_layers(wildcards)
-    return [variant_output(pattern, wildcards, layer=name) for name in names]
+    return [output_path(pattern, **variant, layer=name) for name in names]
 
 
 def layer_artifacts(wildcards):
