@@ -1,6 +1,7 @@
 # Wiring: the plan of the config (aqflow.jobs.plan: checks, settings, targets, grids, resources,
 # priorities) and the input functions that spell a job's paths through the rules' outputs.
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -94,6 +95,10 @@ def current(rule, source, temporary=False):
         if workflow.is_main_process:
             for path in [paths] if isinstance(paths, str) else paths:
                 act_on(GUARD.check(str(path), outputs(), temporary))
+            # the job's own finished outputs too: a named target is nobody's input
+            for output in outputs():
+                if os.path.lexists(output):
+                    act_on(GUARD.existing(output))
         return paths
 
     return inputs
