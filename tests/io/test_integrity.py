@@ -35,6 +35,7 @@ def test_an_intact_artifact_is_hashed_once_then_recognised_by_its_stat(finished,
     cache = DigestCache(tmp_path / "cache.json")
     assert damage(finished / "layer.json", cache) is None and damage(finished / "calib", cache) is None
     assert cache.hashed_files == 3
+    cache.save_if_changed()  # at exit
     again = DigestCache(tmp_path / "cache.json")  # the next Snakemake invocation
     assert damage(finished / "layer.json", again) is None and damage(finished / "calib", again) is None
     assert again.hashed_files == 0
@@ -47,6 +48,7 @@ def test_a_flipped_byte_is_caught_with_or_without_its_mtime_kept(finished, tmp_p
     """`touch -r` puts an mtime back, never a ctime: the cached digest is not trusted after either."""
     cache = DigestCache(tmp_path / "cache.json")
     assert damage(finished / "layer.json", cache) is None and damage(finished / "calib", cache) is None
+    cache.save_if_changed()
     _flip(finished / "layer.json", keep_mtime)
     _flip(finished / "calib" / "block0.npz", keep_mtime)
     again = DigestCache(tmp_path / "cache.json")

@@ -18,9 +18,11 @@ enclosing folder) and a folder against its SHA256SUMS, and returns what is wrong
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,21 +57,26 @@ def stat_signature(path: str | os.PathLike) -> tuple[int, int, int, int]:
 
 class DigestCache:
     """sha256 of files, kept in a JSON file (`path` -> [size, mtime_ns, ctime_ns, inode, sha256])
-    and recomputed only for a file whose stat signature moved. Written atomically after each new
-    digest (a DAG build killed halfway keeps what it hashed); a damaged cache file is ignored.
-    `path` None: in memory only."""
+    and recomputed only for a file whose stat signature moved. Written atomically at most once a
+    second while files are hashed and at exit (a DAG build killed halfway keeps nearly all it
+    hashed); a damaged cache file is ignored. `path` None: in memory only."""
+
+    SAVE_EVERY_SECONDS = 1.0
 
     def __init__(self, path: str | os.PathLike | None):
-        self.path = Path(path) if path is not None else None
+        self.path = Path(path).absolute() if path is not None else None  # the cwd may change before exit
         self.entries: dict[str, list] = {}
         self.hashed_files = 0
         self.hashed_bytes = 0
+        self._unsaved, self._saved_at = False, time.monotonic()
         if self.path is not None and self.path.is_file():
             try:
                 loaded = json.loads(self.path.read_text())
                 self.entries = loaded if isinstance(loaded, dict) else {}
             except (OSError, ValueError):
                 self.entries = {}
+        if self.path is not None:
+            atexit.register(self.save_if_changed)
 
     def sha256(self, file: str | os.PathLike) -> str:
         key = os.path.normpath(str(file))
@@ -80,14 +87,17 @@ class DigestCache:
         digest = file_sha256(file)
         if list(stat_signature(file)) == signature:  # not written meanwhile: the digest is of these bytes
             self.entries[key] = signature + [digest]
-            self.save()
+            self._unsaved = True
+            if time.monotonic() - self._saved_at >= self.SAVE_EVERY_SECONDS:
+                self.save_if_changed()
         self.hashed_files += 1
         self.hashed_bytes += signature[0]
         return digest
 
-    def save(self) -> None:
-        if self.path is None:
+    def save_if_changed(self) -> None:
+        if self.path is None or not self._unsaved:
             return
+        self._unsaved, self._saved_at = False, time.monotonic()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
