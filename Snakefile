@@ -1,7 +1,7 @@
 # aqflow: calibrate -> quantize every linear (one job each) -> stitch an AQLM checkpoint -> evaluate
 # -> PV-tune -> evaluate -> report.
 # Rules only wire: every computation is a `python -m aqflow <stage>` of the library in src/aqflow.
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 min_version("9.0")
 
@@ -12,7 +12,7 @@ configfile: "config.yaml"
 include: "workflow/rules/overrides.smk"
 
 
-validate(config, "workflow/schemas/config.schema.yaml")
+validated(config, "workflow/schemas/config.schema.yaml")
 
 
 # the image every rule runs in with `--sdm apptainer` (built from docker/Dockerfile)
@@ -30,6 +30,10 @@ include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/pvtune.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/experiments.smk"
+
+
+# every geometry of the targets and grid cells against its model's layer widths, before any job
+PLAN.check_geometries()
 
 
 rule all:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
+import re
 import sys
 
 from aqflow import __version__
@@ -26,21 +29,37 @@ STAGES = {
     "speed": "aqflow.stages.speed",  # decode/prefill tokens/s and weight memory of a model folder -> speed.json
 }
 
-USAGE = ("usage: python -m aqflow [--version] <stage> [options]   (`python -m aqflow <stage> --help`: its options)\n\n"
-         "stages:\n  " + "\n  ".join(sorted(STAGES)))
+def stage_summary(module: str) -> str:
+    """The first line of a stage module's docstring, without its leading "`python -m aqflow X`: ",
+    read from the source (importing the stages would load torch for a help text)."""
+    spec = importlib.util.find_spec(module)
+    try:
+        with open(spec.origin, encoding="utf-8") as handle:
+            doc = ast.get_docstring(ast.parse(handle.read())) or ""
+    except (OSError, SyntaxError, TypeError):
+        return ""
+    first = doc.strip().splitlines()[0] if doc.strip() else ""
+    return re.sub(r"^`python -m aqflow [^`]*`:\s*", "", first)
+
+
+def usage() -> str:
+    width = max(map(len, STAGES))
+    lines = [f"  {name:<{width}}  {stage_summary(STAGES[name])}".rstrip() for name in sorted(STAGES)]
+    return ("usage: python -m aqflow [--version] <stage> [options]   (`python -m aqflow <stage> --help`: its options)\n\n"
+            "stages:\n" + "\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print(USAGE)  # asked for: stdout, exit 0
+        print(usage())  # asked for: stdout, exit 0
         return 0
     if argv and argv[0] == "--version":
         print(f"aqflow {__version__}")
         return 0
     if not argv or argv[0] not in STAGES:
         unknown = f"aqflow: error: unknown stage {argv[0]!r}\n" if argv else ""
-        print(f"{unknown}{USAGE}", file=sys.stderr)  # a usage error: stderr, exit 2
+        print(f"{unknown}{usage()}", file=sys.stderr)  # a usage error: stderr, exit 2
         return 2
     return importlib.import_module(STAGES[argv[0]]).main(argv[1:])
 

@@ -1,15 +1,15 @@
 """The plan of a config, without Snakemake: the params finished runs recorded, the checks that refuse
-impossible targets by name, grids, priorities and the DAG-time checksum check."""
+impossible targets by name (a geometry against the layer widths included), grids and priorities."""
 
 import copy
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
 
-from aqflow.io import artifacts
-from aqflow.jobs.plan import WorkflowPlan, unchanged_since_written
+from aqflow.jobs.plan import WorkflowPlan
 from aqflow.jobs.stage_settings import Execution
 
 REPO = Path(__file__).resolve().parents[2]
@@ -148,11 +148,36 @@ def test_resources_are_the_rules_over_the_default():
     assert plan.resources("evaluate") == {"mem_mb": 2000, "runtime": 10, "gpu": 1}
 
 
-def test_a_changed_finished_file_is_refused_while_the_dag_is_built(tmp_path):
-    layer = tmp_path / "layer.json"
-    artifacts.write_json(layer, {"codes": [1, 2, 3]})
-    assert unchanged_since_written(str(layer)) == str(layer)
-    assert unchanged_since_written(str(tmp_path / "missing.json")) == str(tmp_path / "missing.json")
-    layer.write_text(layer.read_text().replace("3", "4"))
-    with pytest.raises(artifacts.ArtifactError, match="layer.json: corrupt"):
-        unchanged_since_written(str(layer))
+G6 = SimpleNamespace(model="tiny", bpp="2", init="greedy", variant="g6m2k64-b2")
+
+
+def test_a_geometry_that_does_not_divide_a_layer_is_refused_naming_model_geometry_and_layer(tmp_path):
+    """g6m2k64 stores 2 bits per weight like the tiny 2bpp folder, but 6 does not divide the tiny
+    model's 64 inputs: refused before any job, from the preset's own sizes (nothing fetched yet)."""
+    plan = WorkflowPlan(tiny_config(), model_folder=lambda model: str(tmp_path / model))
+    with pytest.raises(ValueError, match=r"^model 'tiny', variant 'g6m2k64-b2': geometry g6m2k64 \(group size 6\) "
+                                         r"does not divide the 64 inputs of model.layers.0.self_attn.q_proj "
+                                         r"\(widths from the tiny preset\)"):
+        plan.variant_folder(G6)
+    assert plan.variant_folder(GREEDY) == "results/tiny/2bpp/greedy/b2e2"
+    # the same refused for a grid cell of the config, when the Snakefile is read
+    grid = {"grid": {"models": ["tiny"], "cells": [{"bpp": 2, "inits": ["greedy"], "beams": [2],
+                                                     "geometries": ["g8m2k64", "g6m2k64"]}]}}
+    with pytest.raises(ValueError, match="variant 'g6m2k64-b2': geometry g6m2k64"):
+        WorkflowPlan(tiny_config(experiments=grid), model_folder=lambda model: str(tmp_path / model)).check_geometries()
+    WorkflowPlan(tiny_config(), model_folder=lambda model: str(tmp_path / model)).check_geometries()
+
+
+def test_a_fetched_folder_gives_every_layer_width_from_its_safetensors_header(tmp_path):
+    """Once fetched, the widths are the weights' own (here a layer the Llama layout would not name)."""
+    header = {"model.layers.0.self_attn.q_proj.weight": {"dtype": "F32", "shape": [64, 64], "data_offsets": [0, 0]},
+              "model.layers.1.mixer.in_proj.weight": {"dtype": "F32", "shape": [64, 80], "data_offsets": [0, 0]},
+              "model.layers.0.input_layernorm.weight": {"dtype": "F32", "shape": [64], "data_offsets": [0, 0]},
+              "model.embed_tokens.weight": {"dtype": "F32", "shape": [512, 66], "data_offsets": [0, 0]}}
+    raw = json.dumps(header).encode()
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
+    plan = WorkflowPlan(tiny_config(quantization={"group_size": 32}), model_folder=lambda model: str(tmp_path / model))
+    with pytest.raises(ValueError, match=r"geometry g32m2k64 \(group size 32\) does not divide the 80 inputs of "
+                                         rf"model.layers.1.mixer.in_proj \(widths from {tmp_path / 'tiny'}'s weights\)"):
+        plan.variant_folder(SimpleNamespace(model="tiny", bpp="2", init="greedy", variant="b2"))

@@ -46,6 +46,29 @@ def test_help_goes_to_stdout_with_defaults_and_choices(stage, capsys):
         assert "(default: " in out
 
 
+def test_the_top_level_help_gives_every_stage_a_one_line_description(capsys):
+    """`python -m aqflow --help`: one line per stage, its description the first line of the stage
+    module's docstring (without the command it names); read from the source, so no stage (and no
+    torch) is imported for it."""
+    import subprocess
+    import sys
+
+    from aqflow.__main__ import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    loaded = subprocess.run([sys.executable, "-c", "import sys; from aqflow.__main__ import main; main(['--help']); "
+                             "print(sorted(m for m in sys.modules if m.startswith(('torch', 'aqflow.stages.'))))"],
+                            capture_output=True, text=True, check=True).stdout.splitlines()[-1]
+    assert loaded == "[]"
+    lines = out.split("stages:\n", 1)[1].splitlines()
+    assert [line.split()[0] for line in lines] == sorted(STAGES)
+    for line in lines:
+        name, description = line.split(maxsplit=1)
+        doc = importlib.import_module(STAGES[name]).__doc__.strip().splitlines()[0]
+        assert len(description) > 10 and doc.endswith(description) and "python -m" not in description
+
+
 def test_quantize_layer_settings_survive_the_command_line_both_ways(tmp_path):
     """to_argv writes what parse reads back: switches as --x/--no-x, nested settings flat."""
     from aqflow.quant.quantize import QuantizerSettings

@@ -47,3 +47,33 @@ def test_overrides_are_validated_after_merging_and_a_missing_file_is_named(tmp_p
     assert result.returncode != 0 and "num_windos" in result.stdout + result.stderr
     result = dry_run(tmp_path / "b", "--config", f"overrides={tmp_path / 'absent.yaml'}")
     assert result.returncode != 0 and "absent.yaml does not exist" in result.stdout + result.stderr
+
+
+def test_a_configfile_next_to_a_profile_with_files_is_refused_in_one_line(tmp_path):
+    """Snakemake's --configfile replaces the profile's configfile list (its command line wins over a
+    profile's values): refused, naming the files it would drop and the way that keeps them."""
+    mine = tmp_path / "small.yaml"
+    mine.write_text("calibration: {num_windows: 16}\n")
+    result = dry_run(tmp_path / "a", "--configfile", str(mine))
+    refusal = [line for line in result.stderr.splitlines() if line.startswith("aqflow:")]
+    assert result.returncode != 0 and len(refusal) == 1 and "Failed validating" not in result.stderr
+    assert (f"--configfile {mine} would replace profile profiles/demo's configfile list "
+            f"(config.yaml, profiles/demo/demo.yaml)") in refusal[0]
+    assert f"`--config overrides={mine}`" in refusal[0]
+    # the advice, literally: config.yaml, demo.yaml's 512-token windows, then the file's 16 windows
+    result = dry_run(tmp_path / "b", "--config", f"overrides={mine}")
+    assert calibration_dirs(result) == {"results/smollm2/calib/c4-standin-n16-t512-s0-fp"}
+
+
+def test_a_missing_base_config_is_one_line_not_a_schema_dump(tmp_path):
+    """Run from a folder without config.yaml, a partial --configfile is all there is: one line naming
+    what is missing and where config.yaml was looked for."""
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("targets: [{model: tiny, bpp: 2, init: greedy, beam: 2}]\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    result = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile",
+                             str(partial), "-n"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "Failed validating" not in output and len(output.splitlines()) < 5, output
+    assert (f"aqflow: config: the top level: 'models' is a required property; config.yaml, the base the other "
+            f"files are layered over, is read from the working directory ({tmp_path}) and is not there") in output

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -23,9 +24,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+import yaml
 
 from aqflow.io import artifacts
 from aqflow.io.artifacts import ArtifactError
+from aqflow.io.integrity import stat_signature
+from aqflow.jobs.currency import digest_cache_path
 from aqflow.quant.quantize import QuantizerSettings
 from aqflow.stagekit.stage_cli import run_stage_module
 from aqflow.stages import calibrate, evaluate, pvtune, quantize_layer, report, stitch
@@ -62,6 +66,9 @@ def run_snakemake(workdir: Path, *args: str, config: Path = CONFIG) -> subproces
     ("results/huge/fp/eval.json", "wildcard model='huge'"),
     ("results/tiny/2bpp/kmeans/b2e2/eval.json", "wildcard init='kmeans' is not one of the known inits: allowed ['greedy', 'oaem', 'oaem-patient']"),
     (f"{VARIANT[:-4]}b0/layers/model.layers.0.mlp.up_proj.safetensors", "wildcard variant='b0'"),
+    # 2 bits per weight as its folder says, but 6 does not divide the tiny model's 64 inputs
+    ("results/tiny/2bpp/greedy/g6m2k64-b2/eval.json", "model 'tiny', variant 'g6m2k64-b2': geometry g6m2k64 "
+     "(group size 6) does not divide the 64 inputs of model.layers.0.self_attn.q_proj"),
 ])
 def test_an_impossible_target_fails_the_dry_run_naming_the_wildcard(tmp_path, target, named):
     result = run_snakemake(tmp_path, "-n", target, config=TINY_CONFIG)
@@ -98,11 +105,30 @@ def job_process(workdir: Path, script: str) -> int | None:
     return None
 
 
-def start_snakemake(workdir: Path, *args: str) -> subprocess.Popen:
+def start_snakemake(workdir: Path, *args: str, config: Path = CONFIG) -> subprocess.Popen:
     """Snakemake in its own process group (so that the whole run, jobs included, can be killed)."""
     log = open(workdir / f"snakemake.{time.time_ns()}.out", "w")
-    return subprocess.Popen(snakemake_command(workdir, "--cores", "2", *args), stdout=log, stderr=subprocess.STDOUT,
-                            env=_env(), start_new_session=True)
+    return subprocess.Popen(snakemake_command(workdir, "--cores", "2", *args, config=config), stdout=log,
+                            stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+
+
+def planned_jobs(workdir: Path, *args: str, config: Path = CONFIG) -> dict[str, int]:
+    """rule -> job count of a dry run (`snakemake -n ARGS`: a named target, or none for a plain run)."""
+    result = run_snakemake(workdir, *args, "-n", "--quiet", "rules", config=config)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return {match.group(1): int(match.group(2)) for line in result.stdout.splitlines()
+            if (match := re.match(r"^(\w+)\s+(\d+)$", line.strip())) and match.group(1) not in ("total", "all")}
+
+
+def dry_run_output(workdir: Path, *args: str, config: Path = CONFIG) -> tuple[int, str]:
+    result = run_snakemake(workdir, "-n", *args, config=config)
+    return result.returncode, result.stdout + result.stderr
+
+
+def copied(reference: Path, tmp_path: Path) -> Path:
+    workdir = tmp_path / "run"
+    subprocess.run(["cp", "-a", str(reference), str(workdir)], check=True)
+    return workdir
 
 
 def kill_job(workdir: Path, run: subprocess.Popen, script: str, delay: float, ready=lambda: True) -> bool:
@@ -223,32 +249,112 @@ def test_kills_at_random_points_lose_nothing_and_the_rerun_equals_an_uninterrupt
     assert _outputs(workdir) == _outputs(reference)
 
 
+def _flip_byte(path: Path, offset: int, keep_mtime: bool) -> None:
+    """Flip one byte at `offset` (negative: from the end), the size kept and, with keep_mtime, the mtime."""
+    before = path.stat()
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+    if keep_mtime:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def edited_config(tmp_path: Path, section: str, key: str, value) -> Path:
+    config = yaml.safe_load(CONFIG.read_text())
+    config[section][key] = value
+    path = tmp_path / f"config.{section}.{key}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+# --- what is current: a named target, a plain run and a dry run agree (issue 23) ------------------
+
 @pytest.mark.slow
-def test_a_flipped_byte_in_a_finished_layer_fails_the_dag_and_keeps_the_checkpoint(reference, tmp_path):
-    workdir = tmp_path / "run"
-    subprocess.run(["cp", "-a", str(reference), str(workdir)], check=True)
+def test_a_job_killed_after_a_settings_change_is_rerun_by_every_invocation(reference, tmp_path):
+    """A finished run, a PV-tuning setting changed, the PV-tuning job killed: Snakemake removed its
+    outputs and recorded its metadata (the new setting included) as if it had finished, so by its own
+    rules the old eval.json was up to date for the named target ("Nothing to be done"). Every
+    invocation plans PV-tuning again, and the rerun records the new setting."""
+    workdir = copied(reference, tmp_path)
+    changed = edited_config(tmp_path, "pvtune", "lr", 2.0e-4)
+    run = start_snakemake(workdir, TARGET, config=changed)
+    assert kill_job(workdir, run, "pvtune", 0.0) and run.wait(timeout=1800) != 0
+    assert not (workdir / VARIANT / "pv" / "pvtune.json").exists() and (workdir / TARGET).exists()
+    for target in ([TARGET], []):  # named, plain
+        assert {"pvtune": 1, "evaluate_pvtuned": 1}.items() <= planned_jobs(workdir, *target, config=changed).items()
+    result = run_snakemake(workdir, "--cores", "2", TARGET, config=changed)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((workdir / VARIANT / "pv" / "pvtune.json").read_text())["settings"]["lr"] == 2.0e-4
+    assert (workdir / TARGET).stat().st_mtime > (workdir / VARIANT / "pv" / "pvtune.json").stat().st_mtime
+    assert planned_jobs(workdir, TARGET, config=changed) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keep_mtime", [False, True])
+def test_a_flipped_byte_in_a_finished_layer_fails_every_invocation_and_keeps_the_checkpoint(reference, tmp_path,
+                                                                                            keep_mtime):
+    """Whether or not the mtime was put back: the named target, a plain run and their dry runs stop
+    while the DAG is built, naming the layer (Snakemake took a failing input function for a missing
+    producer of the existing checkpoint, so a plain run used to pass); deleting the layer as advised
+    reruns it and what follows."""
+    workdir = copied(reference, tmp_path)
     layer = next((workdir / VARIANT / "layers").glob("*q_proj.safetensors"))
-    data = bytearray(layer.read_bytes())
-    data[-3] ^= 0x01  # inside the codes: same size, a valid file, one code changed
-    layer.write_bytes(bytes(data))
+    _flip_byte(layer, -3, keep_mtime)  # inside the codes: same size, a valid file, one code changed
     checkpoint_before = artifacts.file_sha256(workdir / VARIANT / "model" / "model.safetensors")
-    # a plain rerun would restitch (the layer is newer than model/): refused before anything is deleted
-    result = run_snakemake(workdir, "--cores", "2", TARGET)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0 and f"{VARIANT}/layers/{layer.name}: corrupt" in output, output[-3000:]
+    named = f"{VARIANT}/layers/{layer.name}: corrupt"
+    for args in (["-n", TARGET], ["-n"], ["--cores", "2", TARGET], ["--cores", "2"]):
+        result = run_snakemake(workdir, *args)
+        output = result.stdout + result.stderr
+        assert result.returncode != 0 and named in output, (args, output[-3000:])
+        assert f"redo it: delete {VARIANT}/layers/{layer.name} and rerun" in output
     assert artifacts.file_sha256(workdir / VARIANT / "model" / "model.safetensors") == checkpoint_before
     # stitch itself refuses it too (run here as its job runs it)
     code = run_stage_module(stitch, stitch.StitchSettings(num_codebooks=2, nbits=6), stitch.StitchPaths(
         model_dir=workdir / "resources/models/tiny", layers_dir=(workdir / VARIANT / "layers",), output_dir=tmp_path / "out"))
     assert code == 2 and not (tmp_path / "out").exists()
+    layer.unlink()  # the advice, literally
+    after = {"quantize_layer": 1, "stitch": 1, "evaluate_quantized": 1, "pvtune": 1, "evaluate_pvtuned": 1}
+    assert planned_jobs(workdir, TARGET) == after
+    assert after.items() <= planned_jobs(workdir).items()
 
 
 @pytest.mark.slow
-def test_a_stage_error_reaches_snakemake_and_the_log_as_one_line(reference, tmp_path):
-    workdir = tmp_path / "run"
-    subprocess.run(["cp", "-a", str(reference), str(workdir)], check=True)
-    xtx = workdir / "results/tiny/calib/c4-standin-n8-t64-s0-fp/block0.npz"
+def test_a_truncated_calibration_file_fails_every_invocation_and_deleting_it_recalibrates(reference, tmp_path):
+    """Half an XᵀX file: refused while the DAG is built by every invocation, naming it (a rerun of the
+    target used to say "Nothing to be done"); deleting it as advised recalibrates (the folder used to
+    stay, and the layer jobs failed on the missing file) and the run ends equal to the reference."""
+    workdir = copied(reference, tmp_path)
+    xtx = workdir / CALIB / "block0.npz"
+    xtx.write_bytes(xtx.read_bytes()[: xtx.stat().st_size // 2])
+    for args in ([TARGET], []):
+        code, output = dry_run_output(workdir, *args)
+        assert code != 0 and f"aqflow: {CALIB}/block0.npz: corrupt: sha256" in output, output[-3000:]
+        assert f"redo it: delete {CALIB}/block0.npz (or the folder {CALIB}) and rerun" in output
+    xtx.unlink()
+    assert planned_jobs(workdir, TARGET) == {"calibrate": 1, "stitch": 1, "evaluate_quantized": 1, "pvtune": 1,
+                                             "evaluate_pvtuned": 1}  # and the layers, once calibrate has run
+    result = run_snakemake(workdir, "--cores", "2", TARGET)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "block0.npz is missing from the folder" in result.stderr
+    _every_artifact_checks(workdir)
+    assert _outputs(workdir) == _outputs(reference)
+
+
+@pytest.mark.slow
+def test_a_change_the_dag_check_cannot_see_is_refused_by_the_stage_as_one_line(reference, tmp_path):
+    """The DAG check trusts a file whose stat did not move since it hashed it. Bytes changed under an
+    unchanged stat (a failing disk; here the digest cache made to vouch for them) pass it; the layer
+    job reading them verifies them and fails with one line, in Snakemake's output and the rule's log."""
+    workdir = copied(reference, tmp_path)
+    assert run_snakemake(workdir, "-n", TARGET).returncode == 0  # the cache now holds every input's digest
+    xtx = workdir / CALIB / "block0.npz"
+    recorded = artifacts._parse_sums(xtx.parent / artifacts.SUMS_FILE)["block0.npz"]
     _corrupt(xtx, "flip")
+    cache_file = digest_cache_path(workdir)
+    cache = json.loads(cache_file.read_text())
+    key = f"{CALIB}/block0.npz"
+    cache[key] = list(stat_signature(xtx)) + [recorded]
+    cache_file.write_text(json.dumps(cache))
     layer = f"{VARIANT}/layers/{NPZ_READER}.safetensors"  # the job that reads the flipped byte
     result = run_snakemake(workdir, "--cores", "1", "--force", layer)
     message = f"aqflow quantize-layer: error: {xtx.relative_to(workdir)}: corrupt: sha256"

@@ -1,7 +1,7 @@
 checkpoint calibrate:
     input:
-        model=model_dir,
-        corpus=calibration_corpus,
+        model=current("calibrate", model_dir),
+        corpus=current("calibrate", calibration_corpus),
     output:
         directory("results/{model}/calib/{calib}"),
     log:
@@ -25,10 +25,12 @@ checkpoint calibrate:
 # window_tokens x hidden values: temporary unless calibration.keep_block_inputs).
 rule calibrate_block:
     input:
-        model=model_dir,
-        calibration=calibration_dir,
-        previous_layers=previous_block_layers,
-        previous_inputs=previous_block_inputs,
+        model=current("calibrate_block", model_dir),
+        calibration=current("calibrate_block", calibration_dir),
+        previous_layers=current("calibrate_block", previous_block_layers),
+        previous_inputs=current(
+            "calibrate_block", previous_block_inputs, BLOCK_INPUTS_TEMPORARY
+        ),
     output:
         calibration=directory(
             "results/{model}/{bpp}bpp/{init}/{variant}/calib/block{block}"
@@ -56,10 +58,10 @@ rule calibrate_block:
 
 rule finetune_block:
     input:
-        model=model_dir,
-        calibration=calibration_dir,
-        layers=block_layers,
-        inputs=finetune_inputs,
+        model=current("finetune_block", model_dir),
+        calibration=current("finetune_block", calibration_dir),
+        layers=current("finetune_block", block_layers),
+        inputs=current("finetune_block", finetune_inputs, BLOCK_INPUTS_TEMPORARY),
     output:
         directory("results/{model}/{bpp}bpp/{init}/{variant}/tuned/block{block}"),
     log:

@@ -1,13 +1,18 @@
 # Wiring: the plan of the config (aqflow.jobs.plan: checks, settings, targets, grids, resources,
 # priorities) and the input functions that spell a job's paths through the rules' outputs.
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from snakemake.exceptions import IncompleteCheckpointException
+
 # the library's pure-Python planning (no torch), whether or not aqflow is installed here
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
-from aqflow.jobs.plan import WorkflowPlan, unchanged_since_written, variant_wildcards
+from aqflow.io.integrity import DigestCache
+from aqflow.jobs.currency import InputGuard, digest_cache_path
+from aqflow.jobs.plan import WorkflowPlan, variant_wildcards, wildcard_values
 from aqflow.jobs.stage_settings import Execution
 from aqflow.jobs.variants import VARIANT_REGEX
 from aqflow.models.folder import block_index
@@ -24,12 +29,79 @@ wildcard_constraints:
     block=r"\d+",
 
 
-PLAN = WorkflowPlan(config)
+PLAN = WorkflowPlan(
+    config,
+    model_folder=lambda model: output_path(rules.fetch_model.output[0], model=model),
+)
 # how jobs run, not what they compute: a param of the rules that read it (reruns nothing)
 EXECUTION = Execution.from_config(config)
 # With PV-tuning on, eval.json is the PV-tuned model's evaluation (with the pre-PV one embedded)
 # and the stitched model's own evaluation is written beside it.
 PRE_PV_EVAL = "eval_pre_pv.json" if PLAN.pv_enabled else "eval.json"
+
+
+# Every input of every job is checked while the DAG is built (aqflow.jobs.currency), by the main
+# Snakemake process: a corrupt artifact stops the build by name; a missing one whose consumer's
+# results exist, or a folder lacking a listed file, is rebuilt (its job forced) with what follows.
+GUARD = InputGuard(DigestCache(digest_cache_path()))
+DAG_STATE = {"built": False, "rebuilt": set()}
+
+
+onstart:
+    # jobs start now: a check failing from here on (a checkpoint's dependents re-planned) fails
+    # like any input function, instead of ending Snakemake under its running jobs
+    DAG_STATE["built"] = True
+
+
+def act_on(verdict):
+    """Carry out a currency verdict in Snakemake's terms (see GUARD)."""
+    if verdict is None:
+        return
+    if verdict.refusal:
+        if DAG_STATE["built"]:
+            raise ValueError(verdict.refusal)
+        # not an Exception: Snakemake would take an input function's error for "no producer" of
+        # a file that exists, and go on without the check
+        raise SystemExit(f"aqflow: {verdict.refusal}")
+    # as Snakemake itself forces jobs with incomplete outputs (--rerun-incomplete)
+    workflow.dag.forcefiles.add(verdict.rebuild)
+    if verdict.rebuild not in DAG_STATE["rebuilt"]:
+        DAG_STATE["rebuilt"].add(verdict.rebuild)
+        print(f"aqflow: {verdict.reason}: its job runs again", file=sys.stderr)
+
+
+def current(rule, source, temporary=False):
+    """An input function: the paths of `source` (a path or pattern, a list of them, or an input
+    function) for a job of `rule`, each checked by GUARD. `temporary`: inputs removed once used
+    (a missing one is expected)."""
+
+    def inputs(wildcards):
+        values = wildcard_values(wildcards)
+
+        def outputs():
+            return [output_path(p, **values) for p in getattr(rules, rule).output]
+
+        try:
+            if callable(source):
+                paths = source(wildcards)
+            elif isinstance(source, str):
+                paths = output_path(source, **values)
+            else:
+                paths = [output_path(path, **values) for path in source]
+        except IncompleteCheckpointException as pending:
+            if workflow.is_main_process:
+                act_on(GUARD.check(str(pending.targetfile), outputs()))
+            raise
+        if workflow.is_main_process:
+            for path in [paths] if isinstance(paths, str) else paths:
+                act_on(GUARD.check(str(path), outputs(), temporary))
+            # the job's own finished outputs too: a named target is nobody's input
+            for output in outputs():
+                if os.path.lexists(output):
+                    act_on(GUARD.existing(output))
+        return paths
+
+    return inputs
 
 
 def output_path(pattern, **wildcards):
@@ -85,8 +157,11 @@ def calibration_found(wildcards):
     """calibration.json of the model's calibration (a checkpoint): its layers and block count."""
     calib = PLAN.calibration_id(wildcards.model)
     folder = checkpoints.calibrate.get(model=wildcards.model, calib=calib).output[0]
-    with open(f"{folder}/calibration.json") as handle:
-        return json.load(handle)
+    record = Path(folder) / "calibration.json"
+    # a folder that lost its record is calibrated again (GUARD forces it) before anyone reads it
+    if not record.is_file():
+        raise IncompleteCheckpointException(checkpoints.calibrate.rule, folder)
+    return json.loads(record.read_text())
 
 
 def quantized_layers(wildcards):
@@ -114,12 +189,6 @@ def layer_metrics(wildcards):
     return layer_files(wildcards, rules.quantize_layer.output.metrics)
 
 
-def checked_layer_artifacts(wildcards):
-    """The layers stitch reads, each checked against its recorded checksum before Snakemake would
-    delete stitch's outputs to rerun it."""
-    return [unchanged_since_written(path) for path in layer_artifacts(wildcards)]
-
-
 def block_layer_artifacts(wildcards, block):
     layers = zip(quantized_layers(wildcards), layer_artifacts(wildcards))
     return [path for layer, path in layers if block_index(layer) == block]
@@ -145,11 +214,15 @@ def block_inputs_path(wildcards, block):
     return variant_output(rules.calibrate_block.output.inputs, wildcards, block=block)
 
 
+# block inputs are removed once used (temp), unless kept: a missing one is no lost result
+BLOCK_INPUTS_TEMPORARY = not PLAN.calibration.get("keep_block_inputs", False)
+
+
 def block_inputs_output(path):
     """Block inputs are removed once used (temp), unless calibration.keep_block_inputs: kept, a
     later rerun of block i starts from block i-1's stored inputs instead of recomputing from block 1.
     """
-    return path if PLAN.calibration.get("keep_block_inputs", False) else temp(path)
+    return temp(path) if BLOCK_INPUTS_TEMPORARY else path
 
 
 def previous_block_layers(wildcards):
@@ -208,6 +281,21 @@ def stitch_layers_dirs(wildcards):
 
 def replaced_block_tensors(wildcards):
     return [f"{folder}/block.safetensors" for folder in finetuned_blocks(wildcards)]
+
+
+def pvtune_state_dir(wildcards):
+    """Where PV-tuning saves its state (beside its outputs, not among them: Snakemake deletes a
+    failed job's outputs, not this, so a rerun resumes)."""
+    metrics = output_path(rules.pvtune.output.metrics, **variant_wildcards(wildcards))
+    return str(Path(metrics).parent / "state")
+
+
+def checked_pvtune_state(wildcards):
+    """No input: the state a PV-tuning job would resume from, refused while the DAG is built if
+    damaged (the advice: delete it; PV-tuning then starts from step 0)."""
+    if workflow.is_main_process:
+        act_on(GUARD.check_state(pvtune_state_dir(wildcards), "PV-tuning"))
+    return []
 
 
 def target_evals():

@@ -1,9 +1,9 @@
 rule evaluate_quantized:
     input:
-        model=rules.stitch.output[0],
-        layer_metrics=layer_metrics,
-        tuned_blocks=finetuned_blocks,
-        corpora=evaluation_corpora,
+        model=current("evaluate_quantized", rules.stitch.output[0]),
+        layer_metrics=current("evaluate_quantized", layer_metrics),
+        tuned_blocks=current("evaluate_quantized", finetuned_blocks),
+        corpora=current("evaluate_quantized", evaluation_corpora),
     output:
         variant_file(PRE_PV_EVAL),
     log:
@@ -29,10 +29,10 @@ rule evaluate_quantized:
 
 rule evaluate_fp:
     input:
-        model=model_dir,
+        model=current("evaluate_fp", model_dir),
         layer_metrics=[],
         tuned_blocks=[],
-        corpora=evaluation_corpora,
+        corpora=current("evaluate_fp", evaluation_corpora),
     output:
         "results/{model}/fp/eval.json",
     log:

@@ -3,9 +3,9 @@
 # measure the domain-distance claim against it. A CPU job of seconds.
 rule domain_distances:
     input:
-        model=model_dir,
-        calibration=calibration_corpus,
-        corpora=evaluation_corpora,
+        model=current("domain_distances", model_dir),
+        calibration=current("domain_distances", calibration_corpus),
+        corpora=current("domain_distances", evaluation_corpora),
     output:
         "results/{model}/domains.json",
     log:
@@ -44,13 +44,16 @@ if "paper" in config.get("experiments", {}):
 
     rule paper:
         input:
-            evals=PLAN.experiment_evals("paper"),
-            grid=rules.paper_grid.output[0],
+            evals=current("paper", PLAN.experiment_evals("paper")),
+            grid=current("paper", rules.paper_grid.output[0]),
             # one per model, under its own tokenizer: each model's domain table, plot and claim
-            distances=[
-                output_path(rules.domain_distances.output[0], model=model)
-                for model in PLAN.experiment_models("paper")
-            ],
+            distances=current(
+                "paper",
+                [
+                    output_path(rules.domain_distances.output[0], model=model)
+                    for model in PLAN.experiment_models("paper")
+                ],
+            ),
         output:
             readme="results/paper/README.md",
             runs="results/paper/runs.csv",

@@ -3,9 +3,11 @@ if PLAN.pv_enabled:
 
     rule pvtune:
         input:
-            model=model_dir,
-            checkpoint=rules.stitch.output[0],
-            corpus=pvtune_corpus,
+            model=current("pvtune", model_dir),
+            checkpoint=current("pvtune", rules.stitch.output[0]),
+            corpus=current("pvtune", pvtune_corpus),
+            # none: the saved state it resumes from, checked (aqflow.jobs.currency)
+            state=checked_pvtune_state,
         output:
             model=directory("results/{model}/{bpp}bpp/{init}/{variant}/pv/model"),
             train_log="results/{model}/{bpp}bpp/{init}/{variant}/pv/train_log.parquet",
@@ -28,12 +30,12 @@ if PLAN.pv_enabled:
 
     rule evaluate_pvtuned:
         input:
-            model=rules.pvtune.output.model,
-            pvtune=rules.pvtune.output.metrics,
-            pre_pv=rules.evaluate_quantized.output[0],
-            layer_metrics=layer_metrics,
-            tuned_blocks=finetuned_blocks,
-            corpora=evaluation_corpora,
+            model=current("evaluate_pvtuned", rules.pvtune.output.model),
+            pvtune=current("evaluate_pvtuned", rules.pvtune.output.metrics),
+            pre_pv=current("evaluate_pvtuned", rules.evaluate_quantized.output[0]),
+            layer_metrics=current("evaluate_pvtuned", layer_metrics),
+            tuned_blocks=current("evaluate_pvtuned", finetuned_blocks),
+            corpora=current("evaluate_pvtuned", evaluation_corpora),
         output:
             "results/{model}/{bpp}bpp/{init}/{variant}/eval.json",
         log:

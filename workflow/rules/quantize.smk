@@ -1,7 +1,7 @@
 rule quantize_layer:
     input:
-        model=model_dir,
-        calibration=layer_calibration_dir,
+        model=current("quantize_layer", model_dir),
+        calibration=current("quantize_layer", layer_calibration_dir),
     output:
         layer="results/{model}/{bpp}bpp/{init}/{variant}/layers/{layer}.safetensors",
         metrics="results/{model}/{bpp}bpp/{init}/{variant}/layers/{layer}.json",
@@ -24,9 +24,9 @@ rule quantize_layer:
 
 rule stitch:
     input:
-        model=model_dir,
-        layers=checked_layer_artifacts,
-        tuned=finetuned_blocks,
+        model=current("stitch", model_dir),
+        layers=current("stitch", layer_artifacts),
+        tuned=current("stitch", finetuned_blocks),
     output:
         directory("results/{model}/{bpp}bpp/{init}/{variant}/model"),
     log:

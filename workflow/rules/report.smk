@@ -1,9 +1,9 @@
 rule report:
     input:
-        evals=target_evals() + baseline_evals(),
-        pv_logs=pv_train_logs(),
+        evals=current("report", target_evals() + baseline_evals()),
+        pv_logs=current("report", pv_train_logs()),
         # the checkpoint whose layer list the benchmark params below are computed from
-        calibrations=target_calibrations,
+        calibrations=current("report", target_calibrations),
     output:
         table=report(
             "results/report/summary.csv",

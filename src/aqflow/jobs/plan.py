@@ -19,8 +19,8 @@ from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
 from aqflow.data.corpus_catalog import BUILTIN_CORPORA, check_role, evaluation_protocol, model_text_world, text_choice
-from aqflow.io.artifacts import verified
 from aqflow.jobs.variants import VARIANT_FORM, geometry_name, parse_variant, variant_name
+from aqflow.models.dimensions import first_undivided, linear_widths
 from aqflow.models.entries import ModelEntry, entry_problems, fetch_model_request, parse_model_entry
 
 INITS = ("greedy", "oaem", "oaem-patient")
@@ -56,20 +56,13 @@ def wildcard_values(wildcards: Any) -> dict:
     return dict(vars(wildcards))
 
 
-def unchanged_since_written(path: str) -> str:
-    """`path`, refused (ArtifactError, naming it) if its bytes no longer match the sha256 recorded
-    when aqflow wrote it: called while the DAG is built, so caught before Snakemake deletes the
-    outputs of the job it would rerun (stitch's model/). A missing file, or one without a record, passes."""
-    if os.path.isfile(path):
-        verified(path, required=False)
-    return path
-
-
 class WorkflowPlan:
     """The plan of one validated config (Snakemake has filled in the schema's defaults)."""
 
-    def __init__(self, config: Mapping):
+    def __init__(self, config: Mapping, model_folder: Callable[[str], str] = "resources/models/{}".format):
+        """`model_folder`: where fetch-model writes a model (the fetch rule's output, given by name)."""
         self.config = config
+        self.model_folder = model_folder
         self.calibration = config["calibration"]
         self.quantization = config["quantization"]
         # which corpus each role reads, per text world ("hub": WikiText-2/C4 from the hub;
@@ -92,6 +85,7 @@ class WorkflowPlan:
         # every `models:` entry parsed (a bad entry is an error naming it before anything runs)
         self.model_entries = {name: parse_model_entry(name, entry) for name, entry in config["models"].items()}
         self._checked_models: dict[str, ModelEntry] = {}
+        self._widths: dict[str, tuple | None] = {}
         # each listed variant's folder -> its priority: the first the highest
         order = config["execution"]["cell_order"]
         self.cell_rank = {os.path.dirname(path): len(order) - index for index, path in enumerate(order)}
@@ -237,11 +231,36 @@ class WorkflowPlan:
         self.check_wildcards(wildcards)
         self.checked_model(wildcards.model)
 
+    def check_geometry(self, wildcards) -> None:
+        """Refuse a variant whose quantization group size does not divide the input width of one of
+        its model's layers, naming model, geometry and the first such layer (a layer job would fail
+        on it hours later). Unknown widths (a hub model not yet fetched nor cached) pass."""
+        settings = self.quantizer_settings(wildcards)
+        model, group = wildcards.model, settings["group_size"]
+        if model not in self._widths:
+            self._widths[model] = linear_widths(self.checked_model(model), self.model_folder(model))
+        if self._widths[model] is None:
+            return
+        widths, where = self._widths[model]
+        undivided = first_undivided(widths, group)
+        if undivided:
+            geometry = geometry_name(group, settings["num_codebooks"], settings["nbits"])
+            raise ValueError(f"model {model!r}, variant {wildcards.variant!r}: geometry {geometry} (group size {group}) "
+                             f"does not divide the {undivided[1]} inputs of {undivided[0]} (widths from {where}); "
+                             f"a code covers group-size consecutive inputs of every layer")
+
+    def check_geometries(self) -> None:
+        """check_geometry for every target of the config and every cell of its experiment grids."""
+        variants = self.targets() + [self.target_wildcards(cell) for name in self.config.get("experiments", {})
+                                     for cell in self.experiment_cells(name)]
+        for variant in variants:
+            self.check_geometry(SimpleNamespace(**variant))
+
     def variant_folder(self, wildcards) -> str:
         """The folder of a variant, its wildcards and settings checked first (input functions call this
         while the DAG is built, so an impossible target, bit rate or geometry fails `snakemake -n` by name)."""
         self.check_wildcards(wildcards)
-        self.quantizer_settings(wildcards)
+        self.check_geometry(wildcards)
         return VARIANT_FOLDER.format(**variant_wildcards(wildcards))
 
     # --- labels of evaluations --------------------------------------------------------------------
