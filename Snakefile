@@ -23,6 +23,7 @@ report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/sequential.smk"
 include: "workflow/rules/fetch.smk"
 include: "workflow/rules/calibrate.smk"
 include: "workflow/rules/quantize.smk"

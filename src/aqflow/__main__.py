@@ -29,17 +29,20 @@ STAGES = {
     "speed": "aqflow.stages.speed",  # decode/prefill tokens/s and weight memory of a model folder -> speed.json
 }
 
+
 def stage_summary(module: str) -> str:
-    """The first line of a stage module's docstring, without its leading "`python -m aqflow X`: ",
-    read from the source (importing the stages would load torch for a help text)."""
+    """The first sentence of a stage module's docstring (its first paragraph may wrap), without its
+    leading "`python -m aqflow X`: ", read from the source (importing the stages would load torch
+    for a help text)."""
     spec = importlib.util.find_spec(module)
     try:
         with open(spec.origin, encoding="utf-8") as handle:
             doc = ast.get_docstring(ast.parse(handle.read())) or ""
     except (OSError, SyntaxError, TypeError):
         return ""
-    first = doc.strip().splitlines()[0] if doc.strip() else ""
-    return re.sub(r"^`python -m aqflow [^`]*`:\s*", "", first)
+    paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+    summary = re.sub(r"^`python -m aqflow [^`]*`:\s*", "", paragraph)
+    return re.split(r"(?<=[.:;])\s", summary, maxsplit=1)[0]
 
 
 def usage() -> str:

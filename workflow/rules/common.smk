@@ -1,7 +1,6 @@
 # Wiring: the plan of the config (aqflow.jobs.plan: checks, settings, targets, grids, resources,
 # priorities) and the input functions that spell a job's paths through the rules' outputs.
 import json
-import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,11 +10,10 @@ from snakemake.exceptions import IncompleteCheckpointException
 # the library's pure-Python planning (no torch), whether or not aqflow is installed here
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from aqflow.io.integrity import DigestCache
-from aqflow.jobs.currency import InputGuard, digest_cache_path
-from aqflow.jobs.plan import WorkflowPlan, variant_wildcards, wildcard_values
+from aqflow.jobs.currency import InputGuard, WorkflowGuard, digest_cache_path
+from aqflow.jobs.plan import WorkflowPlan, variant_wildcards
 from aqflow.jobs.stage_settings import Execution
 from aqflow.jobs.variants import VARIANT_REGEX
-from aqflow.models.folder import block_index
 
 
 wildcard_constraints:
@@ -29,10 +27,18 @@ wildcard_constraints:
     block=r"\d+",
 
 
-PLAN = WorkflowPlan(
-    config,
-    model_folder=lambda model: output_path(rules.fetch_model.output[0], model=model),
-)
+def output_path(pattern, **wildcards):
+    """One file of a rule's output pattern (`rules.<rule>.output.<name>`) with its wildcards filled
+    in: the rule that writes a file is the one place its path is spelled."""
+    return pattern.format(**wildcards)
+
+
+def fetched_model(model):
+    """The folder fetch_model writes for `model`."""
+    return output_path(rules.fetch_model.output[0], model=model)
+
+
+PLAN = WorkflowPlan(config, model_folder=fetched_model)
 # how jobs run, not what they compute: a param of the rules that read it (reruns nothing)
 EXECUTION = Execution.from_config(config)
 # With PV-tuning on, eval.json is the PV-tuned model's evaluation (with the pre-PV one embedded)
@@ -43,71 +49,14 @@ PRE_PV_EVAL = "eval_pre_pv.json" if PLAN.pv_enabled else "eval.json"
 # Every input of every job is checked while the DAG is built (aqflow.jobs.currency), by the main
 # Snakemake process: a corrupt artifact stops the build by name; a missing one whose consumer's
 # results exist, or a folder lacking a listed file, is rebuilt (its job forced) with what follows.
-GUARD = InputGuard(DigestCache(digest_cache_path()))
-DAG_STATE = {"built": False, "rebuilt": set()}
+GUARD = WorkflowGuard(
+    InputGuard(DigestCache(digest_cache_path())), workflow, rules, output_path
+)
+current = GUARD.inputs
 
 
 onstart:
-    # jobs start now: a check failing from here on (a checkpoint's dependents re-planned) fails
-    # like any input function, instead of ending Snakemake under its running jobs
-    DAG_STATE["built"] = True
-
-
-def act_on(verdict):
-    """Carry out a currency verdict in Snakemake's terms (see GUARD)."""
-    if verdict is None:
-        return
-    if verdict.refusal:
-        if DAG_STATE["built"]:
-            raise ValueError(verdict.refusal)
-        # not an Exception: Snakemake would take an input function's error for "no producer" of
-        # a file that exists, and go on without the check
-        raise SystemExit(f"aqflow: {verdict.refusal}")
-    # as Snakemake itself forces jobs with incomplete outputs (--rerun-incomplete)
-    workflow.dag.forcefiles.add(verdict.rebuild)
-    if verdict.rebuild not in DAG_STATE["rebuilt"]:
-        DAG_STATE["rebuilt"].add(verdict.rebuild)
-        print(f"aqflow: {verdict.reason}: its job runs again", file=sys.stderr)
-
-
-def current(rule, source, temporary=False):
-    """An input function: the paths of `source` (a path or pattern, a list of them, or an input
-    function) for a job of `rule`, each checked by GUARD. `temporary`: inputs removed once used
-    (a missing one is expected)."""
-
-    def inputs(wildcards):
-        values = wildcard_values(wildcards)
-
-        def outputs():
-            return [output_path(p, **values) for p in getattr(rules, rule).output]
-
-        try:
-            if callable(source):
-                paths = source(wildcards)
-            elif isinstance(source, str):
-                paths = output_path(source, **values)
-            else:
-                paths = [output_path(path, **values) for path in source]
-        except IncompleteCheckpointException as pending:
-            if workflow.is_main_process:
-                act_on(GUARD.check(str(pending.targetfile), outputs()))
-            raise
-        if workflow.is_main_process:
-            for path in [paths] if isinstance(paths, str) else paths:
-                act_on(GUARD.check(str(path), outputs(), temporary))
-            # the job's own finished outputs too: a named target is nobody's input
-            for output in outputs():
-                if os.path.lexists(output):
-                    act_on(GUARD.existing(output))
-        return paths
-
-    return inputs
-
-
-def output_path(pattern, **wildcards):
-    """One file of a rule's output pattern (`rules.<rule>.output.<name>`) with its wildcards filled
-    in: the rule that writes a file is the one place its path is spelled."""
-    return pattern.format(**wildcards)
+    GUARD.started = True
 
 
 def variant_output(pattern, wildcards, **more):
@@ -123,7 +72,7 @@ def variant_file(name):
 
 def model_dir(wildcards):
     PLAN.check_model(wildcards)
-    return output_path(rules.fetch_model.output[0], model=wildcards.model)
+    return fetched_model(wildcards.model)
 
 
 def corpus_path(name):
@@ -189,100 +138,6 @@ def layer_metrics(wildcards):
     return layer_files(wildcards, rules.quantize_layer.output.metrics)
 
 
-def block_layer_artifacts(wildcards, block):
-    layers = zip(quantized_layers(wildcards), layer_artifacts(wildcards))
-    return [path for layer, path in layers if block_index(layer) == block]
-
-
-def layer_calibration_dir(wildcards):
-    """The XᵀX of a layer's block: shared (fp mode, and block 0 in sequential mode) or, for a block
-    after the first in sequential mode, the variant's own (it depends on its quantized blocks).
-    """
-    block = block_index(wildcards.layer)
-    if PLAN.sequential and block > 0:
-        pattern = rules.calibrate_block.output.calibration
-        return variant_output(pattern, wildcards, block=block)
-    return calibration_dir(wildcards)
-
-
-def tuned_block_dir(wildcards, block):
-    return variant_output(rules.finetune_block.output[0], wildcards, block=block)
-
-
-def block_inputs_path(wildcards, block):
-    """Inputs of `block` in the quantized model (a temporary artifact of its calibrate_block job)."""
-    return variant_output(rules.calibrate_block.output.inputs, wildcards, block=block)
-
-
-# block inputs are removed once used (temp), unless kept: a missing one is no lost result
-BLOCK_INPUTS_TEMPORARY = not PLAN.calibration.get("keep_block_inputs", False)
-
-
-def block_inputs_output(path):
-    """Block inputs are removed once used (temp), unless calibration.keep_block_inputs: kept, a
-    later rerun of block i starts from block i-1's stored inputs instead of recomputing from block 1.
-    """
-    return temp(path) if BLOCK_INPUTS_TEMPORARY else path
-
-
-def previous_block_layers(wildcards):
-    """What calibrate_block of block i runs: block i-1 as quantized (and tuned, if enabled)."""
-    previous = int(wildcards.block) - 1
-    if PLAN.finetune:
-        return [tuned_block_dir(wildcards, previous)]
-    return block_layer_artifacts(wildcards, previous)
-
-
-def previous_layers_dir(wildcards):
-    if PLAN.finetune:
-        return tuned_block_dir(wildcards, int(wildcards.block) - 1)
-    return f"{PLAN.variant_folder(wildcards)}/layers"
-
-
-def previous_block_tensors(wildcards):
-    previous = int(wildcards.block) - 1
-    return (
-        f"{tuned_block_dir(wildcards, previous)}/block.safetensors"
-        if PLAN.finetune
-        else ""
-    )
-
-
-def previous_block_inputs(wildcards):
-    previous = int(wildcards.block) - 1
-    return [block_inputs_path(wildcards, previous)] if previous >= 1 else []
-
-
-def block_layers(wildcards):
-    return block_layer_artifacts(wildcards, int(wildcards.block))
-
-
-def finetune_inputs(wildcards):
-    """The inputs of the block being tuned; block 0's are the embeddings, recomputed."""
-    block = int(wildcards.block)
-    return [block_inputs_path(wildcards, block)] if block >= 1 else []
-
-
-def layers_dir(wildcards):
-    return f"{PLAN.variant_folder(wildcards)}/layers"
-
-
-def finetuned_blocks(wildcards):
-    """Every tuned block folder of a variant (none unless block fine-tuning is enabled)."""
-    if not PLAN.finetune:
-        return []
-    return [tuned_block_dir(wildcards, block) for block in range(num_blocks(wildcards))]
-
-
-def stitch_layers_dirs(wildcards):
-    """Where stitch finds the layers: the tuned block folders, or the variant's layers folder."""
-    return finetuned_blocks(wildcards) or [layers_dir(wildcards)]
-
-
-def replaced_block_tensors(wildcards):
-    return [f"{folder}/block.safetensors" for folder in finetuned_blocks(wildcards)]
-
-
 def pvtune_state_dir(wildcards):
     """Where PV-tuning saves its state (beside its outputs, not among them: Snakemake deletes a
     failed job's outputs, not this, so a rerun resumes)."""
@@ -293,9 +148,7 @@ def pvtune_state_dir(wildcards):
 def checked_pvtune_state(wildcards):
     """No input: the state a PV-tuning job would resume from, refused while the DAG is built if
     damaged (the advice: delete it; PV-tuning then starts from step 0)."""
-    if workflow.is_main_process:
-        act_on(GUARD.check_state(pvtune_state_dir(wildcards), "PV-tuning"))
-    return []
+    return GUARD.state(pvtune_state_dir(wildcards), "PV-tuning")
 
 
 def target_evals():

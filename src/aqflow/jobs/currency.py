@@ -20,15 +20,16 @@ used by design) is exempt. An input whose bytes differ from their checksum recor
 name with advice that works when followed literally (delete the file: it is then rebuilt).
 Integrity is checked through `DigestCache` (aqflow.io.integrity): unchanged files are not hashed again.
 
-Pure Python (no Snakemake): common.smk turns a `Verdict` into Snakemake's terms.
+`InputGuard` is pure Python; `WorkflowGuard` binds it to a Snakemake run (common.smk makes one).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from aqflow.io.artifacts import SUMS_FILE
 from aqflow.io.integrity import CORRUPT, MISSING, UNLISTED, Damage, DigestCache, damage, stat_signature
@@ -106,3 +107,78 @@ class InputGuard:
 def digest_cache_path(workdir: str | os.PathLike = ".") -> Path:
     """Where a working directory's DigestCache lives (beside Snakemake's own records)."""
     return Path(workdir) / ".snakemake" / "aqflow" / "digests.json"
+
+
+class WorkflowGuard:
+    """An InputGuard bound to one Snakemake run: it builds the rules' input functions and carries out
+    the verdicts in Snakemake's terms. Checks run in the main Snakemake process only (a cluster
+    job's own Snakemake does not redo them).
+
+    workflow: Snakemake's `workflow` object (dag.forcefiles, is_main_process); rules: its `rules`;
+    output_path(pattern, **wildcards) -> str: how common.smk spells a rule's output."""
+
+    def __init__(self, guard: InputGuard, workflow, rules, output_path: Callable[..., str]):
+        self.guard, self.workflow, self.rules, self.output_path = guard, workflow, rules, output_path
+        self.started = False  # set when jobs start (onstart)
+        self.rebuilt: set[str] = set()
+
+    def act_on(self, verdict: Verdict | None) -> None:
+        """Refuse (a corrupt input) or force the job that rebuilds a lost one."""
+        if verdict is None:
+            return
+        if verdict.refusal:
+            if self.started:
+                # jobs run now (a checkpoint's dependents re-planned): fail like any input function,
+                # instead of ending Snakemake under its running jobs
+                raise ValueError(verdict.refusal)
+            # not an Exception: Snakemake would take an input function's error for "no producer" of
+            # a file that exists, and go on without the check
+            raise SystemExit(f"aqflow: {verdict.refusal}")
+        # as Snakemake itself forces jobs with incomplete outputs (--rerun-incomplete)
+        self.workflow.dag.forcefiles.add(verdict.rebuild)
+        if verdict.rebuild not in self.rebuilt:
+            self.rebuilt.add(verdict.rebuild)
+            print(f"aqflow: {verdict.reason}: its job runs again", file=sys.stderr)
+
+    def inputs(self, rule: str, source, temporary: bool = False) -> Callable:
+        """An input function: the paths of `source` (a path or pattern, a list of them, or an input
+        function) for a job of `rule`, each checked, and the job's own finished outputs too (a named
+        target is nobody's input). `temporary`: inputs removed once used (a missing one is expected)."""
+        from snakemake.exceptions import IncompleteCheckpointException
+
+        from aqflow.jobs.plan import wildcard_values
+
+        def outputs(values):
+            return [self.output_path(pattern, **values) for pattern in getattr(self.rules, rule).output]
+
+        def paths_of(wildcards, values):
+            if callable(source):
+                return source(wildcards)
+            if isinstance(source, str):
+                return self.output_path(source, **values)
+            return [self.output_path(path, **values) for path in source]
+
+        def checked(wildcards):
+            values = wildcard_values(wildcards)
+            main = self.workflow.is_main_process
+            try:
+                paths = paths_of(wildcards, values)
+            except IncompleteCheckpointException as pending:
+                if main:
+                    self.act_on(self.guard.check(str(pending.targetfile), outputs(values)))
+                raise
+            if main:
+                for path in [paths] if isinstance(paths, str) else paths:
+                    self.act_on(self.guard.check(str(path), outputs(values), temporary))
+                for output in outputs(values):
+                    if os.path.lexists(output):
+                        self.act_on(self.guard.existing(output))
+            return paths
+
+        return checked
+
+    def state(self, folder: str, what: str) -> list:
+        """No input: a resumable state folder (PV-tuning's), refused while the DAG is built if damaged."""
+        if self.workflow.is_main_process:
+            self.act_on(self.guard.check_state(folder, what))
+        return []

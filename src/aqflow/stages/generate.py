@@ -1,5 +1,6 @@
-"""`python -m aqflow generate MODEL_DIR --prompt "..."`: text from any model folder the pipeline
-wrote, streamed as it is made, then how fast it came and how much memory the weights take.
+"""`python -m aqflow generate MODEL_DIR --prompt "..."`: text streamed from any model folder the pipeline wrote.
+
+Tokens print as they are made; then how fast they came and how much memory the weights take.
 
 MODEL_DIR is a plain model folder (resources/models/<model>) or an AQLM checkpoint (a stitched or
 PV-tuned `model/`). The model runs on --device (auto: a GPU where one is visible) through the

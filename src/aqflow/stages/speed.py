@@ -1,5 +1,7 @@
-"""`python -m aqflow speed MODEL_DIR --output speed.json`: how fast and how big one model folder is
-on one device, through the project's fastest path and through plain transformers + aqlm.
+"""`python -m aqflow speed MODEL_DIR --output speed.json`: decode speed and memory of one model folder.
+
+How fast and how big the model is on one device, through the project's fastest path and through
+plain transformers + aqlm.
 
 For each path (aqflow.inference.runtime: `fast` = FastQuantizedLinear kernels, fused projections
 and a CUDA graph per decode step on a GPU; `plain` = the folder as transformers + aqlm load it,
