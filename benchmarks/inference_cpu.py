@@ -175,8 +175,10 @@ def _materialize(model, dtype: torch.dtype, generator: torch.Generator) -> None:
                 value = torch.empty(parameter.shape, dtype=dtype)
                 if name == "weight" and value.dim() == 1:  # RMSNorm
                     value.fill_(1.0)
-                else:
-                    value.uniform_(-0.03, 0.03, generator=generator)
+                else:  # in row blocks: a half-precision fill passes through float32 (a 2x transient)
+                    rows = max(1, (64 << 20) // (value[0].numel() * 4)) if value.dim() > 1 else value.numel()
+                    for start in range(0, value.shape[0], rows):
+                        value[start:start + rows].uniform_(-0.03, 0.03, generator=generator)
                 setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
     model.model.rotary_emb = LlamaRotaryEmbedding(model.config)
     if tied:
