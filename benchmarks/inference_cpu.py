@@ -109,6 +109,21 @@ def time_calls(calls: list, min_seconds: float = 0.5, min_calls: int = 5) -> flo
     return min(times)
 
 
+def best_of_rounds(rounds: int, jobs: list[tuple[str, object]], key: str, larger_is_better: bool) -> list[dict]:
+    """Run every job (name, zero-argument callable returning a row) once per round, the jobs in
+    turn (so that a change in the machine's load spreads over all of them), and keep each job's
+    best row by `key`; every round's value of `key` is kept in the row as key + "_rounds"."""
+    best: dict[str, dict] = {}
+    values: dict[str, list] = {name: [] for name, _ in jobs}
+    for _ in range(rounds):
+        for name, job in jobs:
+            row = job()
+            values[name].append(row[key])
+            if name not in best or (row[key] > best[name][key]) == larger_is_better:
+                best[name] = row
+    return [{**best[name], key + "_rounds": values[name]} for name, _ in jobs]
+
+
 # --- (a) kernels ------------------------------------------------------------------------------
 
 def kernel_rows(budget_bytes: int, crossover: bool) -> list[dict]:
@@ -175,8 +190,10 @@ def _materialize(model, dtype: torch.dtype, generator: torch.Generator) -> None:
                 value = torch.empty(parameter.shape, dtype=dtype)
                 if name == "weight" and value.dim() == 1:  # RMSNorm
                     value.fill_(1.0)
-                else:
-                    value.uniform_(-0.03, 0.03, generator=generator)
+                else:  # in row blocks: a half-precision fill passes through float32 (a 2x transient)
+                    rows = max(1, (64 << 20) // (value[0].numel() * 4)) if value.dim() > 1 else value.numel()
+                    for start in range(0, value.shape[0], rows):
+                        value[start:start + rows].uniform_(-0.03, 0.03, generator=generator)
                 setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
     model.model.rotary_emb = LlamaRotaryEmbedding(model.config)
     if tied:
@@ -277,17 +294,21 @@ DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears)
 def decode_rows(args, threads: int) -> list[dict]:
     from aqflow.inference.runtime import call_in_child
 
-    rows = []
-    for name, dtype, linears in DECODE_VARIANTS:
-        if linears == "aqlm" and not args.aqlm_kernel:
-            continue
-        new_tokens = args.aqlm_new_tokens if linears == "aqlm" else args.new_tokens
-        repeats = 1 if linears == "aqlm" else args.repeats
-        row = call_in_child(decode_child, name, dtype, linears, args.prompt_tokens, new_tokens, threads, repeats, what=name)
-        rows.append(row)
-        print(f"  {name:28s} {row['decode_tokens_per_second']:7.2f} tokens/s, weights "
-              f"{row['resident_weight_bytes'] / 2**30:6.2f} GiB, peak RSS {row['peak_rss_bytes'] / 2**30:6.2f} GiB", flush=True)
-    return rows
+    def job(name, dtype, linears):
+        def run():
+            new_tokens = args.aqlm_new_tokens if linears == "aqlm" else args.new_tokens
+            repeats = 1 if linears == "aqlm" else args.repeats
+            row = call_in_child(decode_child, name, dtype, linears, args.prompt_tokens, new_tokens, threads, repeats,
+                                what=name)
+            print(f"  {name:28s} {row['decode_tokens_per_second']:7.2f} tokens/s, weights "
+                  f"{row['resident_weight_bytes'] / 2**30:6.2f} GiB, peak RSS {row['peak_rss_bytes'] / 2**30:6.2f} GiB",
+                  flush=True)
+            return row
+        return run
+
+    jobs = [(name, job(name, dtype, linears)) for name, dtype, linears in DECODE_VARIANTS
+            if linears != "aqlm" or args.aqlm_kernel]
+    return best_of_rounds(args.rounds, jobs, "decode_tokens_per_second", True)
 
 
 # --- (c) a real checkpoint ----------------------------------------------------------------------
@@ -302,16 +323,19 @@ def checkpoint_rows(args, threads: int) -> list[dict]:
             ("2 bpp, fast, float32 rest", args.checkpoint, "float32", "fast"),
             ("2 bpp, fast, bfloat16 rest", args.checkpoint, "bfloat16", "fast"),
             ("2 bpp, transformers+aqlm", args.checkpoint, "float32", "plain")]
-    rows = []
-    for name, folder, dtype, path in runs:
-        if path == "plain" and not args.aqlm_kernel:
-            continue
-        row = {"variant": name, "model_dir": str(folder), "dtype": dtype,
-               **call_in_child(measure, str(folder), "cpu", dtype, path, settings, what=name)}
-        rows.append(row)
-        print(f"  {name:28s} {row['decode_tokens_per_second']:7.2f} tokens/s, weights "
-              f"{row['resident_weight_bytes'] / 2**20:7.1f} MiB, peak RSS {row['peak_memory_bytes'] / 2**20:7.0f} MiB", flush=True)
-    return rows
+    def job(name, folder, dtype, path):
+        def run():
+            row = {"variant": name, "model_dir": str(folder), "dtype": dtype,
+                   **call_in_child(measure, str(folder), "cpu", dtype, path, settings, what=name)}
+            print(f"  {name:28s} {row['decode_tokens_per_second']:7.2f} tokens/s, weights "
+                  f"{row['resident_weight_bytes'] / 2**20:7.1f} MiB, peak RSS {row['peak_memory_bytes'] / 2**20:7.0f} MiB",
+                  flush=True)
+            return row
+        return run
+
+    jobs = [(name, job(name, folder, dtype, path)) for name, folder, dtype, path in runs
+            if path != "plain" or args.aqlm_kernel]
+    return best_of_rounds(args.rounds, jobs, "decode_tokens_per_second", True)
 
 
 # --- (d) evaluation through each CPU kernel choice ------------------------------------------------
@@ -341,14 +365,16 @@ def evaluation_child(model_dir: str, kernel: str, windows: int, context: int, ba
 def evaluation_rows(args, threads: int) -> list[dict]:
     from aqflow.inference.runtime import call_in_child
 
-    rows = []
-    for kernel in ("dense", "fast"):
-        row = call_in_child(evaluation_child, str(args.checkpoint), kernel, args.eval_windows, args.eval_context,
-                            args.eval_batch_size, threads, what=f"evaluation through {kernel}")
-        rows.append(row)
-        print(f"  cpu_kernel {kernel:6s} {row['perplexity_seconds']:7.2f} s for {row['tokens']} tokens, perplexity "
-              f"{row['perplexity']:.4f}, weights {row['resident_weight_bytes'] / 2**20:.1f} MiB", flush=True)
-    return rows
+    def job(kernel):
+        def run():
+            row = call_in_child(evaluation_child, str(args.checkpoint), kernel, args.eval_windows, args.eval_context,
+                                args.eval_batch_size, threads, what=f"evaluation through {kernel}")
+            print(f"  cpu_kernel {kernel:6s} {row['perplexity_seconds']:7.2f} s for {row['tokens']} tokens, perplexity "
+                  f"{row['perplexity']:.4f}, weights {row['resident_weight_bytes'] / 2**20:.1f} MiB", flush=True)
+            return row
+        return run
+
+    return best_of_rounds(args.rounds, [(kernel, job(kernel)) for kernel in ("dense", "fast")], "perplexity_seconds", False)
 
 
 # --- report ---------------------------------------------------------------------------------------
@@ -417,6 +443,9 @@ def main() -> int:
     parser.add_argument("--aqlm-new-tokens", type=int, default=3, help="(b): for aqlm's one-thread kernel")
     parser.add_argument("--repeats", type=int, default=3,
                         help="(b), (c): decode this many times per variant, keep the fastest (a shared machine)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="(b), (c), (d): measure all variants this many times in turn, keep each one's best "
+                             "(a machine whose load changes)")
     parser.add_argument("--checkpoint", type=Path, default=None, help="(c): a SmolLM2 AQLM checkpoint (model/)")
     parser.add_argument("--fp", type=Path, default=None, help="(c): its fp source folder")
     parser.add_argument("--smol-new-tokens", type=int, default=64, help="(c): decode tokens")
