@@ -244,3 +244,24 @@ def test_a_batch_over_the_logits_budget_is_scored_in_pieces_with_the_same_answer
     assert forwards[0] == (3, 64) and len(forwards) > len(requests) / 16
     assert [greedy for _, greedy in pieces] == [greedy for _, greedy in whole]
     assert [value for value, _ in pieces] == pytest.approx([value for value, _ in whole], rel=1e-5, abs=1e-6)
+
+
+def test_a_card_that_runs_out_of_memory_gets_smaller_passes_with_the_same_answers(tiny, monkeypatch):
+    model, tokenizer = tiny
+    requests = _requests(random.Random(2), model.config.vocab_size, 30)
+    batched = BatchedScoringLM(pretrained=model, tokenizer=tokenizer, batch_size=16, max_length=64)
+    whole = batched._loglikelihood_tokens(requests, disable_tqdm=True)
+    forwards = []
+    scored_alone = batched._score
+
+    def shared_card(inputs, scored):  # another job on the card leaves room for five sequences
+        forwards.append(len(inputs))
+        if len(inputs) > 5:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return scored_alone(inputs, scored)
+
+    monkeypatch.setattr(batched, "_score", shared_card)
+    pieces = batched._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert forwards[:3] == [16, 8, 4] and max(forwards[3:]) == 4  # later batches start from what held
+    assert [greedy for _, greedy in pieces] == [greedy for _, greedy in whole]
+    assert [value for value, _ in pieces] == pytest.approx([value for value, _ in whole], rel=1e-5, abs=1e-6)

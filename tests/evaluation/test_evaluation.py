@@ -22,7 +22,7 @@ from aqflow.data.zero_shot import (
 )
 from aqflow.evaluation import perplexity
 from aqflow.models.folder import stored_bits_per_parameter
-from aqflow.evaluation.logits_budget import sequences_within_budget
+from aqflow.evaluation.logits_budget import score_in_pieces, sequences_within_budget
 from aqflow.evaluation.protocol import c4_windows, wikitext2_windows, windows_sha256
 from aqflow.evaluation.zero_shot import (
     HEADLINE_METRIC, TASK_TEMPLATES_DIR, average_accuracy, run_zero_shot, write_task_configs,
@@ -187,6 +187,35 @@ def test_perplexity_cuts_its_batch_to_the_logits_budget_and_keeps_its_value(tiny
     cut = perplexity(model, windows, batch_size=5, progress=False, logits_budget_bytes=2 * 40 * vocab * 4 + 1)
     assert forwards == [2, 2, 1]
     assert cut == pytest.approx(whole, rel=1e-6)
+
+
+def test_perplexity_on_a_card_that_runs_out_goes_on_in_smaller_passes_with_the_same_value(tiny, monkeypatch, capsys):
+    module = importlib.import_module("aqflow.evaluation.perplexity")
+    model, _ = tiny
+    windows = torch.randint(0, model.config.vocab_size, (7, 40), generator=torch.Generator().manual_seed(2))
+    whole = perplexity(model, windows, batch_size=7, progress=False, logits_budget_bytes=None)
+    forwards = []
+    scored = module.window_nll
+
+    def shared_card(m, batch):  # another job holds all but room for two windows
+        forwards.append(batch.shape[0])
+        if batch.shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 15.66 GiB")
+        return scored(m, batch)
+
+    monkeypatch.setattr(module, "window_nll", shared_card)
+    assert perplexity(model, windows, batch_size=7, progress=False, logits_budget_bytes=None) == pytest.approx(whole, rel=1e-6)
+    assert forwards == [7, 4, 2, 2, 2, 1]  # halved until it held, then kept at what held
+    assert "going on with 4" in capsys.readouterr().err
+
+
+def test_score_in_pieces_raises_when_a_single_item_does_not_fit():
+    def never_fits(start, stop):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        score_in_pieces(never_fits, 4, 4)
+    assert score_in_pieces(lambda start, stop: list(range(start, stop)), 5, 2) == ([0, 1, 2, 3, 4], 2)
 
 
 def test_sequences_within_budget_is_the_most_that_fit_and_never_zero():

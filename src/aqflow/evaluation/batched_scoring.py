@@ -41,7 +41,8 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import Collator, _add_special_kwargs, has_bos_prefix
 from tqdm.auto import tqdm
 
-from aqflow.evaluation.logits_budget import DEFAULT_LOGITS_BUDGET_BYTES, logits_shape_bytes, sequences_within_budget
+from aqflow.evaluation.logits_budget import (DEFAULT_LOGITS_BUDGET_BYTES, logits_shape_bytes, score_in_pieces,
+                                             sequences_within_budget)
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,7 @@ class BatchedScoringLM(HFLM):
 
     _encoded: dict | None = None
     logits_budget_bytes: int | None = DEFAULT_LOGITS_BUDGET_BYTES  # the most logits one forward pass holds
+    _piece_cap: int | None = None  # the most sequences a pass held once the card ran out of memory
 
     def _special_tokens_kwargs(self, string: str, add_special_tokens: bool | None, bos_string: str) -> dict:
         """tok_encode's arguments to the tokenizer for `string` (HFLM.tok_encode's rule)."""
@@ -259,16 +261,20 @@ class BatchedScoringLM(HFLM):
                 answered_strings.append([string for string, _, _ in answered])
             # a batch whose logits would pass the budget goes through the model in pieces (a
             # request's numbers do not depend on the batch it is scored in)
-            piece = sequences_within_budget(len(inputs), max(map(len, inputs)), vocab, bytes_per_logit,
-                                            self.logits_budget_bytes)
-            for start in range(0, len(inputs), piece):
-                request_strings = list(itertools.chain.from_iterable(answered_strings[start:start + piece]))
-                for answer, request_string in zip(self._score(inputs[start:start + piece],
-                                                              scored[start:start + piece]), request_strings):
-                    results.append(answer)
-                    if request_string is not None:  # loglikelihood_rolling's requests carry None
-                        self.cache_hook.add_partial("loglikelihood", request_string, answer)
-                progress.update(len(request_strings))
+            piece = min(sequences_within_budget(len(inputs), max(map(len, inputs)), vocab, bytes_per_logit,
+                                                self.logits_budget_bytes), self._piece_cap or len(inputs))
+
+            def score(start: int, stop: int) -> list[tuple[float, bool]]:
+                return self._score(inputs[start:stop], scored[start:stop])
+
+            answers, held = score_in_pieces(score, len(inputs), piece)
+            if held < piece:  # the card ran out at `piece`: later batches start from what held
+                self._piece_cap = held
+            for answer, request_string in zip(answers, itertools.chain.from_iterable(answered_strings)):
+                results.append(answer)
+                if request_string is not None:  # loglikelihood_rolling's requests carry None
+                    self.cache_hook.add_partial("loglikelihood", request_string, answer)
+            progress.update(len(answers))
         progress.close()
         return reorder.get_original(results)
 

@@ -7,7 +7,13 @@ metrics do not depend on the batch, since every sequence is scored on its own.
 
 from __future__ import annotations
 
+import sys
+from typing import Callable, TypeVar
+
+import torch
 import torch.nn as nn
+
+Scored = TypeVar("Scored")
 
 # 16 GiB keeps SmolLM2's 4096-token batch of 32 (12.9 GB) whole, as the paper grid's earlier cells
 # ran, and leaves most of an 80 GB card to the jobs that share it.
@@ -29,3 +35,41 @@ def sequences_within_budget(requested: int, tokens: int, vocab: int, bytes_per_l
     if budget_bytes is None:
         return requested
     return max(1, min(requested, budget_bytes // (tokens * vocab * bytes_per_logit)))
+
+
+def score_in_pieces(score: Callable[[int, int], list[Scored]], count: int, piece: int,
+                    done: Callable[[int], None] | None = None) -> tuple[list[Scored], int]:
+    """`score(start, stop)` over items 0..count in consecutive pieces of at most `piece` items,
+    concatenated, and the piece size that held to the end.
+
+    The budget assumes the card's memory is there; on a card shared with other jobs (two 3B
+    evaluations beside layer jobs on one H100 ran out) it may not be. A piece that runs out of
+    memory is scored again in halves, down to one item, and later pieces keep the smaller size: the
+    metrics do not depend on the piece, since every item is scored on its own. `done(n)` is told
+    of each finished piece's item count (a progress bar).
+    """
+    if count < 0 or piece < 1:
+        raise ValueError(f"count ({count}) must be >= 0 and piece ({piece}) >= 1")
+    results: list[Scored] = []
+    start = 0
+    while start < count:
+        stop = min(count, start + piece)
+        try:
+            scored = score(start, stop)
+        except torch.OutOfMemoryError:
+            if stop - start == 1:
+                raise
+            ran_out = stop - start
+        else:
+            results.extend(scored)
+            if done is not None:
+                done(stop - start)
+            start = stop
+            continue
+        # out of the except block, so the failed pass's tensors (held by its traceback) are freed
+        piece = (ran_out + 1) // 2
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        print(f"out of card memory scoring {ran_out} sequences in one pass (another job on the card?): "
+              f"going on with {piece}", file=sys.stderr, flush=True)
+    return results, piece

@@ -13,7 +13,8 @@ import math
 import torch
 from tqdm.auto import tqdm
 
-from aqflow.evaluation.logits_budget import DEFAULT_LOGITS_BUDGET_BYTES, logits_shape_bytes, sequences_within_budget
+from aqflow.evaluation.logits_budget import (DEFAULT_LOGITS_BUDGET_BYTES, logits_shape_bytes, score_in_pieces,
+                                             sequences_within_budget)
 
 
 @torch.no_grad()
@@ -44,9 +45,12 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool
         raise ValueError(f"windows must be [num_windows, T >= 2], got shape {tuple(windows.shape)}")
     device = next(model.parameters()).device
     batch_size = sequences_within_budget(batch_size, windows.shape[1], *logits_shape_bytes(model), logits_budget_bytes)
-    total_nats = 0.0
-    for start in tqdm(range(0, windows.shape[0], batch_size), desc="perplexity", unit="batch", disable=not progress):
-        batch = windows[start:start + batch_size].to(device)
-        total_nats += float(window_nll(model, batch).sum())
+
+    def score(start: int, stop: int) -> list[torch.Tensor]:
+        return list(window_nll(model, windows[start:stop].to(device)).cpu())
+
+    with tqdm(total=windows.shape[0], desc="perplexity", unit="window", disable=not progress) as bar:
+        nll, _ = score_in_pieces(score, windows.shape[0], batch_size, bar.update)
+    total_nats = float(torch.stack(nll).sum())
     num_predictions = windows.shape[0] * (windows.shape[1] - 1)
     return math.exp(total_nats / num_predictions)
