@@ -153,7 +153,7 @@ def test_each_rules_stage_imports_with_only_its_envs_packages():
     stages = {}
     for rule, directives in rules().items():
         script = (REPO / "workflow" / "rules" / directives["script"]).resolve().read_text()
-        stage = re.search(r'run_stage\(snakemake, "([\w-]+)"', script).group(1)
+        stage = re.search(r'run_job\(snakemake, "([\w-]+)"', script).group(1)
         env = (REPO / "workflow" / "rules" / directives["conda"]).resolve()
         stages[rule] = stage
         pins, _, _ = env_pins(env)

@@ -1,16 +1,18 @@
 """The plan of a config, without Snakemake: the params finished runs recorded, the checks that refuse
-impossible targets by name (a geometry against the layer widths included), grids and priorities."""
+impossible targets by name (a geometry against the layer widths included), the variant grammar,
+grids and priorities."""
 
 import copy
+import itertools
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
 
-from aqflow.jobs.plan import WorkflowPlan
-from aqflow.jobs.stage_settings import Execution
+from aqflow.jobs.plan import VARIANT_REGEX, WorkflowPlan, geometry_name, parse_variant, variant_name
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
@@ -68,7 +70,7 @@ def test_a_later_setting_enters_the_params_only_where_it_changes_the_behaviour()
     # how often PV-tuning saves its state is how the job runs: no param, the job's execution
     config = tiny_config(pvtune={"save_state_every": 7}, execution={"logits_budget_gib": 2})
     assert "save_state_every" not in WorkflowPlan(config).pvtune_settings()
-    execution = Execution.from_config(config)
+    execution = WorkflowPlan(config).execution
     assert execution.save_state_every == 7 and execution.logits_budget_gib == 2
 
 
@@ -181,3 +183,36 @@ def test_a_fetched_folder_gives_every_layer_width_from_its_safetensors_header(tm
     with pytest.raises(ValueError, match=r"geometry g32m2k64 \(group size 32\) does not divide the 80 inputs of "
                                          rf"model.layers.1.mixer.in_proj \(widths from {tmp_path / 'tiny'}'s weights\)"):
         plan.variant_folder(SimpleNamespace(model="tiny", bpp="2", init="greedy", variant="b2"))
+
+
+# --- the variant grammar: one regex, a parser and its inverse -----------------------------------------
+
+def test_every_name_parses_back_to_the_settings_it_was_made_from():
+    for beam, epochs, seed, geometry in itertools.product((1, 8, 16), (None, 5), (None, 43), (None, "g6m2k64")):
+        name = variant_name(beam, epochs, seed, geometry, default_seed=42, default_geometry="g8m2k256")
+        assert re.fullmatch(VARIANT_REGEX, name), name
+        parsed = parse_variant(name)
+        assert parsed["beam_size"] == beam and parsed.get("max_epochs") == epochs and parsed.get("seed") == seed
+        if geometry:
+            assert geometry_name(parsed["group_size"], parsed["num_codebooks"], parsed["nbits"]) == geometry
+        else:
+            assert "group_size" not in parsed
+
+
+def test_the_defaults_stay_out_of_the_path():
+    """A grid cell with the configured seed and the bit rate's own geometry is the default target's run."""
+    assert variant_name(8, None, 42, "g8m2k256", default_seed=42, default_geometry="g8m2k256") == "b8"
+    assert variant_name(8, 5, 43, "g4m1k256", default_seed=42, default_geometry="g8m2k256") == "g4m1k256-b8e5s43"
+
+
+@pytest.mark.parametrize("bad", ["8", "b", "b8x", "e5b8", "g6m2-b8", "b8s", "B8", "b8e5s43/"])
+def test_what_the_regex_refuses_the_parser_refuses_by_name(bad):
+    assert re.fullmatch(VARIANT_REGEX, bad) is None
+    with pytest.raises(ValueError, match=re.escape(repr(bad))):
+        parse_variant(bad)
+
+
+def test_codewords_must_be_a_power_of_two():
+    with pytest.raises(ValueError, match="k63 codewords must be a power of two"):
+        parse_variant("g6m2k63-b8")
+    assert parse_variant("g6m2k64-b8")["nbits"] == 6

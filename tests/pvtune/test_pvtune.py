@@ -345,21 +345,26 @@ def test_two_processes_average_gradients_like_one(setup, tmp_path, update_codes)
 
 def test_every_config_setting_reaches_the_stage_as_written():
     """config.yaml's pvtune keys (as the rule passes them, through the one mapping of
-    aqflow.jobs.stage_settings) are exactly fields of the stage's settings, and keys left out of the
+    aqflow.jobs.workflow_glue) are exactly fields of the stage's settings, and keys left out of the
     config fall back to the same values (the paper's)."""
     from pathlib import Path
+    from types import SimpleNamespace
 
     import yaml
 
-    from aqflow.jobs import stage_settings
-    from aqflow.jobs.stage_settings import Execution
+    from aqflow.jobs import workflow_glue
+    from aqflow.jobs.plan import Execution
     from aqflow.stagekit.stage_cli import from_dict
 
     section = yaml.safe_load((Path(__file__).resolve().parents[2] / "config.yaml").read_text())["pvtune"]
     settings = {key: value for key, value in section.items() if key not in ("enabled", "corpus")}
     execution = Execution(warm_workers=False, warm_worker_idle_seconds=20, logits_budget_gib=16, cell_order=(),
                           save_state_every=pvtune.PvtuneSettings().save_state_every)
-    shaped = stage_settings.pvtune(settings, execution)
+    job = SimpleNamespace(params=SimpleNamespace(settings=settings, execution=execution),
+                          input=SimpleNamespace(model="m", checkpoint="c", corpus="c.parquet"),
+                          output=SimpleNamespace(model="o", train_log="t.parquet", metrics="p.json"),
+                          resources=SimpleNamespace(gpu=1))
+    shaped = workflow_glue.pvtune(job).settings
     parsed, defaults = from_dict(pvtune.PvtuneSettings, shaped), pvtune.PvtuneSettings()
 
     def value_of(built, key):

@@ -11,9 +11,7 @@ from snakemake.exceptions import IncompleteCheckpointException
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from aqflow.io.integrity import DigestCache
 from aqflow.jobs.currency import InputGuard, WorkflowGuard, digest_cache_path
-from aqflow.jobs.plan import WorkflowPlan, variant_wildcards
-from aqflow.jobs.stage_settings import Execution
-from aqflow.jobs.variants import VARIANT_REGEX
+from aqflow.jobs.plan import VARIANT_REGEX, WorkflowPlan, variant_wildcards
 
 
 wildcard_constraints:
@@ -39,8 +37,6 @@ def fetched_model(model):
 
 
 PLAN = WorkflowPlan(config, model_folder=fetched_model)
-# how jobs run, not what they compute: a param of the rules that read it (reruns nothing)
-EXECUTION = Execution.from_config(config)
 # With PV-tuning on, eval.json is the PV-tuned model's evaluation (with the pre-PV one embedded)
 # and the stitched model's own evaluation is written beside it.
 PRE_PV_EVAL = "eval_pre_pv.json" if PLAN.pv_enabled else "eval.json"

@@ -22,7 +22,7 @@ rule evaluate_quantized:
         settings=PLAN.quantizer_settings,
         calibration=PLAN.calibration_record,
         label=PLAN.variant_label,
-        execution=EXECUTION,
+        execution=PLAN.execution,
     script:
         "../scripts/evaluate.py"
 
@@ -50,6 +50,6 @@ rule evaluate_fp:
         settings={},
         calibration={},
         label=PLAN.fp_label,
-        execution=EXECUTION,
+        execution=PLAN.execution,
     script:
         "../scripts/evaluate.py"

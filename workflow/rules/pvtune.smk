@@ -24,7 +24,7 @@ if PLAN.pv_enabled:
             **PLAN.resources("pvtune"),
         params:
             settings=PLAN.pvtune_settings(),
-            execution=EXECUTION,
+            execution=PLAN.execution,
         script:
             "../scripts/pvtune.py"
 
@@ -54,6 +54,6 @@ if PLAN.pv_enabled:
             settings=PLAN.quantizer_settings,
             calibration=PLAN.calibration_record,
             label=PLAN.pvtuned_label,
-            execution=EXECUTION,
+            execution=PLAN.execution,
         script:
             "../scripts/evaluate.py"

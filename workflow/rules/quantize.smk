@@ -17,7 +17,7 @@ rule quantize_layer:
         **PLAN.resources("quantize_layer"),
     params:
         settings=PLAN.quantizer_settings,
-        execution=EXECUTION,
+        execution=PLAN.execution,
     script:
         "../scripts/quantize_layer.py"
 

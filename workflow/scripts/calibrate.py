@@ -1,6 +1,3 @@
-from aqflow.jobs import stage_settings
-from aqflow.jobs.workflow_glue import job_gpus, run_stage
+from aqflow.jobs.workflow_glue import run_job
 
-# the job's GPUs (resources.gpu): more than one shards the windows over them (fp only)
-run_stage(snakemake, "calibrate", settings=stage_settings.calibrate(snakemake.params.settings, job_gpus(snakemake)),
-          paths={"model_dir": snakemake.input.model, "corpus": snakemake.input.corpus, "output_dir": snakemake.output[0]})
+run_job(snakemake, "calibrate")  # what this job hands the stage: aqflow.jobs.workflow_glue

@@ -1,7 +1,3 @@
-from aqflow.jobs.workflow_glue import run_stage
+from aqflow.jobs.workflow_glue import run_job
 
-corpora = snakemake.input.corpora
-corpora = [corpora] if isinstance(corpora, str) else list(corpora)  # one file may come as a str
-run_stage(snakemake, "domain-distances", settings={"quiet": True},
-          paths={"model_dir": snakemake.input.model, "calibration": snakemake.input.calibration, "corpora": corpora,
-                 "output": snakemake.output[0]})
+run_job(snakemake, "domain-distances")  # what this job hands the stage: aqflow.jobs.workflow_glue

@@ -1,6 +1,3 @@
-from aqflow.jobs import stage_settings
-from aqflow.jobs.workflow_glue import run_stage
+from aqflow.jobs.workflow_glue import run_job
 
-request = snakemake.params.request  # a local model folder's `path` is an input path; the rest are settings
-run_stage(snakemake, "fetch-model", settings=stage_settings.fetch_model(request),
-          paths={"output_dir": snakemake.output[0], "path": request.get("path")})
+run_job(snakemake, "fetch-model")  # what this job hands the stage: aqflow.jobs.workflow_glue

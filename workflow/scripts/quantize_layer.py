@@ -1,8 +1,3 @@
-from aqflow.jobs import stage_settings
-from aqflow.jobs.workflow_glue import run_stage
+from aqflow.jobs.workflow_glue import run_job
 
-run_stage(snakemake, "quantize-layer", settings=stage_settings.quantize_layer(snakemake.params.settings),
-          paths={"model_dir": snakemake.input.model, "calibration_dir": snakemake.input.calibration,
-                 "layer": snakemake.wildcards.layer, "output": snakemake.output.layer,
-                 "metrics": snakemake.output.metrics},
-          execution=snakemake.params.execution)
+run_job(snakemake, "quantize-layer")  # what this job hands the stage: aqflow.jobs.workflow_glue

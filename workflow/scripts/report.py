@@ -1,7 +1,3 @@
-from aqflow.jobs.workflow_glue import run_stage
+from aqflow.jobs.workflow_glue import run_job
 
-out = snakemake.output
-run_stage(snakemake, "report", settings={},
-          paths={"evals": snakemake.input.evals, "csv": out.table, "parquet": out.parquet, "pareto": out.pareto,
-                 "layers": out.layers, "pv_curves": out.pv_curves, "pv_logs": snakemake.input.pv_logs,
-                 "stage_times": out.stage_times, "benchmarks": snakemake.params.benchmarks})
+run_job(snakemake, "report")  # what this job hands the stage: aqflow.jobs.workflow_glue

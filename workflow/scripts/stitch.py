@@ -1,7 +1,3 @@
-from aqflow.jobs import stage_settings
-from aqflow.jobs.workflow_glue import run_stage
+from aqflow.jobs.workflow_glue import run_job
 
-p = snakemake.params
-run_stage(snakemake, "stitch", settings=stage_settings.stitch(p.num_codebooks, p.nbits, p.group_size),
-          paths={"model_dir": snakemake.input.model, "layers_dir": p.layers_dirs,
-                 "replace_tensors": p.replace_tensors, "output_dir": snakemake.output[0]})
+run_job(snakemake, "stitch")  # what this job hands the stage: aqflow.jobs.workflow_glue

@@ -1,1 +1,1 @@
-"""Running stages as Snakemake jobs: the rule scripts' glue (`workflow_glue`), a stage call inside a job (`stage_jobs`), warm workers, the GPU pool."""
+"""Running stages as Snakemake jobs: the plan of a config (`plan`: checks, params, targets), what a job hands its stage (`workflow_glue`), a stage call inside a job (`stage_jobs`), warm workers, the GPU pool, the input guard (`currency`)."""

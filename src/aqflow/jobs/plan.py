@@ -1,10 +1,11 @@
 """What the Snakefile computes from a validated config while it builds the DAG: checks that refuse
 an impossible configuration or target by name before any job runs, the settings each rule passes
-as params, the targets and experiment grids, per-rule resources and scheduling priorities.
+as params, how jobs run (`Execution`), the variant grammar that names a run by its path, the
+targets and experiment grids, per-rule resources and scheduling priorities.
 
 workflow/rules/common.smk makes one `WorkflowPlan(config)` and only wires it to rules; paths of
 rule outputs stay spelled in the rules. Pure Python (no torch, no pandas), tested without
-Snakemake.
+Snakemake. What a job makes of its rule's params is `aqflow.jobs.workflow_glue`'s.
 
 Params are compared by Snakemake to decide reruns (their repr, for builtin values), so every
 settings dict a rule passes keeps its keys sorted (`canonical`), and a setting added after results
@@ -15,11 +16,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
 from aqflow.data.corpus_catalog import BUILTIN_CORPORA, check_role, evaluation_protocol, model_text_world, text_choice
-from aqflow.jobs.variants import VARIANT_FORM, geometry_name, parse_variant, variant_name
 from aqflow.models.dimensions import first_undivided, linear_widths
 from aqflow.models.entries import ModelEntry, entry_problems, fetch_model_request, parse_model_entry
 
@@ -29,16 +31,84 @@ INITS = ("greedy", "oaem", "oaem-patient")
 RESERVED_RESULT_FOLDERS = ("published", "report", "paper")
 VARIANT_FOLDER = "results/{model}/{bpp}bpp/{init}/{variant}"
 VARIANT_WILDCARDS = ("model", "bpp", "init", "variant")
+# The variant grammar: the path segment that names one quantization run of a model at a bit rate.
+# A geometry prefix replaces the bit rate's codebook layout (a rho sweep at one bit rate), `e` the
+# configured epoch budget, `s` the configured seed. VARIANT_REGEX is its one spelling: the
+# Snakefile's wildcard constraint and parse_variant both use it. Its groups: group size, codebooks,
+# codewords, beam, epochs, seed (unnamed: Snakemake wraps a constraint in a group named after its
+# wildcard).
+VARIANT_REGEX = r"(?:g(\d+)m(\d+)k(\d+)-)?b(\d+)(?:e(\d+))?(?:s(\d+))?"
+VARIANT_FORM = "[g<group>m<codebooks>k<codewords>-]b<beam>[e<epochs>][s<seed>]"
 # settings added after runs were made enter the params only where they differ from the behaviour
 # those runs had, so adding them reruns nothing
 PVTUNE_LATER_DEFAULTS = {"code_lr_scale": "absolute"}
 # pvtune keys that are no param of the rule: the switch, the corpus (an input), and how often the
-# state is saved (it changes no result: aqflow.jobs.stage_settings.Execution)
+# state is saved (it changes no result: Execution)
 PVTUNE_NOT_SETTINGS = ("enabled", "corpus", "save_state_every")
 # what the calibrate and calibrate-block stages take of config `calibration` (keys left out: the
 # stages' defaults)
 CALIBRATE_KEYS = ("num_windows", "window_tokens", "seed", "propagation", "batch_size")
 CALIBRATE_BLOCK_KEYS = ("batch_size",)
+
+
+def parse_variant(variant: str) -> dict[str, int]:
+    """ "b8" -> {beam_size: 8}; "g6m2k64-b8e5s43" -> {group_size: 6, num_codebooks: 2, nbits: 6,
+    beam_size: 8, max_epochs: 5, seed: 43}: the QuantizerSettings fields the path sets."""
+    match = re.fullmatch(VARIANT_REGEX, variant)
+    if match is None:
+        raise ValueError(f"variant {variant!r} is not {VARIANT_FORM}")
+    group, codebooks, codewords, beam, epochs, seed = match.groups()
+    settings = {"beam_size": int(beam)}
+    if group:
+        codewords = int(codewords)
+        if codewords < 2 or codewords & (codewords - 1):
+            raise ValueError(f"variant {variant!r}: k{codewords} codewords must be a power of two")
+        settings.update(group_size=int(group), num_codebooks=int(codebooks), nbits=codewords.bit_length() - 1)
+    if epochs:
+        settings["max_epochs"] = int(epochs)
+    if seed:
+        settings["seed"] = int(seed)
+    return settings
+
+
+def geometry_name(group_size: int, num_codebooks: int | None, nbits: int) -> str:
+    """8, 2, 8 -> "g8m2k256" (as in variant paths)."""
+    return f"g{group_size}m{num_codebooks}k{1 << nbits}"
+
+
+def variant_name(beam: int, epochs: int | None = None, seed: int | None = None, geometry: str | None = None,
+                 default_seed: int | None = None, default_geometry: str | None = None) -> str:
+    """The inverse of parse_variant. A seed or geometry equal to the configuration's default
+    (`default_seed`, `default_geometry`) stays implicit, so that a grid reuses the default targets'
+    runs; epochs are written whenever given, as targets always have been."""
+    name = f"b{beam}"
+    if epochs is not None:
+        name += f"e{epochs}"
+    if seed is not None and seed != default_seed:
+        name += f"s{seed}"
+    return f"{geometry}-{name}" if geometry and geometry != default_geometry else name
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How jobs run, not what they compute: config `execution`, and `pvtune.save_state_every`.
+
+    Rules pass it whole as a param: Snakemake's rerun check compares only params of builtin types,
+    so it reaches the job (`aqflow.jobs.workflow_glue`) without a changed value rerunning finished
+    jobs."""
+
+    warm_workers: bool
+    warm_worker_idle_seconds: float
+    logits_budget_gib: float
+    cell_order: tuple[str, ...]
+    save_state_every: int | None  # None: PV-tuning not configured
+
+    @classmethod
+    def from_config(cls, config: Mapping) -> "Execution":
+        section = config["execution"]
+        return cls(warm_workers=section["warm_workers"], warm_worker_idle_seconds=section["warm_worker_idle_seconds"],
+                   logits_budget_gib=section["logits_budget_gib"], cell_order=tuple(section["cell_order"]),
+                   save_state_every=(config.get("pvtune") or {}).get("save_state_every"))
 
 
 def canonical(mapping: Mapping) -> dict:
@@ -86,8 +156,10 @@ class WorkflowPlan:
         self.model_entries = {name: parse_model_entry(name, entry) for name, entry in config["models"].items()}
         self._checked_models: dict[str, ModelEntry] = {}
         self._widths: dict[str, tuple | None] = {}
+        # how jobs run: a param of the rules whose jobs read it, which Snakemake does not compare
+        self.execution = Execution.from_config(config)
         # each listed variant's folder -> its priority: the first the highest
-        order = config["execution"]["cell_order"]
+        order = self.execution.cell_order
         self.cell_rank = {os.path.dirname(path): len(order) - index for index, path in enumerate(order)}
 
     # --- text -------------------------------------------------------------------------------------

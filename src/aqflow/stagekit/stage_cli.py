@@ -8,7 +8,7 @@ argv back into the same dataclasses, and writes them as argv again where a stage
 copy of itself in other processes (torchrun). A field whose type is itself a dataclass (a library's
 settings, e.g. `QuantizerSettings`) contributes its own fields as options, flat. A rule hands its
 values over shaped like the dataclasses, a nested one as a mapping (`from_dict`;
-`aqflow.jobs.stage_settings` shapes them).
+`aqflow.jobs.workflow_glue` shapes them).
 
 `execute` is the one error path of every stage, from a shell or from a rule: an expected input
 error (the stage's `INPUT_ERRORS`) is one line `aqflow <stage>: error: ...` and exit code 2; any
