@@ -27,14 +27,14 @@ def logits_shape_bytes(model: nn.Module) -> tuple[int, int]:
 
 
 def sequences_within_budget(requested: int, tokens: int, vocab: int, bytes_per_logit: int,
-                            budget_bytes: int | None) -> int:
+                            logits_budget_bytes: int | None) -> int:
     """The most sequences of `tokens` tokens (at most `requested`, at least 1) whose logits
-    [sequences, tokens, vocab] fit `budget_bytes` (None: no budget)."""
+    [sequences, tokens, vocab] fit `logits_budget_bytes` (None: no budget)."""
     if requested < 1 or tokens < 1:
         raise ValueError(f"requested ({requested}) and tokens ({tokens}) must be >= 1")
-    if budget_bytes is None:
+    if logits_budget_bytes is None:
         return requested
-    return max(1, min(requested, budget_bytes // (tokens * vocab * bytes_per_logit)))
+    return max(1, min(requested, logits_budget_bytes // (tokens * vocab * bytes_per_logit)))
 
 
 def score_in_pieces(score: Callable[[int, int], list[Scored]], count: int, piece: int,
