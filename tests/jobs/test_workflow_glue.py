@@ -216,8 +216,8 @@ def test_every_rule_script_is_one_line_naming_a_stage_the_glue_calls():
     for script in sorted((REPO / "workflow" / "scripts").glob("*.py")):
         if script.stem == "paper_grid":  # writes grid.json itself: no stage
             continue
-        stage = re.fullmatch(r'from aqflow.jobs.workflow_glue import run_job\n\nrun_job\(snakemake, "([\w-]+)"\).*\n',
-                             script.read_text()).group(1)
+        stage = re.fullmatch(r'from aqflow.jobs.workflow_glue import run_job\n\nif __name__ == "__main__":.*\n'
+                             r'    run_job\(snakemake, "([\w-]+)"\)\n', script.read_text()).group(1)
         assert workflow_glue.JOB_CALLS[stage].__name__ == script.stem == stage.replace("-", "_"), script
 
 

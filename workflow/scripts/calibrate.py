@@ -1,3 +1,4 @@
 from aqflow.jobs.workflow_glue import run_job
 
-run_job(snakemake, "calibrate")  # what this job hands the stage: aqflow.jobs.workflow_glue
+if __name__ == "__main__":  # not in a process a stage spawns, which imports this file again
+    run_job(snakemake, "calibrate")
