@@ -44,7 +44,17 @@ def run_stage(snakemake, stage: str, settings: Mapping[str, Any], paths: Mapping
     code, message = outcome if outcome is not None else execute_logged(stage, settings, paths, log_path, outputs)
     if code:
         raise SystemExit(message)
+    journal_outputs(outputs)
     skip_exit_collection()
+
+
+def journal_outputs(outputs: list[str]) -> None:
+    """What the job wrote, with the digests its stage recorded, for the next DAG build's integrity
+    check (aqflow.io.integrity.journal_written): it then need not hash the files again."""
+    from aqflow.io.integrity import journal_written
+    from aqflow.jobs.currency import digest_cache_path
+
+    journal_written(outputs, digest_cache_path())
 
 
 def run_in_warm_worker(stage: str, settings: Mapping[str, Any], paths: Mapping[str, Any], log_path: str,
