@@ -109,3 +109,15 @@ def test_a_flat_loop_setting_is_refused_not_placed():
 
     with pytest.raises(TypeError, match="code_lr"):
         from_dict(PvtuneSettings, {"code_lr": 0.05})
+
+
+def test_every_speed_key_and_the_jobs_threads_reach_the_speed_stage():
+    from aqflow.stages.speed import SpeedSettings
+
+    section = section_example("speed", leave_out=("enabled",)) | {"device": "cuda:1", "paths": ["plain"]}
+    built = from_dict(SpeedSettings, stage_settings.speed(section, threads=6))
+    for key, value in section.items():
+        assert getattr(built, key) == (tuple(value) if isinstance(value, list) else value), key
+    assert built.threads == 6
+    # every stage setting but the job's threads is a config key
+    assert {spec.name for spec in dataclasses.fields(SpeedSettings)} == set(section) | {"threads"}

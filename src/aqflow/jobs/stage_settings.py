@@ -104,3 +104,10 @@ def pvtune(section: Mapping[str, Any], execution: Execution) -> dict:
     data = {key: section[key] for key in PVTUNE_DATA_KEYS if key in section}
     training = {key: value for key, value in section.items() if key not in PVTUNE_DATA_KEYS}
     return {**data, "training": training, "save_state_every": execution.save_state_every}
+
+
+def speed(section: Mapping[str, Any], threads: int) -> dict:
+    """speed's settings: config `speed` as the plan passes it (less `enabled`), every key the stage
+    field of the same name, and the job's CPU threads (its `threads:`, config resources.speed.cpus:
+    the cores Snakemake gave the job, which a CPU measurement uses and records)."""
+    return {**section, "threads": threads}
