@@ -1,5 +1,5 @@
 # aqflow: calibrate -> quantize every linear (one job each) -> stitch an AQLM checkpoint -> evaluate
-# -> PV-tune -> evaluate -> report.
+# -> PV-tune -> evaluate (and time decoding) -> report.
 # Rules only wire: every computation is a `python -m aqflow <stage>` of the library in src/aqflow.
 from snakemake.utils import min_version
 
@@ -29,6 +29,7 @@ include: "workflow/rules/calibrate.smk"
 include: "workflow/rules/quantize.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/pvtune.smk"
+include: "workflow/rules/speed.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/experiments.smk"
 

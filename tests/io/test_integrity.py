@@ -7,7 +7,8 @@ import os
 import pytest
 
 from aqflow.io import artifacts
-from aqflow.io.integrity import CORRUPT, MISSING, UNLISTED, DigestCache, damage, stat_signature
+from aqflow.io.integrity import (CORRUPT, MISSING, UNLISTED, DigestCache, damage, journal_folder, journal_written,
+                                 stat_signature)
 
 
 def _flip(path, keep_mtime=False):
@@ -102,3 +103,24 @@ def test_a_damaged_cache_file_is_ignored(finished, tmp_path):
     (tmp_path / "cache.json").write_text("{half")
     cache = DigestCache(tmp_path / "cache.json")
     assert damage(finished / "layer.json", cache) is None and cache.hashed_files == 1
+
+
+@pytest.mark.parametrize("flip_after_journal", [False, True])
+def test_what_a_job_journaled_is_not_hashed_again_but_a_later_flip_still_is(finished, tmp_path, monkeypatch,
+                                                                          flip_after_journal):
+    monkeypatch.chdir(finished)  # jobs name their outputs relative to the working directory
+    cache_path = tmp_path / ".snakemake" / "aqflow" / "digests.json"
+    journal_written(["layer.json", "calib", "not-written-yet.json"], cache_path)
+    assert len(list(journal_folder(cache_path).glob("*.json"))) == 1
+    if flip_after_journal:
+        _flip(finished / "calib" / "block0.npz", keep_mtime=True)
+    cache = DigestCache(cache_path)  # the next DAG build
+    found = [damage(path, cache) for path in ("layer.json", "calib")]
+    if flip_after_journal:  # the ctime moved: hashed again and caught
+        assert found[0] is None and found[1].kind == CORRUPT and found[1].path.name == "block0.npz"
+        assert cache.hashed_files == 1
+    else:
+        assert found == [None, None] and cache.hashed_files == 0
+    cache.save_if_changed()
+    assert not list(journal_folder(cache_path).glob("*.json"))  # merged into the cache, then removed
+    assert damage("layer.json", DigestCache(cache_path)) is None

@@ -21,7 +21,7 @@ def test_an_intact_input_passes_and_a_missing_one_is_rebuilt_only_under_an_exist
     assert guard.check(str(run / "model"), consumer) is None
     # a killed job's outputs (Snakemake removes them) under a result made from the old ones
     verdict = guard.check(str(run / "pv_model"), consumer)
-    assert verdict.rebuild == str(run / "pv_model") and "eval.json was made from it" in verdict.reason
+    assert verdict.rebuild == str(run / "pv_model") and "eval.json, which reads it, exists" in verdict.reason
     # the consumer does not exist either: Snakemake runs both anyway
     assert guard.check(str(run / "pv_model"), [str(run / "absent.json")]) is None
     # removed once used by design

@@ -185,6 +185,21 @@ def test_a_fetched_folder_gives_every_layer_width_from_its_safetensors_header(tm
         plan.variant_folder(SimpleNamespace(model="tiny", bpp="2", init="greedy", variant="b2"))
 
 
+def test_speed_settings_are_the_section_less_its_switch_and_its_jobs_join_the_report():
+    layers, blocks = (lambda wildcards: ["model.layers.0.mlp.up_proj"]), (lambda wildcards: 2)
+    off = WorkflowPlan(tiny_config())
+    assert not off.speed_enabled and not any(rule.startswith("speed") for rule, _ in off.report_jobs(layers, blocks))
+    plan = WorkflowPlan(tiny_config(speed={"enabled": True, "new_tokens": 64}))
+    assert plan.speed_enabled
+    # the schema's defaults filled in (those it has: the stage's own), the switch left out
+    assert plan.speed_settings() == {"device": "auto", "dtype": "auto", "new_tokens": 64, "prefill_tokens": 1024,
+                                     "prompt_tokens": 32, "seed": 0, "warmup_tokens": 8}
+    assert list(plan.speed_settings()) == sorted(plan.speed_settings())  # params compared as written
+    jobs = plan.report_jobs(layers, blocks)
+    assert ("speed_fp", {"model": "tiny"}) in jobs
+    assert [wildcards for rule, wildcards in jobs if rule == "speed"] == plan.targets()
+
+
 # --- the variant grammar: one regex, a parser and its inverse -----------------------------------------
 
 def test_every_name_parses_back_to_the_settings_it_was_made_from():

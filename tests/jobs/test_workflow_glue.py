@@ -193,6 +193,20 @@ def test_a_models_request_reaches_fetch_model_and_its_folder_is_an_input():
     assert local.settings == {"group_size": 8} and local.paths["path"] == "/models/mine"
 
 
+def test_every_speed_key_and_the_jobs_threads_reach_the_speed_stage():
+    section = section_example(SCHEMA["speed"]["properties"], leave_out=("enabled",)) | {"device": "cuda:1",
+                                                                                         "paths": ["plain"]}
+    plan = WorkflowPlan(tiny_config(speed={"enabled": True, **section}))
+    speed_job = job(params={"settings": plan.speed_settings()}, input={"model": "model"}, output={"json": "speed.json"})
+    speed_job.threads = 6
+    settings, paths = built("speed", workflow_glue.speed(speed_job))
+    for key, value in section.items():
+        assert getattr(settings, key) == (tuple(value) if isinstance(value, list) else value), key
+    assert settings.threads == 6 and paths.output == Path("speed.json")
+    # every stage setting but the job's threads is a config key
+    assert {spec.name for spec in dataclasses.fields(settings)} == set(section) | {"threads"}
+
+
 def test_the_other_stages_calls_build_their_dataclasses():
     plan = WorkflowPlan(tiny_config())
     stitch = job(params={"layers_dirs": ["layers"], "replace_tensors": [],
@@ -205,8 +219,12 @@ def test_the_other_stages_calls_build_their_dataclasses():
                  output={"readme": "results/paper/README.md"})
     assert built("paper-tables", workflow_glue.paper_tables(tables))[1].domain_distances == ("tiny=domains.json",)
     outputs = {name: f"{name}.out" for name in ("table", "parquet", "pareto", "layers", "pv_curves", "stage_times")}
-    report = job(params={"benchmarks": []}, input={"evals": ["eval.json"], "pv_logs": []}, output=outputs)
+    report = job(params={"benchmarks": []}, input={"evals": ["eval.json"], "pv_logs": [], "speeds": []}, output=outputs)
     assert built("report", workflow_glue.report(report))[1].evals == (Path("eval.json"),)
+    with_speed = job(params={"benchmarks": []}, input={"evals": ["eval.json"], "pv_logs": [], "speeds": ["speed.json"]},
+                     output={**outputs, "speed": "speed.png"})
+    _, paths = built("report", workflow_glue.report(with_speed))
+    assert paths.speeds == (Path("speed.json"),) and paths.speed_plot == Path("speed.png")
 
 
 def test_every_rule_script_is_one_line_naming_a_stage_the_glue_calls():

@@ -191,6 +191,54 @@ def test_a_missing_timing_reruns_no_job(finished_run, tmp_path):
     assert "quantize_layer" not in times.index and times.loc["stitch", "jobs"] == 2
 
 
+# the fast path only, a few tokens: aqlm's own CPU kernel (the plain path) compiles for half a
+# minute per process; the stage's own test measures it
+SPEED = {"enabled": True, "paths": ["fast"], "prompt_tokens": 4, "new_tokens": 8, "warmup_tokens": 1,
+         "prefill_tokens": 16, "repeats": 1}
+
+
+def speed_config(directory: Path, **changes) -> Path:
+    config = yaml.safe_load(CONFIG.read_text())
+    config["speed"] = {**SPEED, **changes}
+    path = directory / f"config.speed{''.join(f'.{k}{v}' for k, v in changes.items())}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_speed_on_plans_one_speed_job_per_target_and_baseline_and_off_none(tmp_path):
+    """The report asks for them (and `snakemake` does: the finished-run test below); from an empty
+    folder only a named report's plan is complete before the calibration checkpoint has run."""
+    on = planned_jobs(tmp_path, "--", "results/report/summary.csv", config=speed_config(tmp_path))
+    assert (on["speed"], on["speed_fp"], on["evaluate_pvtuned"]) == (2, 1, 2)
+    off = planned_jobs(tmp_path, "--", "results/report/summary.csv")
+    assert "speed" not in off and "speed_fp" not in off and off["evaluate_pvtuned"] == 2
+
+
+@pytest.mark.slow
+def test_speed_runs_per_target_and_baseline_and_reruns_alone_for_its_settings(finished_run, tmp_path):
+    """Turning speed on in a finished run adds its jobs and the report's rerun, nothing else; they
+    run on the CPU (the PV-tuned checkpoints, the fp model) into the report; a changed speed
+    setting replans them alone."""
+    workdir = tmp_path / "copy"
+    shutil.copytree(finished_run, workdir, symlinks=True)
+    assert snakemake(workdir, "--cores", "2").returncode == 0  # up to date first (other tests edit the run)
+    config = speed_config(workdir)
+    assert planned_jobs(workdir, config=config) == {"speed": 2, "speed_fp": 1, "report": 1}
+    result = snakemake(workdir, "--cores", "2", config=config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # each variant's PV-tuned checkpoint (what its eval.json evaluates), and the source model
+    measured = {VARIANT: f"{VARIANT}/pv/model", "results/tiny/2bpp/oaem/b2e2": "results/tiny/2bpp/oaem/b2e2/pv/model",
+                "results/tiny/fp": "resources/models/tiny"}
+    for folder, model in measured.items():
+        record = json.loads((workdir / folder / "speed.json").read_text())
+        assert record["model_dir"] == model and record["paths"]["fast"]["decode"]["new_tokens"] == 8
+    summary = pd.read_csv(workdir / "results/report/summary.csv")
+    assert summary["decode_tokens_per_second"].gt(0).all() and summary["resident_weight_bytes"].gt(0).all()
+    assert (workdir / "results/report/speed.png").stat().st_size > 0
+    assert planned_jobs(workdir, config=config) == {}
+    assert planned_jobs(workdir, config=speed_config(workdir, new_tokens=9)) == {"speed": 2, "speed_fp": 1, "report": 1}
+
+
 SEQUENTIAL_VARIANT = "results/tiny/2bpp/greedy/b2e2"
 
 

@@ -156,6 +156,15 @@ def baseline_evals():
     return sorted({output_path(pattern, model=t["model"]) for t in config["targets"]})
 
 
+def speed_files():
+    """speed.json of every target variant and of its baseline (none with speed off)."""
+    if not PLAN.speed_enabled:
+        return []
+    variants = [output_path(rules.speed.output[0], **v) for v in PLAN.targets()]
+    fp = rules.speed_fp.output[0]
+    return variants + [output_path(fp, model=m) for m in PLAN.target_models()]
+
+
 def pv_train_logs():
     """The PV-tuning training logs of the target variants (none when PV-tuning is off)."""
     if not PLAN.pv_enabled:
@@ -165,13 +174,14 @@ def pv_train_logs():
 
 
 def all_targets(wildcards):
-    """Every target variant's eval.json, the baselines, the report, and every layer artifact:
+    """Every target variant's eval.json (and speed.json), the baselines, the report, and every layer artifact:
     Snakemake regenerates a deleted file only when it is requested, so listing the layers here
     makes a deleted layer rerun (with what follows it) on the next plain `snakemake`."""
     layers = []
     for variant in PLAN.targets():
         layers += layer_artifacts(SimpleNamespace(**variant))
-    return target_evals() + baseline_evals() + [rules.report.output.table] + layers
+    summary = [rules.report.output.table]
+    return target_evals() + baseline_evals() + speed_files() + summary + layers
 
 
 def target_calibrations(wildcards):

@@ -1,10 +1,26 @@
+# The speed figure is an output only with speed on: a finished run without it stays current.
+SPEED_FIGURE = (
+    {
+        "speed": report(
+            "results/report/speed.png",
+            caption="../report/speed.rst",
+            category="Speed",
+        )
+    }
+    if PLAN.speed_enabled
+    else {}
+)
+
+
 rule report:
     input:
         evals=current("report", target_evals() + baseline_evals()),
         pv_logs=current("report", pv_train_logs()),
+        speeds=current("report", speed_files()),
         # the checkpoint whose layer list the benchmark params below are computed from
         calibrations=current("report", target_calibrations),
     output:
+        **SPEED_FIGURE,
         table=report(
             "results/report/summary.csv",
             caption="../report/summary.rst",

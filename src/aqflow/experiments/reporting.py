@@ -1,4 +1,6 @@
-"""The report: one row per evaluated variant, a quality-vs-time Pareto plot and per-layer plots.
+"""The report: one row per evaluated variant, a quality-vs-time Pareto plot and per-layer plots,
+and with speed measured (speed.json beside eval.json) speed and memory columns and a plot of
+quality against decode speed and memory.
 
 Inputs are `eval.json` files (see `aqflow.stages.evaluate`); each carries its metrics, the
 settings that produced it (with per-layer quantization summaries) and timings.
@@ -144,8 +146,46 @@ def _mean(values: Iterable[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summary_table(paths: Iterable[str | Path]) -> pd.DataFrame:
-    return pd.DataFrame([summary_row(p) for p in paths])
+# report column -> (speed.json path, key of that path's measurements); see aqflow.stages.speed
+SPEED_PATH_COLUMNS = {
+    "decode_tokens_per_second": ("fast", "decode_tokens_per_second"),
+    "decode_tokens_per_second_plain": ("plain", "decode_tokens_per_second"),
+    "prefill_tokens_per_second": ("fast", "prefill_tokens_per_second"),
+    "prefill_tokens_per_second_plain": ("plain", "prefill_tokens_per_second"),
+    "resident_weight_bytes": ("fast", "resident_weight_bytes"),
+    "resident_weight_bytes_plain": ("plain", "resident_weight_bytes"),
+    "peak_memory_bytes": ("fast", "peak_memory_bytes"),
+    "peak_memory_bytes_plain": ("plain", "peak_memory_bytes"),
+}
+SPEED_COLUMNS = (*SPEED_PATH_COLUMNS, "disk_weight_bytes", "speed_device")
+
+
+def speed_columns(record: dict) -> dict:
+    """The report's columns of one speed.json: batch-1 decode and prefill tokens/s, resident weight
+    bytes and peak memory through the fastest path (`fast`) and through plain transformers + aqlm
+    (`_plain`; None for a path not measured), weight bytes on disk, and the device's name."""
+    paths = record.get("paths") or {}
+    columns = {column: _get(paths, path, key) for column, (path, key) in SPEED_PATH_COLUMNS.items()}
+    return {**columns, "disk_weight_bytes": record.get("disk_weight_bytes"), "speed_device": record.get("device_name")}
+
+
+def speed_by_folder(speeds: Iterable[str | Path]) -> dict[Path, Path]:
+    """speed.json files by their folder (the folder of the eval.json they belong to)."""
+    return {Path(path).parent: Path(path) for path in speeds}
+
+
+def summary_table(paths: Iterable[str | Path], speeds: Iterable[str | Path] = ()) -> pd.DataFrame:
+    """One row per eval.json; given speed.json files, every row gets the SPEED_COLUMNS of the one in
+    its eval.json's folder (None where there is none). Without any, no speed columns."""
+    found = speed_by_folder(speeds)
+    rows = []
+    for path in paths:
+        row = summary_row(path)
+        if found:
+            speed = found.get(Path(path).parent)
+            row.update(speed_columns(read_json(speed)) if speed else dict.fromkeys(SPEED_COLUMNS))
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def pareto_front(frame: pd.DataFrame, cost: str, quality: str) -> pd.DataFrame:
@@ -217,6 +257,84 @@ def plot_pareto(frame: pd.DataFrame, out: str | Path) -> None:
     ax.set_title("quality vs quantization time")
     if len(quantized):
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110, format="png")
+    plt.close(fig)
+
+
+def short_label(row: pd.Series) -> str:
+    """A point's label: the variant's label less its model ("2bpp/oaem/b8+pv"), "fp" for a baseline."""
+    if row["init"] == "fp":
+        return "fp"
+    label = str(row["variant"])
+    return label.split("/", 1)[1] if "/" in label else label
+
+
+def bytes_unit(values: pd.Series) -> tuple[float, str]:
+    """(divisor, name) of the binary unit that keeps the largest value between 1 and 1024."""
+    largest = values.max() if values.notna().any() else 0
+    for power, name in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if largest >= 1024**power:
+            return 1024.0**power, name
+    return 1.0, "bytes"
+
+
+def speed_points(frame: pd.DataFrame) -> tuple[str, pd.DataFrame]:
+    """(headline domain, one point per summary row with a perplexity and a speed figure): its model,
+    init, label (`short_label`), perplexity, and decode tokens/s and resident weight bytes through the
+    fastest path (`decode`, `resident`) and plain transformers + aqlm (`*_plain`, NaN if not measured)."""
+    domain = headline_domain(frame) or "wikitext2"
+    columns = {"perplexity": f"{domain}_ppl", "decode": "decode_tokens_per_second",
+               "decode_plain": "decode_tokens_per_second_plain", "resident": "resident_weight_bytes",
+               "resident_plain": "resident_weight_bytes_plain"}
+    points = pd.DataFrame({"model": frame["model"], "init": frame["init"],
+                           "label": [short_label(row) for _, row in frame.iterrows()]}, index=frame.index)
+    for name, column in columns.items():
+        points[name] = pd.to_numeric(frame[column], errors="coerce") if column in frame else float("nan")
+    has_speed = points["decode"].notna() | points["resident"].notna()
+    return domain, points[points["perplexity"].notna() & has_speed].reset_index(drop=True)
+
+
+def plot_speed(frame: pd.DataFrame, out: str | Path) -> None:
+    """Perplexity (`headline_domain`) against batch-1 decode tokens/s (left) and resident weight
+    memory (right), every `speed_points` point: filled markers the fastest path, hollow ones plain
+    transformers + aqlm joined to them by a thin line; one colour per model, one marker per init
+    (a star for the source model)."""
+    domain, points = speed_points(frame)
+    fig, (ax_speed, ax_memory) = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    divisor, unit = bytes_unit(pd.concat([points["resident"], points["resident_plain"]]))
+    colours = {model: f"C{index}" for index, model in enumerate(dict.fromkeys(points["model"]))}
+    for (model, init), group in points.groupby(["model", "init"], dropna=False, sort=False):
+        marker = {"fp": "*", "greedy": "s", "oaem": "o"}.get(init, "^")
+        colour, size = colours[model], 110 if init == "fp" else 40
+        label = f"{model} {'source model' if init == 'fp' else init}"
+        for ax, fast, plain, scale in ((ax_speed, "decode", "decode_plain", 1.0),
+                                       (ax_memory, "resident", "resident_plain", divisor)):
+            rows = group.dropna(subset=[fast])
+            ax.scatter(rows[fast] / scale, rows["perplexity"], marker=marker, color=colour, s=size, label=label,
+                       zorder=3)
+            for _, row in rows.iterrows():
+                ax.annotate(row["label"], (row[fast] / scale, row["perplexity"]), fontsize=7, xytext=(4, 4),
+                            textcoords="offset points")
+                if pd.notna(row[plain]):
+                    ax.scatter(row[plain] / scale, row["perplexity"], marker=marker, facecolors="none",
+                               edgecolors=colour, s=size)
+                    ax.plot([row[plain] / scale, row[fast] / scale], [row["perplexity"]] * 2, color=colour,
+                            linewidth=0.6)
+    if points.empty:
+        ax_speed.text(0.5, 0.5, "no speed measured (config speed.enabled)", ha="center", va="center",
+                      transform=ax_speed.transAxes)
+    else:
+        ax_speed.set_yscale("log")
+        ax_speed.legend(fontsize=7)
+    ax_speed.set_xlabel("batch-1 decode, tokens/s (hollow: plain transformers + aqlm)")
+    ax_speed.set_ylabel(f"{domain} perplexity (log scale)")
+    ax_speed.set_title("quality vs decode speed")
+    ax_memory.set_xlabel(f"resident weights, {unit} (hollow: plain transformers + aqlm)")
+    ax_memory.set_title("quality vs weight memory")
+    devices = sorted(set(frame["speed_device"].dropna())) if "speed_device" in frame else []
+    if devices:
+        fig.suptitle(f"measured on {', '.join(devices)}", fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110, format="png")
     plt.close(fig)

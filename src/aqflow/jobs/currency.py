@@ -89,7 +89,7 @@ class InputGuard:
         made = next((output for output in consumer_outputs if os.path.lexists(output)), None)
         if made is None:  # the job runs anyway, and Snakemake makes its missing input first
             return None
-        return Verdict(rebuild=path, reason=f"{path} is missing, but {made} was made from it")
+        return Verdict(rebuild=path, reason=f"{path} is missing, but {made}, which reads it, exists")
 
     def check_state(self, folder: str, what: str) -> Verdict | None:
         """A folder beside a job's outputs that the job resumes from (PV-tuning's state): damaged,

@@ -148,6 +148,9 @@ class WorkflowPlan:
                              "(in fp mode every block is calibrated from the full-precision model)")
         self.pvtune = config.get("pvtune", {"enabled": False})
         self.pv_enabled = self.pvtune["enabled"]
+        self.speed = config.get("speed") or {}
+        # with speed on, `snakemake` and the report ask for every target's and baseline's speed.json
+        self.speed_enabled = bool(self.speed.get("enabled", False))
         reserved = sorted(set(config["models"]) & set(RESERVED_RESULT_FOLDERS))
         if reserved:
             raise ValueError(f"config.yaml models: {reserved} are folders of results/ "
@@ -232,6 +235,10 @@ class WorkflowPlan:
         the stage's defaults (the paper's)."""
         return canonical({key: value for key, value in self.pvtune.items() if key not in PVTUNE_NOT_SETTINGS
                           and PVTUNE_LATER_DEFAULTS.get(key, object()) != value})
+
+    def speed_settings(self) -> dict:
+        """Every setting of config `speed` but the switch: a changed one reruns the speed jobs."""
+        return canonical({key: value for key, value in self.speed.items() if key != "enabled"})
 
     def bitrate(self, bpp) -> dict:
         rates = {str(key): value for key, value in self.config["bitrates"].items()}
@@ -371,8 +378,8 @@ class WorkflowPlan:
 
     def report_jobs(self, layers: Callable[[Any], list[str]], blocks: Callable[[Any], int]) -> list[tuple[str, dict]]:
         """(rule, wildcards) of every job behind the report, whose benchmark files it reads: the
-        fetches, calibrations and fp evaluations of the targets' models, and each target variant's
-        jobs (its layers, sequential blocks, stitch, PV-tuning and evaluations). `layers` and
+        fetches, calibrations and fp evaluations (and speed jobs) of the targets' models, and each
+        target variant's jobs (its layers, sequential blocks, stitch, PV-tuning, evaluations, speed). `layers` and
         `blocks` give a variant's layer names and block count (the calibration checkpoint's)."""
         jobs, corpora = [], set()
         for model in self.target_models():
@@ -383,6 +390,8 @@ class WorkflowPlan:
             jobs += [("fetch_model", {"model": model}),
                      ("calibrate", {"model": model, "calib": self.calibration_id(model)}),
                      ("evaluate_fp", {"model": model})]
+            if self.speed_enabled:
+                jobs.append(("speed_fp", {"model": model}))
         jobs += [("fetch_data", {"corpus": name}) for name in sorted(corpora)]
         for variant in self.targets():
             wildcards = SimpleNamespace(**variant)  # as input functions read a job's
@@ -393,6 +402,7 @@ class WorkflowPlan:
             if self.finetune:
                 jobs += [("finetune_block", {**variant, "block": block}) for block in range(count)]
             finals = ["stitch", "evaluate_quantized"] + (["pvtune", "evaluate_pvtuned"] if self.pv_enabled else [])
+            finals += ["speed"] if self.speed_enabled else []
             jobs += [(rule, variant) for rule in finals]
         return jobs
 

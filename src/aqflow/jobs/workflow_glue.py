@@ -225,10 +225,20 @@ def paper_tables(job) -> StageCall:
     return StageCall({"domains": job.params.domains}, paths)
 
 
+def speed(job) -> StageCall:
+    """`speed` as the plan passes it (less `enabled`), every key the stage field of the same name, and
+    the job's CPU threads (its `threads:`, config resources.speed.cpus: the cores Snakemake gave the
+    job, which a CPU measurement uses and records)."""
+    return StageCall({**job.params.settings, "threads": job.threads},
+                     {"model_dir": job.input.model, "output": job.output[0]})
+
+
 def report(job) -> StageCall:
+    """The speed figure is an output only with `speed.enabled`."""
     out = job.output
     paths = {"evals": job.input.evals, "csv": out.table, "parquet": out.parquet, "pareto": out.pareto,
              "layers": out.layers, "pv_curves": out.pv_curves, "pv_logs": job.input.pv_logs,
+             "speeds": job.input.speeds, "speed_plot": out.get("speed"),
              "stage_times": out.stage_times, "benchmarks": job.params.benchmarks}
     return StageCall({}, paths)
 
@@ -237,7 +247,8 @@ def report(job) -> StageCall:
 JOB_CALLS: dict[str, Callable[[Any], StageCall]] = {
     "fetch-model": fetch_model, "fetch-data": fetch_data, "calibrate": calibrate, "calibrate-block": calibrate_block,
     "finetune-block": finetune_block, "quantize-layer": quantize_layer, "stitch": stitch, "pvtune": pvtune,
-    "evaluate": evaluate, "domain-distances": domain_distances, "paper-tables": paper_tables, "report": report,
+    "evaluate": evaluate, "speed": speed, "domain-distances": domain_distances, "paper-tables": paper_tables,
+    "report": report,
 }
 
 
@@ -272,7 +283,17 @@ def run_stage(job, stage: str, settings: Mapping[str, Any], paths: Mapping[str, 
     code, message = outcome if outcome is not None else execute_logged(stage, settings, paths, log_path, outputs)
     if code:
         raise SystemExit(message)
+    journal_outputs(outputs)
     skip_exit_collection()
+
+
+def journal_outputs(outputs: list[str]) -> None:
+    """What the job wrote, with the digests its stage recorded, for the next DAG build's integrity
+    check (aqflow.io.integrity.journal_written): it then need not hash the files again."""
+    from aqflow.io.integrity import journal_written
+    from aqflow.jobs.currency import digest_cache_path
+
+    journal_written(outputs, digest_cache_path())
 
 
 def run_in_warm_worker(stage: str, settings: Mapping[str, Any], paths: Mapping[str, Any], log_path: str,

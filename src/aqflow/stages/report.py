@@ -1,4 +1,7 @@
-"""`python -m aqflow report`: summary table (CSV + Parquet) and plots from eval.json files."""
+"""`python -m aqflow report`: summary table (CSV + Parquet) and plots from eval.json files.
+
+Where speed was measured (`aqflow speed`), the speed.json beside an eval.json adds its row's speed
+and memory columns and a point to the speed figure."""
 
 from __future__ import annotations
 
@@ -9,9 +12,9 @@ from aqflow.io import artifacts
 from aqflow.experiments import job_benchmarks
 from aqflow.stagekit import stage_cli
 from aqflow.io.artifacts import verify_inputs
-from aqflow.experiments.reporting import plot_layers, plot_pareto, plot_pv_curves, summary_table
+from aqflow.experiments.reporting import plot_layers, plot_pareto, plot_pv_curves, plot_speed, summary_table
 from aqflow.stagekit.stage_cli import option
-from aqflow.stagekit.stage_errors import EXPECTED_ERRORS
+from aqflow.stagekit.stage_errors import EXPECTED_ERRORS, StageInputError
 
 STAGE = "report"
 INPUT_ERRORS = EXPECTED_ERRORS
@@ -31,6 +34,10 @@ class ReportPaths:
     layers: Path = field(metadata=option("per-layer plot .png to write"))
     pv_curves: Path | None = field(default=None, metadata=option("PV-tuning curves .png to write"))
     pv_logs: tuple[Path, ...] = field(default=(), metadata=option("PV-tuning train_log.parquet files"))
+    speeds: tuple[Path, ...] = field(default=(), metadata=option(
+        "speed.json files (aqflow speed), each in the folder of one of the eval.json files: its row's speed columns"))
+    speed_plot: Path | None = field(default=None, metadata=option(
+        "perplexity against decode speed and weight memory .png to write"))
     stage_times: Path | None = field(default=None, metadata=option(
         "per-rule costs .csv to write, from the jobs' benchmark files"))
     benchmarks: tuple[Path, ...] = field(default=(), metadata=option(
@@ -42,8 +49,12 @@ class ReportPaths:
 
 def run(settings: ReportSettings, paths: ReportPaths):
     """Every output of the report from the eval.json files; the summary table."""
-    verify_inputs(*paths.evals, *paths.pv_logs)
-    table = summary_table(list(paths.evals))
+    verify_inputs(*paths.evals, *paths.pv_logs, *paths.speeds)
+    folders = {Path(path).parent for path in paths.evals}
+    stray = [str(path) for path in paths.speeds if Path(path).parent not in folders]
+    if stray:
+        raise StageInputError(f"--speeds {stray}: no eval.json given in the same folder")
+    table = summary_table(list(paths.evals), list(paths.speeds))
     artifacts.write_parquet(paths.parquet, table)
     with artifacts.atomic_path(paths.csv) as tmp:
         table.to_csv(tmp, index=False)
@@ -54,6 +65,9 @@ def run(settings: ReportSettings, paths: ReportPaths):
     if paths.pv_curves is not None:
         with artifacts.atomic_path(paths.pv_curves) as tmp:
             plot_pv_curves(list(paths.pv_logs), tmp)
+    if paths.speed_plot is not None:
+        with artifacts.atomic_path(paths.speed_plot) as tmp:
+            plot_speed(table, tmp)
     if paths.stage_times is not None:
         jobs = job_benchmarks.job_table([path for path in paths.benchmarks if Path(path).is_file()], paths.benchmark_root)
         with artifacts.atomic_path(paths.stage_times) as tmp:
