@@ -3,7 +3,8 @@
     fast:  the project's fastest path for the device: AQLM layers become FastQuantizedLinear
            (lookup-table kernels, 2-bit in memory); on CUDA q/k/v and gate/up fused
            (decode.fuse_projections); greedy_decode replays the step as a CUDA graph there.
-    plain: transformers + aqlm as they load the folder (aqlm's own kernels), for comparison.
+    plain: transformers + aqlm as they load the folder (aqlm's own kernels), decoded eagerly with
+           nothing fused (decode_options), for comparison.
 
 Plain folders (the fp model) go through the same two paths (fused projections or not), so an fp
 model and its compressed variants are timed by the same harness.
@@ -52,6 +53,15 @@ def load_for_decoding(model_dir: str | os.PathLike, device: str, dtype: str = "a
         if torch.device(device).type == "cuda":
             fuse_projections(model)
     return model
+
+
+def decode_options(path: str) -> dict:
+    """greedy_decode's keyword arguments for decoding through `path`. fast: the device's defaults (on
+    CUDA fused projections, the step compiled and replayed as a CUDA graph); plain: eager steps and
+    the projections as transformers loaded them (greedy_decode would fuse them on CUDA otherwise)."""
+    if path not in PATHS:
+        raise ValueError(f"path {path!r}: expected one of {PATHS}")
+    return {} if path == "fast" else {"graphs": False, "fuse": False}
 
 
 def decoding_context(model_dir: str | os.PathLike, device: str, path: str) -> ContextManager:
