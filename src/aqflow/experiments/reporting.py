@@ -372,3 +372,64 @@ def plot_speed(frame: pd.DataFrame, out: str | Path) -> None:
     plt.close(fig)
 
 
+def plot_layers(paths: Iterable[str | Path], out: str | Path) -> None:
+    """Per-layer relative output MSE after init and at the end, and ρ, for every variant."""
+    fig, (ax_mse, ax_rho) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for path in paths:
+        record = read_json(path, required=False)
+        layers = pipeline_settings(record).get("layers") or []
+        if not layers:
+            continue
+        label = record.get("label") or str(path)
+        x = range(len(layers))
+        line = ax_mse.plot(x, [layer["final_relative_mse"] for layer in layers], label=f"{label} final")[0]
+        ax_mse.plot(x, [layer["init_relative_mse"] for layer in layers], linestyle=":", color=line.get_color(), label=f"{label} init")
+        ax_rho.plot(x, [layer["rho"] for layer in layers], color=line.get_color(), label=label)
+    ax_mse.set_yscale("log")
+    ax_mse.set_ylabel("relative output MSE")
+    ax_rho.set_ylabel("ρ = N / K^M")
+    ax_rho.set_yscale("log")
+    ax_rho.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+    ax_rho.set_xlabel("layer (block order)")
+    ax_mse.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110, format="png")
+    plt.close(fig)
+
+
+def pv_log_label(path: str | Path) -> str:
+    """results/<model>/<bpp>bpp/<init>/<variant>/pv/train_log.parquet -> "<model>/<bpp>bpp/<init>/<variant>"."""
+    parts = Path(path).parts
+    return "/".join(parts[-6:-2]) if len(parts) >= 6 else str(path)
+
+
+def plot_pv_curves(log_paths: Iterable[str | Path], out: str | Path) -> None:
+    """PV-tuning curves per variant: training KL per step (thin) and held-out KL (thick, the
+    selected step starred) above, held-out perplexity below."""
+    fig, (ax_kl, ax_ppl) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    paths = list(log_paths)
+    for path in paths:
+        log = read_parquet(path, required=False)
+        label = pv_log_label(path)
+        train, heldout = log[log["split"] == "train"], log[log["split"] == "heldout"]
+        line = ax_kl.plot(heldout["step"], heldout["kl"], marker="o", markersize=3, label=f"{label} held-out")[0]
+        ax_kl.plot(train["step"], train["kl"], color=line.get_color(), linewidth=0.7, alpha=0.5, label=f"{label} train")
+        ax_ppl.plot(heldout["step"], heldout["perplexity"], marker="o", markersize=3, color=line.get_color(), label=label)
+        chosen = heldout[heldout["selected"]] if "selected" in heldout else heldout.iloc[0:0]
+        ax_kl.scatter(chosen["step"], chosen["kl"], marker="*", s=120, color=line.get_color(), zorder=3)
+    if not paths:
+        ax_kl.text(0.5, 0.5, "PV-tuning is disabled in this configuration", ha="center", va="center",
+                   transform=ax_kl.transAxes)
+    ax_kl.set_ylabel("token KL(teacher || student), nats")
+    ax_ppl.set_ylabel("held-out perplexity")
+    if paths:  # variants differ by orders of magnitude, and early steps dwarf later gains
+        ax_kl.set_yscale("log")
+        ax_ppl.set_yscale("log")
+    ax_ppl.set_xlabel("optimiser step")
+    ax_kl.set_title("PV-tuning (star: the selected held-out state)")
+    if paths:
+        ax_kl.legend(fontsize=6, ncol=2)
+        ax_ppl.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110, format="png")
+    plt.close(fig)
