@@ -99,15 +99,17 @@ def torch_threads(threads: int | None) -> Iterator[None]:
     if threads is None:
         yield
         return
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        from aqflow.inference.cpu_kernels import numba_threads
+    from aqflow.inference.cpu_kernels import numba_threads
 
-        with numba_threads(threads):
+    before = torch.get_num_threads()
+    # numba's first: its first set_num_threads starts its OpenMP threading layer, which resets torch's
+    # OpenMP thread count to all cores (a torch count set before it would be lost)
+    with numba_threads(threads):
+        torch.set_num_threads(threads)
+        try:
             yield
-    finally:
-        torch.set_num_threads(before)
+        finally:
+            torch.set_num_threads(before)
 
 
 def _child_main(connection, function: Callable[..., Any], args: tuple) -> None:
