@@ -114,7 +114,7 @@ def test_a_flat_loop_setting_is_refused_not_placed():
 def test_every_speed_key_and_the_jobs_threads_reach_the_speed_stage():
     from aqflow.stages.speed import SpeedSettings
 
-    section = section_example("speed", leave_out=("enabled",)) | {"device": "cuda:1", "paths": ["plain"]}
+    section = section_example("speed", leave_out=("enabled",)) | {"devices": ["cuda:1", "cpu"], "paths": ["plain"]}
     built = from_dict(SpeedSettings, stage_settings.speed(section, threads=6))
     for key, value in section.items():
         assert getattr(built, key) == (tuple(value) if isinstance(value, list) else value), key
