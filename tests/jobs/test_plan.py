@@ -192,7 +192,7 @@ def test_speed_settings_are_the_section_less_its_switch_and_its_jobs_join_the_re
     plan = WorkflowPlan(tiny_config(speed={"enabled": True, "new_tokens": 64}))
     assert plan.speed_enabled
     # the schema's defaults filled in (those it has: the stage's own), the switch left out
-    assert plan.speed_settings() == {"device": "auto", "dtype": "auto", "new_tokens": 64, "prefill_tokens": 1024,
+    assert plan.speed_settings() == {"dtype": "auto", "new_tokens": 64, "prefill_tokens": 1024,
                                      "prompt_tokens": 32, "seed": 0, "warmup_tokens": 8}
     assert list(plan.speed_settings()) == sorted(plan.speed_settings())  # params compared as written
     jobs = plan.report_jobs(layers, blocks)

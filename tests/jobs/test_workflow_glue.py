@@ -194,7 +194,7 @@ def test_a_models_request_reaches_fetch_model_and_its_folder_is_an_input():
 
 
 def test_every_speed_key_and_the_jobs_threads_reach_the_speed_stage():
-    section = section_example(SCHEMA["speed"]["properties"], leave_out=("enabled",)) | {"device": "cuda:1",
+    section = section_example(SCHEMA["speed"]["properties"], leave_out=("enabled",)) | {"devices": ["cuda:1", "cpu"],
                                                                                          "paths": ["plain"]}
     plan = WorkflowPlan(tiny_config(speed={"enabled": True, **section}))
     speed_job = job(params={"settings": plan.speed_settings()}, input={"model": "model"}, output={"json": "speed.json"})

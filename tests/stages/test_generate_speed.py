@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -74,33 +75,101 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert generate.top_p_filter(logits, 1.0).isfinite().all()
 
 
-def test_speed_measures_the_paths_it_is_given(folders, tmp_path):
-    """The AQLM checkpoint through the fast path, the fp model through the plain one (aqlm's own
-    CPU kernel compiles for half a minute per process: generate's test runs it)."""
+def test_speed_measures_the_paths_it_is_given_per_device(folders, tmp_path):
+    """The AQLM checkpoint through the fast path (its plain path skipped by cpu_plain_tokens 0), the fp
+    model through the plain one, on the CPU with the CPU's token counts (aqlm's own CPU kernel compiles
+    for half a minute per process: generate's test runs it)."""
     fp_dir, aqlm_dir = folders
     payloads = {}
-    for name, folder, paths in (("aqlm", aqlm_dir, ("fast",)), ("fp", fp_dir, ("plain",))):
-        settings = speed.SpeedSettings(device="cpu", paths=paths, prompt_tokens=4, new_tokens=4, warmup_tokens=1,
-                                       prefill_tokens=16)
+    for name, folder, paths in (("aqlm", aqlm_dir, ("fast", "plain")), ("fp", fp_dir, ("plain",))):
+        settings = speed.SpeedSettings(devices=("cpu",), paths=paths, prompt_tokens=4, new_tokens=6, warmup_tokens=1,
+                                       prefill_tokens=32, cpu_new_tokens=4, cpu_prefill_tokens=16, cpu_plain_tokens=0,
+                                       threads=1)
         assert run_stage_module(speed, settings, speed.SpeedPaths(model_dir=folder, output=tmp_path / f"{name}.json")) == 0
         payloads[name] = json.loads((tmp_path / f"{name}.json").read_text())
-        assert list(payloads[name]["paths"]) == list(paths) and payloads[name]["format"] == ("aqlm" if name == "aqlm" else "plain")
+        assert list(payloads[name]["devices"]) == ["cpu"] and payloads[name]["format"] == ("aqlm" if name == "aqlm" else "plain")
     aqlm, fp = payloads["aqlm"], payloads["fp"]
-    assert aqlm["settings"]["prefill_tokens"] == 16 and aqlm["settings"]["dtype"] == "float32"
-    assert aqlm["versions"]["numba"] and aqlm["device_name"] and aqlm["cpu_cores"] >= 1
-    for result in (aqlm["paths"]["fast"], fp["paths"]["plain"]):
+    cpu = aqlm["devices"]["cpu"]
+    assert list(cpu["paths"]) == ["fast"] and "cpu_plain_tokens" in cpu["skipped_paths"]["plain"]
+    assert list(fp["devices"]["cpu"]["paths"]) == ["plain"] and "skipped_paths" not in fp["devices"]["cpu"]
+    # the threads asked for (starting numba's threading layer once reset torch's count to all cores)
+    assert cpu["kind"] == "cpu" and cpu["dtype"] == "float32" and cpu["threads"] == 1 and cpu["name"]
+    # the one-device layout's keys: the first device's section
+    assert (aqlm["device"], aqlm["device_name"], aqlm["paths"]) == ("cpu", cpu["name"], cpu["paths"])
+    assert aqlm["settings"]["devices"] == ["cpu"] and aqlm["settings"]["cpu_prefill_tokens"] == 16
+    assert aqlm["versions"]["numba"] and aqlm["cpu_cores"] >= 1
+    for result in (cpu["paths"]["fast"], fp["devices"]["cpu"]["paths"]["plain"]):
         assert result["decode_tokens_per_second"] > 0 and result["prefill_tokens_per_second"] > 0
+        # the CPU's counts, not the GPU's
         assert result["decode"]["timed_steps"] == 3 and result["prefill"]["prompt_tokens"] == 16
+        assert result["tokens"] == {"prompt_tokens": 4, "new_tokens": 4, "warmup_tokens": 1, "prefill_tokens": 16}
         assert result["peak_memory_bytes"] >= result["rss_before_load_bytes"] > 0
     fast = load_for_decoding(aqlm_dir, "cpu", "float32", "fast")
-    assert aqlm["paths"]["fast"]["resident_weight_bytes"] == resident_weight_bytes(fast)
+    assert cpu["paths"]["fast"]["resident_weight_bytes"] == resident_weight_bytes(fast)
     assert fp["paths"]["plain"]["resident_weight_bytes"] == resident_weight_bytes(load_for_decoding(fp_dir, "cpu", "float32", "plain"))
     assert aqlm["bits_per_parameter"] < fp["bits_per_parameter"] == 32  # the tiny model's codebooks weigh much
     assert 0 < aqlm["disk_weight_bytes"] < fp["disk_weight_bytes"]
 
 
+def test_auto_is_the_gpu_and_the_cpu_where_a_gpu_is_visible(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert speed.resolve_devices(("auto",)) == ("cpu",)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert speed.resolve_devices(("auto",)) == ("cuda", "cpu")
+    assert speed.resolve_devices(("cpu", "cuda:1")) == ("cpu", "cuda:1")
+    assert [speed.device_kind(device) for device in ("cuda", "cuda:1", "cpu")] == ["gpu", "gpu", "cpu"]
+
+
+def test_each_device_and_path_gets_its_token_counts():
+    settings = speed.SpeedSettings(prompt_tokens=32, new_tokens=256, warmup_tokens=8, prefill_tokens=1024,
+                                   cpu_new_tokens=16, cpu_prefill_tokens=128, cpu_plain_tokens=4)
+    gpu = {"prompt_tokens": 32, "new_tokens": 256, "warmup_tokens": 8, "prefill_tokens": 1024}
+    for path in ("fast", "plain"):
+        for aqlm in (True, False):
+            assert speed.token_counts(settings, "cuda:0", path, aqlm) == gpu
+    cpu = {"prompt_tokens": 32, "new_tokens": 16, "warmup_tokens": 8, "prefill_tokens": 128}
+    assert speed.token_counts(settings, "cpu", "fast", True) == speed.token_counts(settings, "cpu", "plain", False) == cpu
+    # aqlm's numba kernel: a few tokens everywhere, a one-token warm-up; 0 skips it
+    assert speed.token_counts(settings, "cpu", "plain", True) == {"prompt_tokens": 4, "new_tokens": 4,
+                                                                  "warmup_tokens": 1, "prefill_tokens": 4}
+    assert speed.token_counts(dataclasses.replace(settings, cpu_plain_tokens=0), "cpu", "plain", True) is None
+
+
+def test_the_plain_path_decodes_eagerly_with_nothing_fused(folders, monkeypatch):
+    """greedy_decode fuses q/k/v and gate/up and captures a graph on CUDA unless told not to: every
+    call the plain path makes tells it not to; the fast path leaves both to the device."""
+    import aqflow.inference.decode as decode
+
+    fp_dir, _ = folders
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append({key: kwargs.get(key) for key in ("graphs", "fuse")})
+        return greedy_decode(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "greedy_decode", recording)
+    counts = {"prompt_tokens": 3, "new_tokens": 2, "warmup_tokens": 1, "prefill_tokens": 4}
+    for path in ("plain", "fast"):
+        calls.clear()
+        speed.measure(str(fp_dir), "cpu", "float32", path, {"threads": 1, "seed": 0, "repeats": 1, **counts})
+        assert len(calls) == 3  # warm-up, decode, prefill
+        if path == "plain":
+            assert all(call == {"graphs": False, "fuse": False} for call in calls)
+        else:
+            assert [call["fuse"] for call in calls] == [None] * 3 and calls[1]["graphs"] is None
+
+
+def test_speed_refuses_bad_devices(folders, tmp_path, capsys, monkeypatch):
+    _, aqlm_dir = folders
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for devices in (("auto", "cpu"), ("cpu", "cpu"), ("gpu",), ("cuda",)):
+        settings = speed.SpeedSettings(devices=devices)
+        assert run_stage_module(speed, settings, speed.SpeedPaths(model_dir=aqlm_dir, output=tmp_path / "s.json")) == 2
+        assert "--devices" in capsys.readouterr().err and not (tmp_path / "s.json").exists()
+
+
 def test_speed_refuses_an_unknown_path(folders, tmp_path, capsys):
     _, aqlm_dir = folders
-    settings = speed.SpeedSettings(device="cpu", paths=("fast", "fastest"))
+    settings = speed.SpeedSettings(devices=("cpu",), paths=("fast", "fastest"))
     assert run_stage_module(speed, settings, speed.SpeedPaths(model_dir=aqlm_dir, output=tmp_path / "s.json")) == 2
     assert "fastest" in capsys.readouterr().err and not (tmp_path / "s.json").exists()

@@ -191,10 +191,11 @@ def test_a_missing_timing_reruns_no_job(finished_run, tmp_path):
     assert "quantize_layer" not in times.index and times.loc["stitch", "jobs"] == 2
 
 
-# the fast path only, a few tokens: aqlm's own CPU kernel (the plain path) compiles for half a
-# minute per process; the stage's own test measures it
-SPEED = {"enabled": True, "paths": ["fast"], "prompt_tokens": 4, "new_tokens": 8, "warmup_tokens": 1,
-         "prefill_tokens": 16, "repeats": 1}
+# the fast path only, a few tokens (on this GPU-less box `devices: [auto]` is the CPU, which decodes
+# cpu_new_tokens): aqlm's own CPU kernel (the plain path) compiles for half a minute per process; the
+# stage's own test measures it
+SPEED = {"enabled": True, "paths": ["fast"], "prompt_tokens": 4, "new_tokens": 8, "cpu_new_tokens": 8,
+         "warmup_tokens": 1, "prefill_tokens": 16, "cpu_prefill_tokens": 16, "repeats": 1}
 
 
 def speed_config(directory: Path, **changes) -> Path:
@@ -231,12 +232,14 @@ def test_speed_runs_per_target_and_baseline_and_reruns_alone_for_its_settings(fi
                 "results/tiny/fp": "resources/models/tiny"}
     for folder, model in measured.items():
         record = json.loads((workdir / folder / "speed.json").read_text())
-        assert record["model_dir"] == model and record["paths"]["fast"]["decode"]["new_tokens"] == 8
+        assert record["model_dir"] == model and list(record["devices"]) == ["cpu"]
+        assert record["devices"]["cpu"]["paths"]["fast"]["decode"]["new_tokens"] == 8
     summary = pd.read_csv(workdir / "results/report/summary.csv")
-    assert summary["decode_tokens_per_second"].gt(0).all() and summary["resident_weight_bytes"].gt(0).all()
+    assert summary["decode_tokens_per_second_cpu"].gt(0).all() and summary["resident_weight_bytes_cpu"].gt(0).all()
+    assert summary["decode_tokens_per_second_gpu"].isna().all()
     assert (workdir / "results/report/speed.png").stat().st_size > 0
     assert planned_jobs(workdir, config=config) == {}
-    assert planned_jobs(workdir, config=speed_config(workdir, new_tokens=9)) == {"speed": 2, "speed_fp": 1, "report": 1}
+    assert planned_jobs(workdir, config=speed_config(workdir, cpu_new_tokens=9)) == {"speed": 2, "speed_fp": 1, "report": 1}
 
 
 SEQUENTIAL_VARIANT = "results/tiny/2bpp/greedy/b2e2"

@@ -146,7 +146,8 @@ def _mean(values: Iterable[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-# report column -> (speed.json path, key of that path's measurements); see aqflow.stages.speed
+# report column (before its device suffix) -> (speed.json path, key of that path's measurements); see
+# aqflow.stages.speed
 SPEED_PATH_COLUMNS = {
     "decode_tokens_per_second": ("fast", "decode_tokens_per_second"),
     "decode_tokens_per_second_plain": ("plain", "decode_tokens_per_second"),
@@ -157,16 +158,37 @@ SPEED_PATH_COLUMNS = {
     "peak_memory_bytes": ("fast", "peak_memory_bytes"),
     "peak_memory_bytes_plain": ("plain", "peak_memory_bytes"),
 }
-SPEED_COLUMNS = (*SPEED_PATH_COLUMNS, "disk_weight_bytes", "speed_device")
+SPEED_DEVICE_KINDS = ("gpu", "cpu")
+SPEED_COLUMNS = (*(f"{column}_{kind}" for kind in SPEED_DEVICE_KINDS for column in (*SPEED_PATH_COLUMNS, "speed_device")),
+                 "disk_weight_bytes")
+
+
+def speed_sections(record: dict) -> dict[str, dict]:
+    """A speed.json's device sections by kind (`gpu`, `cpu`; the first section of each kind where a
+    list names several GPUs). A speed.json of the one-device layout (no `devices`) is its one section."""
+    sections = record.get("devices")
+    if sections is None:
+        device = record.get("device") or "cpu"
+        sections = {device: {"device": device, "name": record.get("device_name"), "paths": record.get("paths")}}
+    found: dict[str, dict] = {}
+    for device, section in sections.items():
+        found.setdefault(section.get("kind") or ("cpu" if device == "cpu" else "gpu"), section)
+    return found
 
 
 def speed_columns(record: dict) -> dict:
-    """The report's columns of one speed.json: batch-1 decode and prefill tokens/s, resident weight
-    bytes and peak memory through the fastest path (`fast`) and through plain transformers + aqlm
-    (`_plain`; None for a path not measured), weight bytes on disk, and the device's name."""
-    paths = record.get("paths") or {}
-    columns = {column: _get(paths, path, key) for column, (path, key) in SPEED_PATH_COLUMNS.items()}
-    return {**columns, "disk_weight_bytes": record.get("disk_weight_bytes"), "speed_device": record.get("device_name")}
+    """The report's columns of one speed.json, per device kind (suffix `_gpu`, `_cpu`): batch-1 decode
+    and prefill tokens/s, resident weight bytes and peak memory through the fastest path (`fast`) and
+    through plain transformers + aqlm (`..._plain`), and the device's name (`speed_device`); None for
+    a device or path not measured. Also the weight bytes on disk."""
+    sections = speed_sections(record)
+    columns = {}
+    for kind in SPEED_DEVICE_KINDS:
+        section = sections.get(kind) or {}
+        paths = section.get("paths") or {}
+        columns.update({f"{column}_{kind}": _get(paths, path, key) for column, (path, key) in SPEED_PATH_COLUMNS.items()})
+        columns[f"speed_device_{kind}"] = section.get("name")
+    return {**columns, "disk_weight_bytes": record.get("disk_weight_bytes")}
 
 
 def speed_by_folder(speeds: Iterable[str | Path]) -> dict[Path, Path]:
@@ -279,14 +301,22 @@ def bytes_unit(values: pd.Series) -> tuple[float, str]:
     return 1.0, "bytes"
 
 
-def speed_points(frame: pd.DataFrame) -> tuple[str, pd.DataFrame]:
-    """(headline domain, one point per summary row with a perplexity and a speed figure): its model,
-    init, label (`short_label`), perplexity, and decode tokens/s and resident weight bytes through the
-    fastest path (`decode`, `resident`) and plain transformers + aqlm (`*_plain`, NaN if not measured)."""
+def speed_plot_kind(frame: pd.DataFrame) -> str:
+    """The device kind the speed figure shows: `gpu` where any row has a GPU figure, else `cpu`."""
+    gpu = ["decode_tokens_per_second_gpu", "resident_weight_bytes_gpu"]
+    return "gpu" if any(column in frame and frame[column].notna().any() for column in gpu) else "cpu"
+
+
+def speed_points(frame: pd.DataFrame, kind: str | None = None) -> tuple[str, pd.DataFrame]:
+    """(headline domain, one point per summary row with a perplexity and a speed figure on `kind`'s
+    device (default `speed_plot_kind`)): its model, init, label (`short_label`), perplexity, and decode
+    tokens/s and resident weight bytes through the fastest path (`decode`, `resident`) and plain
+    transformers + aqlm (`*_plain`, NaN if not measured)."""
+    kind = kind or speed_plot_kind(frame)
     domain = headline_domain(frame) or "wikitext2"
-    columns = {"perplexity": f"{domain}_ppl", "decode": "decode_tokens_per_second",
-               "decode_plain": "decode_tokens_per_second_plain", "resident": "resident_weight_bytes",
-               "resident_plain": "resident_weight_bytes_plain"}
+    columns = {"perplexity": f"{domain}_ppl", "decode": f"decode_tokens_per_second_{kind}",
+               "decode_plain": f"decode_tokens_per_second_plain_{kind}", "resident": f"resident_weight_bytes_{kind}",
+               "resident_plain": f"resident_weight_bytes_plain_{kind}"}
     points = pd.DataFrame({"model": frame["model"], "init": frame["init"],
                            "label": [short_label(row) for _, row in frame.iterrows()]}, index=frame.index)
     for name, column in columns.items():
@@ -297,10 +327,12 @@ def speed_points(frame: pd.DataFrame) -> tuple[str, pd.DataFrame]:
 
 def plot_speed(frame: pd.DataFrame, out: str | Path) -> None:
     """Perplexity (`headline_domain`) against batch-1 decode tokens/s (left) and resident weight
-    memory (right), every `speed_points` point: filled markers the fastest path, hollow ones plain
-    transformers + aqlm joined to them by a thin line; one colour per model, one marker per init
-    (a star for the source model)."""
-    domain, points = speed_points(frame)
+    memory (right) on the GPU where one was measured, else on the CPU (`speed_plot_kind`), every
+    `speed_points` point: filled markers the fastest path, hollow ones plain transformers + aqlm
+    joined to them by a thin line; one colour per model, one marker per init (a star for the source
+    model)."""
+    kind = speed_plot_kind(frame)
+    domain, points = speed_points(frame, kind)
     fig, (ax_speed, ax_memory) = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
     divisor, unit = bytes_unit(pd.concat([points["resident"], points["resident_plain"]]))
     colours = {model: f"C{index}" for index, model in enumerate(dict.fromkeys(points["model"]))}
@@ -327,12 +359,12 @@ def plot_speed(frame: pd.DataFrame, out: str | Path) -> None:
     else:
         ax_speed.set_yscale("log")
         ax_speed.legend(fontsize=7)
-    ax_speed.set_xlabel("batch-1 decode, tokens/s (hollow: plain transformers + aqlm)")
+    ax_speed.set_xlabel(f"batch-1 decode on the {kind.upper()}, tokens/s (hollow: plain transformers + aqlm)")
     ax_speed.set_ylabel(f"{domain} perplexity (log scale)")
     ax_speed.set_title("quality vs decode speed")
-    ax_memory.set_xlabel(f"resident weights, {unit} (hollow: plain transformers + aqlm)")
+    ax_memory.set_xlabel(f"resident weights on the {kind.upper()}, {unit} (hollow: plain transformers + aqlm)")
     ax_memory.set_title("quality vs weight memory")
-    devices = sorted(set(frame["speed_device"].dropna())) if "speed_device" in frame else []
+    devices = sorted(set(frame[f"speed_device_{kind}"].dropna())) if f"speed_device_{kind}" in frame else []
     if devices:
         fig.suptitle(f"measured on {', '.join(devices)}", fontsize=8)
     fig.tight_layout()

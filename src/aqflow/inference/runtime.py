@@ -3,7 +3,8 @@
     fast:  the project's fastest path for the device: AQLM layers become FastQuantizedLinear
            (lookup-table kernels, 2-bit in memory); on CUDA q/k/v and gate/up fused
            (decode.fuse_projections); greedy_decode replays the step as a CUDA graph there.
-    plain: transformers + aqlm as they load the folder (aqlm's own kernels), for comparison.
+    plain: transformers + aqlm as they load the folder (aqlm's own kernels), decoded eagerly with
+           nothing fused (decode_options), for comparison.
 
 Plain folders (the fp model) go through the same two paths (fused projections or not), so an fp
 model and its compressed variants are timed by the same harness.
@@ -54,6 +55,15 @@ def load_for_decoding(model_dir: str | os.PathLike, device: str, dtype: str = "a
     return model
 
 
+def decode_options(path: str) -> dict:
+    """greedy_decode's keyword arguments for decoding through `path`. fast: the device's defaults (on
+    CUDA fused projections, the step compiled and replayed as a CUDA graph); plain: eager steps and
+    the projections as transformers loaded them (greedy_decode would fuse them on CUDA otherwise)."""
+    if path not in PATHS:
+        raise ValueError(f"path {path!r}: expected one of {PATHS}")
+    return {} if path == "fast" else {"graphs": False, "fuse": False}
+
+
 def decoding_context(model_dir: str | os.PathLike, device: str, path: str) -> ContextManager:
     """What decoding through `path` must run inside: aqlm's CPU kernel (plain path, AQLM folder)
     races with more than one numba thread, so it gets one."""
@@ -89,15 +99,17 @@ def torch_threads(threads: int | None) -> Iterator[None]:
     if threads is None:
         yield
         return
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        from aqflow.inference.cpu_kernels import numba_threads
+    from aqflow.inference.cpu_kernels import numba_threads
 
-        with numba_threads(threads):
+    before = torch.get_num_threads()
+    # numba's first: its first set_num_threads starts its OpenMP threading layer, which resets torch's
+    # OpenMP thread count to all cores (a torch count set before it would be lost)
+    with numba_threads(threads):
+        torch.set_num_threads(threads)
+        try:
             yield
-    finally:
-        torch.set_num_threads(before)
+        finally:
+            torch.set_num_threads(before)
 
 
 def _child_main(connection, function: Callable[..., Any], args: tuple) -> None:

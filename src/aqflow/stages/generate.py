@@ -4,8 +4,10 @@ Tokens print as they are made; then how fast they came and how much memory the w
 
 MODEL_DIR is a plain model folder (resources/models/<model>) or an AQLM checkpoint (a stitched or
 PV-tuned `model/`). The model runs on --device (auto: a GPU where one is visible) through the
-fast path (aqflow.inference: AQLM layers kept 2-bit, lookup-table kernels on the CPU, Triton on a
-GPU, the decode step a CUDA graph there) or, with --path plain, as transformers + aqlm load it.
+fast path (aqflow.inference: AQLM layers kept 2-bit; numba lookup-table kernels on the CPU; on a GPU
+the CUDA C++ lookup-table GEMV for 2x8 layers (inference/cuda_kernels.py) and Triton kernels for other
+geometries, the decode step a CUDA graph there) or, with --path plain, as transformers + aqlm load
+it (aqlm's kernels, eager steps, nothing fused).
 Greedy by default; --temperature > 0 samples (with --top-p, seeded by --seed). Decoding stops at
 --max-new-tokens or at the tokenizer's end-of-text token. With --output, a JSON record of the text,
 settings and timings is written (atomically).
@@ -24,8 +26,8 @@ import torch
 
 from aqflow.inference.decode import DecodeTimings, greedy_decode, model_device, new_static_cache, step_logits
 from aqflow.inference.runtime import (
-    PATHS, decoding_context, disk_weight_bytes, is_aqlm_folder, load_for_decoding, resident_weight_bytes,
-    resolve_dtype, torch_threads,
+    PATHS, decode_options, decoding_context, disk_weight_bytes, is_aqlm_folder, load_for_decoding,
+    resident_weight_bytes, resolve_dtype, torch_threads,
 )
 from aqflow.io import artifacts
 from aqflow.io.artifacts import verify_inputs
@@ -174,7 +176,8 @@ def run(settings: GenerateSettings, paths: GeneratePaths) -> dict:
                 tokens, timings = sample_decode(model, input_ids, settings.max_new_tokens, temperature=settings.temperature,
                                                 top_p=settings.top_p, generator=generator, on_token=stream, stop_tokens=stops)
             else:
-                tokens, timings = greedy_decode(model, input_ids, settings.max_new_tokens, on_token=stream, stop_tokens=stops)
+                tokens, timings = greedy_decode(model, input_ids, settings.max_new_tokens, on_token=stream, stop_tokens=stops,
+                                                 **decode_options(settings.path))
         if settings.stream:
             sys.stdout.write("\n")
     record = {
