@@ -379,16 +379,23 @@ def evaluation_rows(args, threads: int) -> list[dict]:
 
 # --- report ---------------------------------------------------------------------------------------
 
-def machine() -> dict:
-    from importlib.metadata import version
+def package_version(name: str) -> str | None:
+    """The installed version of `name`, None where it is not installed (aqlm on a bare GPU box)."""
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def machine() -> dict:
     from aqflow.stages.speed import device_name
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {"cpu": device_name("cpu"), "cores": os.cpu_count(), "platform": platform.platform(),
             "last_level_cache_bytes": last_level_cache_bytes(), "load_average_at_start": load,
-            "torch": torch.__version__, "transformers": version("transformers"), "numba": version("numba"),
-            "aqlm": version("aqlm")}
+            "torch": torch.__version__, **{name: package_version(name) for name in ("transformers", "numba", "aqlm")}}
 
 
 def speedup(rows: list[dict], fast: str, dense: tuple[str, ...], key: str = "decode_tokens_per_second") -> float | None:
@@ -458,6 +465,10 @@ def main() -> int:
     args = parser.parse_args()
     if (args.checkpoint is None) != (args.fp is None):
         parser.error("--checkpoint and --fp go together")
+    if args.aqlm_kernel and package_version("aqlm") is None:
+        # (b) and (c) still measure the project's own path and the dense baselines
+        print("aqlm is not installed: its kernel is left out (as with --no-aqlm-kernel)", flush=True)
+        args.aqlm_kernel = False
 
     import numba
 
