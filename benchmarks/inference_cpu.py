@@ -246,7 +246,10 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
     from aqflow.inference.runtime import resident_weight_bytes
     from aqflow.stages.speed import peak_rss_bytes, random_prompt, timed_decode
 
+    import numba
+
     dtype = getattr(torch, dtype_name)
+    numba.set_num_threads(threads)  # numba's pool first: starting it can reset torch's count
     torch.set_num_threads(threads)
     rss_before = peak_rss_bytes()
     started = time.perf_counter()
@@ -473,8 +476,8 @@ def main() -> int:
     import numba
 
     threads = min(args.threads, numba.config.NUMBA_NUM_THREADS)
+    numba.set_num_threads(threads)  # numba's pool first: starting it can reset torch's count
     torch.set_num_threads(threads)
-    numba.set_num_threads(threads)
     record = {"machine": machine(), "threads": threads, "settings": {k: str(v) if isinstance(v, Path) else v
                                                                      for k, v in vars(args).items()}}
     started = time.perf_counter()

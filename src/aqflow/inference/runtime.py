@@ -85,16 +85,20 @@ def disk_weight_bytes(model_dir: str | os.PathLike) -> int:
 
 @contextmanager
 def torch_threads(threads: int | None) -> Iterator[None]:
-    """torch and numba on `threads` threads (None: as they are), restored after."""
+    """torch and numba on `threads` threads (None: as they are), restored after.
+
+    numba's count is set first: the first numba.set_num_threads of a process starts numba's
+    OpenMP pool, which can set torch's OpenMP count back to NUMBA_NUM_THREADS (seen with torch
+    2.11 and numba's omp layer: torch on 2 threads where 1 was asked, on a 2-core box)."""
     if threads is None:
         yield
         return
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        from aqflow.inference.cpu_kernels import numba_threads
+    from aqflow.inference.cpu_kernels import numba_threads
 
+    before = torch.get_num_threads()
+    try:
         with numba_threads(threads):
+            torch.set_num_threads(threads)
             yield
     finally:
         torch.set_num_threads(before)
