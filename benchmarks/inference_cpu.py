@@ -23,7 +23,8 @@ whole models, on all cores.
     the best dense; `..._fp32_rest` the same for float32 unquantized parts; `..._cpu_time` by
     CPU seconds of the decode steps (meaningful with --threads 1 on a shared machine).
 (c) with --checkpoint and --fp: the real SmolLM2 checkpoint and its fp16 source through the speed
-    stage's measurement (aqflow.stages.speed.measure): fp in float32 and bfloat16, the checkpoint
+    stage's measurement (aqflow.stages.speed.measure): fp in float32, bfloat16 and float16 (its
+    stored dtype; the speed-up is over the fastest of the three), the checkpoint
     through the fast path (float32 and bfloat16 for its unquantized parts) and plain
     transformers + aqlm.
 
@@ -246,7 +247,10 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
     from aqflow.inference.runtime import resident_weight_bytes
     from aqflow.stages.speed import peak_rss_bytes, random_prompt, timed_decode
 
+    import numba
+
     dtype = getattr(torch, dtype_name)
+    numba.set_num_threads(threads)  # numba's pool first: starting it can reset torch's count
     torch.set_num_threads(threads)
     rss_before = peak_rss_bytes()
     started = time.perf_counter()
@@ -313,6 +317,8 @@ def decode_rows(args, threads: int) -> list[dict]:
 
 # --- (c) a real checkpoint ----------------------------------------------------------------------
 
+FP_SOURCE_VARIANTS = ("fp16 source, float32", "fp16 source, bfloat16", "fp16 source, float16")
+
 def checkpoint_rows(args, threads: int) -> list[dict]:
     from aqflow.inference.runtime import call_in_child
     from aqflow.stages.speed import measure
@@ -320,6 +326,7 @@ def checkpoint_rows(args, threads: int) -> list[dict]:
     settings = {"threads": threads, "prompt_tokens": args.prompt_tokens, "new_tokens": args.smol_new_tokens,
                 "warmup_tokens": 4, "prefill_tokens": args.prefill_tokens, "seed": 0, "repeats": args.repeats}
     runs = [("fp16 source, float32", args.fp, "float32", "fast"), ("fp16 source, bfloat16", args.fp, "bfloat16", "fast"),
+            ("fp16 source, float16", args.fp, "float16", "fast"),
             ("2 bpp, fast, float32 rest", args.checkpoint, "float32", "fast"),
             ("2 bpp, fast, bfloat16 rest", args.checkpoint, "bfloat16", "fast"),
             ("2 bpp, transformers+aqlm", args.checkpoint, "float32", "plain")]
@@ -379,16 +386,23 @@ def evaluation_rows(args, threads: int) -> list[dict]:
 
 # --- report ---------------------------------------------------------------------------------------
 
-def machine() -> dict:
-    from importlib.metadata import version
+def package_version(name: str) -> str | None:
+    """The installed version of `name`, None where it is not installed (aqlm on a bare GPU box)."""
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def machine() -> dict:
     from aqflow.stages.speed import device_name
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {"cpu": device_name("cpu"), "cores": os.cpu_count(), "platform": platform.platform(),
             "last_level_cache_bytes": last_level_cache_bytes(), "load_average_at_start": load,
-            "torch": torch.__version__, "transformers": version("transformers"), "numba": version("numba"),
-            "aqlm": version("aqlm")}
+            "torch": torch.__version__, **{name: package_version(name) for name in ("transformers", "numba", "aqlm")}}
 
 
 def speedup(rows: list[dict], fast: str, dense: tuple[str, ...], key: str = "decode_tokens_per_second") -> float | None:
@@ -422,6 +436,10 @@ def table(record: dict) -> str:
         for r in record["evaluation"]:
             lines.append(f"{'cpu_kernel ' + r['kernel']:44s} {r['perplexity_seconds']:8.2f} {r['perplexity']:11.4f} "
                          f"{r['resident_weight_bytes'] / 2**20:12.1f}")
+    for suffix in ("", "_cpu_time"):
+        if record.get("smollm2_compared" + suffix):
+            pair = record["smollm2_compared" + suffix]
+            lines.append(f"smollm2_compared{suffix}: {pair['2 bpp']} over {pair['dense']}")
     for key in ("cpu_decode_speedup_3b", "cpu_decode_speedup_3b_cpu_time", "cpu_decode_speedup_3b_fp32_rest",
                 "cpu_resident_fraction_of_bf16_3b",
                 "smollm2_decode_speedup_over_fp16_source", "smollm2_decode_speedup_over_fp16_source_cpu_time"):
@@ -458,12 +476,16 @@ def main() -> int:
     args = parser.parse_args()
     if (args.checkpoint is None) != (args.fp is None):
         parser.error("--checkpoint and --fp go together")
+    if args.aqlm_kernel and package_version("aqlm") is None:
+        # (b) and (c) still measure the project's own path and the dense baselines
+        print("aqlm is not installed: its kernel is left out (as with --no-aqlm-kernel)", flush=True)
+        args.aqlm_kernel = False
 
     import numba
 
     threads = min(args.threads, numba.config.NUMBA_NUM_THREADS)
+    numba.set_num_threads(threads)  # numba's pool first: starting it can reset torch's count
     torch.set_num_threads(threads)
-    numba.set_num_threads(threads)
     record = {"machine": machine(), "threads": threads, "settings": {k: str(v) if isinstance(v, Path) else v
                                                                      for k, v in vars(args).items()}}
     started = time.perf_counter()
@@ -488,7 +510,10 @@ def main() -> int:
             fast = max(("2 bpp, fast, float32 rest", "2 bpp, fast, bfloat16 rest"),
                        key=lambda name: {r["variant"]: r[key] for r in record["smollm2"]}[name])
             record["smollm2_decode_speedup_over_fp16_source" + suffix] = speedup(
-                record["smollm2"], fast, ("fp16 source, float32", "fp16 source, bfloat16"), key)
+                record["smollm2"], fast, FP_SOURCE_VARIANTS, key)
+            by_name = {r["variant"]: r[key] for r in record["smollm2"]}
+            record["smollm2_compared" + suffix] = {"2 bpp": fast, "dense": max(
+                (name for name in FP_SOURCE_VARIANTS if name in by_name), key=by_name.get)}
     if args.checkpoint is not None and args.eval_windows > 0:
         print("(d) evaluation through cpu_kernel dense and fast", flush=True)
         record["evaluation"] = evaluation_rows(args, threads)

@@ -95,21 +95,23 @@ def disk_weight_bytes(model_dir: str | os.PathLike) -> int:
 
 @contextmanager
 def torch_threads(threads: int | None) -> Iterator[None]:
-    """torch and numba on `threads` threads (None: as they are), restored after."""
+    """torch and numba on `threads` threads (None: as they are), restored after.
+
+    numba's count is set first: the first numba.set_num_threads of a process starts numba's
+    OpenMP pool, which can set torch's OpenMP count back to NUMBA_NUM_THREADS (seen with torch
+    2.11 and numba's omp layer: torch on 2 threads where 1 was asked, on a 2-core box)."""
     if threads is None:
         yield
         return
     from aqflow.inference.cpu_kernels import numba_threads
 
     before = torch.get_num_threads()
-    # numba's first: its first set_num_threads starts its OpenMP threading layer, which resets torch's
-    # OpenMP thread count to all cores (a torch count set before it would be lost)
-    with numba_threads(threads):
-        torch.set_num_threads(threads)
-        try:
+    try:
+        with numba_threads(threads):
+            torch.set_num_threads(threads)
             yield
-        finally:
-            torch.set_num_threads(before)
+    finally:
+        torch.set_num_threads(before)
 
 
 def _child_main(connection, function: Callable[..., Any], args: tuple) -> None:
