@@ -148,16 +148,9 @@ def _mean(values: Iterable[float]) -> float | None:
 
 # report column (before its device suffix) -> (speed.json path, key of that path's measurements); see
 # aqflow.stages.speed
-SPEED_PATH_COLUMNS = {
-    "decode_tokens_per_second": ("fast", "decode_tokens_per_second"),
-    "decode_tokens_per_second_plain": ("plain", "decode_tokens_per_second"),
-    "prefill_tokens_per_second": ("fast", "prefill_tokens_per_second"),
-    "prefill_tokens_per_second_plain": ("plain", "prefill_tokens_per_second"),
-    "resident_weight_bytes": ("fast", "resident_weight_bytes"),
-    "resident_weight_bytes_plain": ("plain", "resident_weight_bytes"),
-    "peak_memory_bytes": ("fast", "peak_memory_bytes"),
-    "peak_memory_bytes_plain": ("plain", "peak_memory_bytes"),
-}
+SPEED_METRICS = ("decode_tokens_per_second", "prefill_tokens_per_second", "resident_weight_bytes", "peak_memory_bytes")
+SPEED_PATH_COLUMNS = {metric + suffix: (path, metric)
+                      for metric in SPEED_METRICS for path, suffix in (("fast", ""), ("plain", "_plain"))}
 SPEED_DEVICE_KINDS = ("gpu", "cpu")
 SPEED_COLUMNS = (*(f"{column}_{kind}" for kind in SPEED_DEVICE_KINDS for column in (*SPEED_PATH_COLUMNS, "speed_device")),
                  "disk_weight_bytes")
