@@ -228,11 +228,22 @@ def test_strings_from_the_tokenizers_backend_equal_its_own_call_and_a_differing_
     assert distrusted.calls == [CHECKED_STRINGS, len(strings) - CHECKED_STRINGS]
 
 
-def test_a_batch_over_the_logits_budget_is_scored_in_pieces_with_the_same_answers(tiny, monkeypatch):
+def _batches_of_16_and_their_answers(tiny, seed: int):
+    """A scorer of 16 requests a batch, 30 random requests, and its answers scored whole."""
     model, tokenizer = tiny
-    requests = _requests(random.Random(1), model.config.vocab_size, 30)
+    requests = _requests(random.Random(seed), model.config.vocab_size, 30)
     batched = BatchedScoringLM(pretrained=model, tokenizer=tokenizer, batch_size=16, max_length=64)
-    whole = batched._loglikelihood_tokens(requests, disable_tqdm=True)
+    return batched, requests, batched._loglikelihood_tokens(requests, disable_tqdm=True)
+
+
+def _assert_same_answers(pieces, whole):
+    assert [greedy for _, greedy in pieces] == [greedy for _, greedy in whole]
+    assert [value for value, _ in pieces] == pytest.approx([value for value, _ in whole], rel=1e-5, abs=1e-6)
+
+
+def test_a_batch_over_the_logits_budget_is_scored_in_pieces_with_the_same_answers(tiny, monkeypatch):
+    model, _ = tiny
+    batched, requests, whole = _batches_of_16_and_their_answers(tiny, seed=1)
     forwards = []
     scored_alone = batched._score
     monkeypatch.setattr(batched, "_score", lambda inputs, scored: forwards.append(
@@ -242,15 +253,11 @@ def test_a_batch_over_the_logits_budget_is_scored_in_pieces_with_the_same_answer
     pieces = batched._loglikelihood_tokens(requests, disable_tqdm=True)
     assert all(rows * length <= 3 * 64 for rows, length in forwards)
     assert forwards[0] == (3, 64) and len(forwards) > len(requests) / 16
-    assert [greedy for _, greedy in pieces] == [greedy for _, greedy in whole]
-    assert [value for value, _ in pieces] == pytest.approx([value for value, _ in whole], rel=1e-5, abs=1e-6)
+    _assert_same_answers(pieces, whole)
 
 
 def test_a_card_that_runs_out_of_memory_gets_smaller_passes_with_the_same_answers(tiny, monkeypatch):
-    model, tokenizer = tiny
-    requests = _requests(random.Random(2), model.config.vocab_size, 30)
-    batched = BatchedScoringLM(pretrained=model, tokenizer=tokenizer, batch_size=16, max_length=64)
-    whole = batched._loglikelihood_tokens(requests, disable_tqdm=True)
+    batched, requests, whole = _batches_of_16_and_their_answers(tiny, seed=2)
     forwards = []
     scored_alone = batched._score
 
@@ -263,5 +270,4 @@ def test_a_card_that_runs_out_of_memory_gets_smaller_passes_with_the_same_answer
     monkeypatch.setattr(batched, "_score", shared_card)
     pieces = batched._loglikelihood_tokens(requests, disable_tqdm=True)
     assert forwards[:3] == [16, 8, 4] and max(forwards[3:]) == 4  # later batches start from what held
-    assert [greedy for _, greedy in pieces] == [greedy for _, greedy in whole]
-    assert [value for value, _ in pieces] == pytest.approx([value for value, _ in whole], rel=1e-5, abs=1e-6)
+    _assert_same_answers(pieces, whole)
