@@ -192,3 +192,34 @@ def test_a_worker_serves_only_its_own_users_jobs(tmp_path):
     assert not (tmp_path / "theirs.safetensors").exists() and not (tmp_path / "theirs.log").exists()
     assert warm_workers.run_in_worker(request(tmp_path, inputs, "mine-again"), pool, IDLE_SECONDS) == (0, "")
     assert worker_pid(tmp_path / "mine.log") == worker_pid(tmp_path / "mine-again.log")
+
+
+def test_auto_wants_workers_only_where_the_job_sees_a_card_and_is_no_batch_job(tmp_path):
+    cards = tmp_path / "gpus"
+    assert warm_workers.wanted(True, {"SLURM_JOB_ID": "7"}, cards) is True  # as given
+    assert warm_workers.wanted(False, {}, cards) is False
+    assert warm_workers.wanted("auto", {}, cards) is False  # no driver folder: a CPU machine
+    cards.mkdir()
+    assert warm_workers.wanted("auto", {}, cards) is False  # the driver sees no card
+    (cards / "0000:19:00.0").mkdir()
+    assert warm_workers.wanted("auto", {}, cards) is True
+    assert warm_workers.wanted("auto", {"CUDA_VISIBLE_DEVICES": "0"}, cards) is True
+    for hidden in ("", "-1"):
+        assert warm_workers.wanted("auto", {"CUDA_VISIBLE_DEVICES": hidden}, cards) is False
+    for batch in warm_workers.BATCH_JOB_VARIABLES:
+        assert warm_workers.wanted("auto", {batch: "123"}, cards) is False
+
+
+def test_a_workers_address_names_its_code_so_an_edit_gets_a_new_worker(tmp_path):
+    package = tmp_path / "aqflow"
+    package.mkdir()
+    module = package / "stage.py"
+    module.write_text("x = 1\n")
+    before = warm_workers.code_fingerprint.__wrapped__(package)
+    assert warm_workers.code_fingerprint.__wrapped__(package) == before
+    module.write_text("x = 22\n")
+    after = warm_workers.code_fingerprint.__wrapped__(package)
+    assert after != before
+    lock = tmp_path / "host.0.slot0.lock"
+    assert warm_workers.worker_address(lock, before) != warm_workers.worker_address(lock, after)
+    assert warm_workers.worker_address(lock, before) == warm_workers.worker_address(lock, before)

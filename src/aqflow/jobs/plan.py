@@ -97,7 +97,7 @@ class Execution:
     so it reaches the job (`aqflow.jobs.workflow_glue`) without a changed value rerunning finished
     jobs."""
 
-    warm_workers: bool
+    warm_workers: bool | str  # true, false or "auto" (aqflow.jobs.warm_workers.wanted)
     warm_worker_idle_seconds: float
     logits_budget_gib: float
     cell_order: tuple[str, ...]

@@ -23,8 +23,8 @@ Each job is still one Snakemake job with its own log and its artifacts on disk; 
 that computes them lives longer. If no worker can be started, the job runs in its own process as
 before. A worker that dies during a job fails that job (its outputs are written by rename, so
 none is half-written). A worker serves only its own user's jobs (the peer's uid, as an abstract
-socket has no file permissions), and runs the code it was started with: after changing aqflow's
-code, wait `idle_seconds` before the next run. Linux only (abstract sockets, flock, SO_PEERCRED);
+socket has no file permissions), and runs the code it was started with; its address names that
+code (`code_fingerprint`), so a job after an edit of aqflow is served by a new worker. Linux only (abstract sockets, flock, SO_PEERCRED);
 elsewhere jobs run in process.
 """
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import gc
 import hashlib
 import json
@@ -46,6 +47,10 @@ from pathlib import Path
 from typing import IO, Any, Mapping
 
 START_TIMEOUT_SECONDS = 300.0  # torch's import on a busy node can take a minute
+# Set inside a job of Slurm, PBS/Torque and LSF: the job is its own allocation there
+BATCH_JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one folder per card the driver sees
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # src/aqflow
 
 
 def supported() -> bool:
@@ -78,9 +83,38 @@ def take_slot(pool_dir: Path, card: str) -> tuple[Path, IO]:
             slot += 1
 
 
-def worker_address(slot_lock: Path) -> str:
-    """The abstract socket name of a slot's worker: unique per lock file (host, card, slot, pool)."""
-    digest = hashlib.sha256(str(slot_lock.resolve()).encode()).hexdigest()[:32]
+def wanted(setting: bool | str, environ: Mapping[str, str] | None = None,
+           nvidia_gpus: Path = NVIDIA_GPUS) -> bool:
+    """Whether a layer job hands its call to a warm worker under `execution.warm_workers`: true or
+    false as given; "auto" where the job's machine shows it an NVIDIA card (`nvidia_gpus` lists one
+    and CUDA_VISIBLE_DEVICES does not hide them all) and the job is not itself a batch scheduler's
+    job. On a card a fresh job pays seconds of start-up for ~1-2 s of work; on a CPU the
+    quantization dwarfs it; a cluster job is its own allocation, where a worker would only linger."""
+    if setting != "auto":
+        return bool(setting)
+    environ = os.environ if environ is None else environ
+    if any(name in environ for name in BATCH_JOB_VARIABLES):
+        return False
+    if environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return False
+    return nvidia_gpus.is_dir() and any(nvidia_gpus.iterdir())
+
+
+@functools.cache
+def code_fingerprint(package: Path = PACKAGE_DIR) -> str:
+    """What identifies the code a worker runs: the Python executable and every module of aqflow
+    (path, size, modification time). Stat calls only: ~1 ms for the package."""
+    entries = [sys.executable] + [f"{path.relative_to(package)}:{path.stat().st_size}:{path.stat().st_mtime_ns}"
+                                  for path in sorted(package.rglob("*.py"))]
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()[:16]
+
+
+def worker_address(slot_lock: Path, code: str | None = None) -> str:
+    """The abstract socket name of a slot's worker: unique per lock file (host, card, slot, pool)
+    and per code (`code_fingerprint()` by default), so a job after an edit of aqflow starts a worker
+    of the new code instead of being served by the old one (which exits after its idle time)."""
+    code = code_fingerprint() if code is None else code
+    digest = hashlib.sha256(f"{slot_lock.resolve()}\n{code}".encode()).hexdigest()[:32]
     return f"\0aqflow-warm-worker-{digest}"
 
 

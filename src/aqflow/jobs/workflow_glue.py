@@ -117,12 +117,16 @@ def finetune_block(job) -> StageCall:
 
 def quantize_layer(job) -> StageCall:
     """The variant's quantizer settings (`quantization`, the bit rate and the path) are the stage's
-    `quantizer`; with `execution.warm_workers` the call runs in a warm worker of the job's card."""
+    `quantizer`; where `execution.warm_workers` wants it (`warm_workers.wanted`: true, or "auto" on a
+    GPU machine outside a batch scheduler's job) the call runs in a warm worker of the job's card."""
+    from aqflow.jobs import warm_workers
+
     execution = job.params.execution
     paths = {"model_dir": job.input.model, "calibration_dir": job.input.calibration, "layer": job.wildcards.layer,
              "output": job.output.layer, "metrics": job.output.metrics}
     return StageCall({"quantizer": dict(job.params.settings)}, paths,
-                     warm_worker_idle_seconds=execution.warm_worker_idle_seconds if execution.warm_workers else None)
+                     warm_worker_idle_seconds=(execution.warm_worker_idle_seconds
+                                               if warm_workers.wanted(execution.warm_workers) else None))
 
 
 def stitch(job) -> StageCall:
