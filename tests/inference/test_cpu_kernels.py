@@ -120,3 +120,24 @@ def test_several_threads_give_the_one_thread_outputs_exactly():
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"mismatches": 0}
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("rows_per_chunk", [256, 7])  # 7: chunks ending in rows that are not a multiple of 4
+def test_bf16_matmul_equals_the_float32_product_of_the_bf16_weight(tokens, rows_per_chunk, rng):
+    weight = torch.randn(203, 77, generator=rng).to(torch.bfloat16)
+    bias = torch.randn(203, generator=rng)
+    x = torch.randn(tokens, 77, generator=rng)
+    expected = x.double() @ weight.double().T + bias.double()
+    got = cpu_kernels.bf16_matmul(x, weight, bias, rows_per_chunk=rows_per_chunk)
+    assert got.dtype == torch.float32 and got.shape == (tokens, 203)
+    # the bf16 values widen exactly: only float32 summation rounding remains
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_bf16_matmul_reads_the_weight_in_place_and_refuses_other_dtypes(rng):
+    weight = torch.randn(8, 16, generator=rng)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_kernels.bf16_matmul(torch.randn(1, 16), weight)
+    with pytest.raises(ValueError, match="expected \\[tokens, 16\\]"):
+        cpu_kernels.bf16_matmul(torch.randn(1, 15), weight.to(torch.bfloat16))
