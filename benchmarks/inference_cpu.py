@@ -269,7 +269,7 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
         greedy_decode(model, random_prompt(LLAMA_3B["vocab_size"], prompt_tokens, 1), 2)  # compile, caches
         warmup_seconds = time.perf_counter() - started
         runs, cpu_rates = zip(*[timed_decode(model, random_prompt(LLAMA_3B["vocab_size"], prompt_tokens, 0), new_tokens,
-                                             None, True) for _ in range(repeats)])
+                                             {}, True) for _ in range(repeats)])  # {}: greedy_decode's defaults
     timings = max(runs, key=lambda run: run.decode_tokens_per_second)
     return {"variant": variant, "dtype": dtype_name, "linears": linears, "bf16_gemv": bf16_gemv, "threads": threads,
             "openmp_libraries": openmp_libraries(), "numba_threading_layer": _numba_layer(),
