@@ -3,7 +3,7 @@
     PYTHONPATH=src .venv/bin/python benchmarks/inference_cpu_profile.py [--threads 2] [--steps 4] [--dtype bfloat16]
 
 Builds benchmarks/inference_cpu.py's random model (2x8 FastQuantizedLinear, unquantized parts in
---dtype), decodes a warm-up, then times --steps single-token steps with forward pre/post hooks on
+--dtype; bf16 linears through numba's GEMV as runtime's CPU fast path has them, unless --torch-bf16), decodes a warm-up, then times --steps single-token steps with forward pre/post hooks on
 every module: each kind's time is its own (exclusive: the time of hooked children inside it is
 subtracted), so the kinds add up to the hooked total; "outside modules" is the step's wall time
 left (the decode loop's argmax, cache bookkeeping, transformers' mask and cache code outside
@@ -65,11 +65,14 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--linears", default="fast", choices=("fast", "dense"))
     parser.add_argument("--prompt-tokens", type=int, default=8)
+    parser.add_argument("--torch-bf16", action="store_true",
+                        help="leave bf16 nn.Linears (the lm_head) to torch instead of numba's GEMV (the fast path's)")
     args = parser.parse_args()
 
     import numba
 
     from aqflow.inference.decode import new_static_cache, step_logits
+    from aqflow.inference.fast_linear import install_cpu_bf16_linears
     from benchmarks.inference_cpu import LLAMA_3B, random_llama
 
     numba.set_num_threads(args.threads)
@@ -77,6 +80,8 @@ def main() -> int:
     print(f"load average at start {os.getloadavg()}", flush=True)
     started = time.perf_counter()
     model = random_llama(LLAMA_3B, getattr(torch, args.dtype), args.linears)
+    if not args.torch_bf16:
+        install_cpu_bf16_linears(model)
     print(f"built in {time.perf_counter() - started:.1f} s", flush=True)
     prompt = torch.randint(0, LLAMA_3B["vocab_size"], (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():

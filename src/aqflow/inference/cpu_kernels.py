@@ -239,6 +239,18 @@ def _table_row_sum(table, row_codes, nbits):
 
 
 @njit(fastmath=True, cache=True)
+def _table_row_sum_32x8(table, row_codes):
+    """_table_row_sum for slices of 32 code columns of 8-bit codes (every 2x8 and 1x8 layer: a
+    32 KiB slice). The constant trip count lets LLVM unroll the loop into four 8-lane gathers with
+    no loop or remainder code around them: ~1.2x the general loop on the 3B layers (the gathers
+    still take 64-bit indices: 32-bit index arithmetic, signed or not, compiled the same)."""
+    total = np.float32(0.0)
+    for i in range(32):
+        total += table[(i << 8) | np.int64(row_codes[i])]
+    return total
+
+
+@njit(fastmath=True, cache=True)
 def _gather_tiles(tables, tiled, nbits, first_slice, last_slice, first_tile, last_tile, out, scales, bias, has_bias,
                   finish):
     """For the rows of tiles [first_tile, last_tile): out[t, row] += the table entries their codes
@@ -257,8 +269,12 @@ def _gather_tiles(tables, tiled, nbits, first_slice, last_slice, first_tile, las
         for t in range(tokens):
             table = tables[t, offset:offset + slice_entries]
             for tile in range(first_tile, last_tile):
-                for r in range(rows):
-                    out[t, tile * rows + r] += _table_row_sum(table, tiled[tile, s, r], nbits)
+                if columns == 32 and nbits == 8:
+                    for r in range(rows):
+                        out[t, tile * rows + r] += _table_row_sum_32x8(table, tiled[tile, s, r])
+                else:
+                    for r in range(rows):
+                        out[t, tile * rows + r] += _table_row_sum(table, tiled[tile, s, r], nbits)
     if finish:
         for t in range(tokens):
             for row in range(first_tile * rows, last_tile * rows):
