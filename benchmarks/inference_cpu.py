@@ -322,8 +322,11 @@ def decode_rows(args, threads: int) -> list[dict]:
             return row
         return run
 
-    jobs = [(name, job(name, dtype, linears, gemv)) for name, dtype, linears, gemv in DECODE_VARIANTS
-            if (linears != "aqlm" or args.aqlm_kernel) and (args.variants is None or name in args.variants)]
+    chosen = [v for v in DECODE_VARIANTS if v[2] != "aqlm" or args.aqlm_kernel]
+    if args.variants is not None:  # in the order given: an order effect can be checked by reversing it
+        by_name = {v[0]: v for v in chosen}
+        chosen = [by_name[name] for name in args.variants if name in by_name]
+    jobs = [(name, job(name, dtype, linears, gemv)) for name, dtype, linears, gemv in chosen]
     return best_of_rounds(args.rounds, jobs, "decode_tokens_per_second", True)
 
 
@@ -471,7 +474,7 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=8, help="(b): timed decode tokens (+1 from the prefill)")
     parser.add_argument("--variants", nargs="+", default=None, metavar="NAME",
-                        help="(b): only these variants (names as printed; default: all)")
+                        help="(b): only these variants, in this order (names as printed; default: all)")
     parser.add_argument("--aqlm-new-tokens", type=int, default=3, help="(b): for aqlm's one-thread kernel")
     parser.add_argument("--repeats", type=int, default=3,
                         help="(b), (c): decode this many times per variant, keep the fastest (a shared machine)")
