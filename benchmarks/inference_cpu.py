@@ -15,12 +15,14 @@ whole models, on all cores.
     depend on their values), batch 1, --prompt-tokens then --new-tokens greedy tokens through
     aqflow.inference.decode.greedy_decode (a static KV cache; a warm-up decode first; the fastest
     of --repeats decodes): dense
-    float32, dense bfloat16, 2x8 through FastQuantizedLinear (unquantized parts in bfloat16, and in
-    float32), and aqlm's own numba kernel (one thread: it races with more; float32, its only
-    dtype) unless --no-aqlm-kernel. Each in a fresh process: weight bytes as held and the process's
+    float32, dense bfloat16 (torch's GEMV, and every linear through numba's bf16 GEMV,
+    cpu_kernels.bf16_matmul), 2x8 through FastQuantizedLinear (unquantized parts in bfloat16 with
+    the tied lm_head through numba's bf16 GEMV as runtime's fast path has it, the same with torch's
+    lm_head, and float32 parts), and aqlm's own numba kernel (one thread: it races with more;
+    float32, its only dtype) unless --no-aqlm-kernel; --variants picks some. Each in a fresh process: weight bytes as held and the process's
     peak RSS are its own. `cpu_decode_speedup_3b` = decode tokens/s of 2x8 with bf16 unquantized
     parts (the variant within the memory target: its embedding in float32 alone is 1.5 GiB) over
-    the best dense; `..._fp32_rest` the same for float32 unquantized parts; `..._cpu_time` by
+    the best of the three dense variants; `..._fp32_rest` the same for float32 unquantized parts; `..._cpu_time` by
     CPU seconds of the decode steps (meaningful with --threads 1 on a shared machine).
 (c) with --checkpoint and --fp: the real SmolLM2 checkpoint and its fp16 source through the speed
     stage's measurement (aqflow.stages.speed.measure): fp in float32, bfloat16 and float16 (its
@@ -240,10 +242,13 @@ def _aqlm_linear(w):
 
 
 def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int, new_tokens: int, threads: int,
-                 repeats: int) -> dict:
-    """Build one variant and time its batch-1 decode, in this (fresh) process."""
+                 repeats: int, bf16_gemv: bool = False) -> dict:
+    """Build one variant and time its batch-1 decode, in this (fresh) process. bf16_gemv: its bf16
+    nn.Linears (the tied lm_head; every linear of the dense bf16 model) through numba's GEMV
+    (fast_linear.install_cpu_bf16_linears, as runtime.load_for_decoding's fast path on a CPU)."""
     from aqflow.inference.cpu_kernels import numba_threads
     from aqflow.inference.decode import greedy_decode
+    from aqflow.inference.fast_linear import install_cpu_bf16_linears
     from aqflow.inference.runtime import resident_weight_bytes
     from aqflow.stages.speed import peak_rss_bytes, random_prompt, timed_decode
 
@@ -255,6 +260,8 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
     rss_before = peak_rss_bytes()
     started = time.perf_counter()
     model = random_llama(LLAMA_3B, dtype, linears)
+    if bf16_gemv:
+        install_cpu_bf16_linears(model)
     build_seconds = time.perf_counter() - started
     numba_count = 1 if linears == "aqlm" else threads
     with numba_threads(numba_count):
@@ -262,9 +269,9 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
         greedy_decode(model, random_prompt(LLAMA_3B["vocab_size"], prompt_tokens, 1), 2)  # compile, caches
         warmup_seconds = time.perf_counter() - started
         runs, cpu_rates = zip(*[timed_decode(model, random_prompt(LLAMA_3B["vocab_size"], prompt_tokens, 0), new_tokens,
-                                             None, True) for _ in range(repeats)])
+                                             {}, True) for _ in range(repeats)])  # {}: greedy_decode's defaults
     timings = max(runs, key=lambda run: run.decode_tokens_per_second)
-    return {"variant": variant, "dtype": dtype_name, "linears": linears, "threads": threads,
+    return {"variant": variant, "dtype": dtype_name, "linears": linears, "bf16_gemv": bf16_gemv, "threads": threads,
             "openmp_libraries": openmp_libraries(), "numba_threading_layer": _numba_layer(),
             "numba_threads": numba_count, "build_seconds": build_seconds, "warmup_seconds": warmup_seconds,
             "decode_tokens_per_second": timings.decode_tokens_per_second,
@@ -286,32 +293,40 @@ def _numba_layer() -> str | None:
         return None
 
 
-DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears)
-    ("dense fp32", "float32", "dense"),
-    ("dense bf16", "bfloat16", "dense"),
-    ("2x8 fast (bf16 rest)", "bfloat16", "fast"),
-    ("2x8 fast (fp32 rest)", "float32", "fast"),
-    ("2x8 aqlm kernel (1 thread)", "float32", "aqlm"),
+DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears, bf16 linears through numba's GEMV)
+    ("dense fp32", "float32", "dense", False),
+    ("dense bf16", "bfloat16", "dense", False),
+    ("dense bf16 (numba GEMV)", "bfloat16", "dense", True),
+    ("2x8 fast (bf16 rest)", "bfloat16", "fast", True),
+    ("2x8 fast (bf16 rest, torch lm_head)", "bfloat16", "fast", False),
+    ("2x8 fast (fp32 rest)", "float32", "fast", False),
+    ("2x8 aqlm kernel (1 thread)", "float32", "aqlm", False),
 ]
+# The dense baselines the speed-up is taken over: torch's fp32 and bf16, and bf16 through the same
+# numba GEMV the 2x8 model's lm_head uses (so the head's gain is not counted as the codes' gain).
+DENSE_VARIANTS = ("dense fp32", "dense bf16", "dense bf16 (numba GEMV)")
 
 
 def decode_rows(args, threads: int) -> list[dict]:
     from aqflow.inference.runtime import call_in_child
 
-    def job(name, dtype, linears):
+    def job(name, dtype, linears, bf16_gemv):
         def run():
             new_tokens = args.aqlm_new_tokens if linears == "aqlm" else args.new_tokens
             repeats = 1 if linears == "aqlm" else args.repeats
             row = call_in_child(decode_child, name, dtype, linears, args.prompt_tokens, new_tokens, threads, repeats,
-                                what=name)
+                                bf16_gemv, what=name)
             print(f"  {name:28s} {row['decode_tokens_per_second']:7.2f} tokens/s, weights "
                   f"{row['resident_weight_bytes'] / 2**30:6.2f} GiB, peak RSS {row['peak_rss_bytes'] / 2**30:6.2f} GiB",
                   flush=True)
             return row
         return run
 
-    jobs = [(name, job(name, dtype, linears)) for name, dtype, linears in DECODE_VARIANTS
-            if linears != "aqlm" or args.aqlm_kernel]
+    chosen = [v for v in DECODE_VARIANTS if v[2] != "aqlm" or args.aqlm_kernel]
+    if args.variants is not None:  # in the order given: an order effect can be checked by reversing it
+        by_name = {v[0]: v for v in chosen}
+        chosen = [by_name[name] for name in args.variants if name in by_name]
+    jobs = [(name, job(name, dtype, linears, gemv)) for name, dtype, linears, gemv in chosen]
     return best_of_rounds(args.rounds, jobs, "decode_tokens_per_second", True)
 
 
@@ -458,6 +473,8 @@ def main() -> int:
     parser.add_argument("--no-aqlm-kernel", dest="aqlm_kernel", action="store_false", help="skip aqlm's own kernel")
     parser.add_argument("--prompt-tokens", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=8, help="(b): timed decode tokens (+1 from the prefill)")
+    parser.add_argument("--variants", nargs="+", default=None, metavar="NAME",
+                        help="(b): only these variants, in this order (names as printed; default: all)")
     parser.add_argument("--aqlm-new-tokens", type=int, default=3, help="(b): for aqlm's one-thread kernel")
     parser.add_argument("--repeats", type=int, default=3,
                         help="(b), (c): decode this many times per variant, keep the fastest (a shared machine)")
@@ -495,11 +512,11 @@ def main() -> int:
     if args.decode:
         print("(b) Llama-3.2-3B-shaped decode", flush=True)
         record["decode_3b"] = decode_rows(args, threads)
-        record["cpu_decode_speedup_3b"] = speedup(record["decode_3b"], "2x8 fast (bf16 rest)", ("dense fp32", "dense bf16"))
+        record["cpu_decode_speedup_3b"] = speedup(record["decode_3b"], "2x8 fast (bf16 rest)", DENSE_VARIANTS)
         record["cpu_decode_speedup_3b_cpu_time"] = speedup(record["decode_3b"], "2x8 fast (bf16 rest)",
-                                                           ("dense fp32", "dense bf16"), "decode_tokens_per_cpu_second")
+                                                           DENSE_VARIANTS, "decode_tokens_per_cpu_second")
         record["cpu_decode_speedup_3b_fp32_rest"] = speedup(record["decode_3b"], "2x8 fast (fp32 rest)",
-                                                            ("dense fp32", "dense bf16"))
+                                                            DENSE_VARIANTS)
         by_name = {row["variant"]: row for row in record["decode_3b"]}
         record["cpu_resident_fraction_of_bf16_3b"] = (by_name["2x8 fast (bf16 rest)"]["resident_weight_bytes"]
                                                       / by_name["dense bf16"]["resident_weight_bytes"])

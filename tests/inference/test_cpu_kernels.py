@@ -98,7 +98,8 @@ from test_cpu_kernels import random_weights, assert_matches_reference
 generator = torch.Generator().manual_seed(7)
 mismatches = 0
 for trial in range(6):
-    w = random_weights(300, 48, 2, 8, 8, generator)
+    # 48 groups: small, on the calling thread; 256: past PARALLEL_MIN_LOADS, on numba's threads
+    w = random_weights(300, 48 if trial < 3 else 256, 2, 8, 8, generator)
     x = torch.randn(1 + trial % 3, w.in_features, generator=generator)
     one = cpu_kernels.lut_matmul(x, w, threads=1)
     for threads in (2, 3):
@@ -120,3 +121,35 @@ def test_several_threads_give_the_one_thread_outputs_exactly():
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"mismatches": 0}
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("rows_per_chunk", [256, 7])  # 7: chunks ending in rows that are not a multiple of 4
+def test_bf16_matmul_equals_the_float32_product_of_the_bf16_weight(tokens, rows_per_chunk, rng):
+    weight = torch.randn(203, 77, generator=rng).to(torch.bfloat16)
+    bias = torch.randn(203, generator=rng)
+    x = torch.randn(tokens, 77, generator=rng)
+    expected = x.double() @ weight.double().T + bias.double()
+    got = cpu_kernels.bf16_matmul(x, weight, bias, rows_per_chunk=rows_per_chunk)
+    assert got.dtype == torch.float32 and got.shape == (tokens, 203)
+    # the bf16 values widen exactly: only float32 summation rounding remains
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_bf16_matmul_reads_the_weight_in_place_and_refuses_other_dtypes(rng):
+    weight = torch.randn(8, 16, generator=rng)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_kernels.bf16_matmul(torch.randn(1, 16), weight)
+    with pytest.raises(ValueError, match="expected \\[tokens, 16\\]"):
+        cpu_kernels.bf16_matmul(torch.randn(1, 15), weight.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("num_codebooks", [1, 2])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_slices_of_32_eight_bit_columns_take_the_unrolled_sum_and_equal_the_reference(num_codebooks, tokens, rng):
+    """in 512 (64 groups of 8): 64 or 128 code columns, cut into L1 slices of 32 columns of 256
+    codewords, the geometry _table_row_sum_32x8 serves (every 3B layer)."""
+    w = random_weights(128, 64, num_codebooks, 8, 8, rng)
+    assert cpu_kernels.tile_geometry(128, 64 * num_codebooks, 8)[1] == 32
+    x = torch.randn(tokens, w.in_features, generator=rng)
+    assert_matches_reference(cpu_kernels.lut_matmul(x, w), x, w)

@@ -77,3 +77,27 @@ def test_a_layer_after_aqlms_cpu_kernel_is_refused_by_name(tiny_aqlm):
     layer.codes.data = layer.codes.data.permute(1, 0, 2).contiguous()  # what aqlm's CPU kernel leaves
     with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj"):
         install_fast_linears(model)
+
+
+def test_bf16_linears_through_numba_keep_the_tied_head_and_the_logits(tmp_path):
+    """install_cpu_bf16_linears swaps the bf16 nn.Linears (the tied lm_head here) for
+    CpuBf16Linear holding the same Parameters: the head stays tied, no bytes are added, and the
+    logits equal torch's bf16 ones within bf16 rounding of the output (the kernel sums in float32)."""
+    from aqflow.inference.fast_linear import CpuBf16Linear, install_cpu_bf16_linears
+    from aqflow.inference.runtime import resident_weight_bytes
+
+    fp_dir = build_tiny_llama(tmp_path / "fp", hidden_size=64, intermediate_size=128, num_layers=2, seed=0)
+    reference = load_causal_lm(fp_dir, dtype="bfloat16", device="cpu")
+    model = load_causal_lm(fp_dir, dtype="bfloat16", device="cpu")
+    before = resident_weight_bytes(model)
+    names = install_cpu_bf16_linears(model)
+    assert "lm_head" in names and len(names) == 7 * model.config.num_hidden_layers + 1
+    assert isinstance(model.lm_head, CpuBf16Linear)
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert resident_weight_bytes(model) == before
+    ids = torch.randint(0, model.config.vocab_size, (1, 3), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, expected = model(ids).logits, reference(ids).logits
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2 * float(expected.abs().max()))

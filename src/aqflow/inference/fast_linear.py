@@ -125,3 +125,42 @@ def install_fast_linears(model: nn.Module) -> list[str]:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, FastQuantizedLinear(weights))
     return names
+
+
+class CpuBf16Linear(nn.Module):
+    """An nn.Linear with a bfloat16 weight whose few-token products on the CPU go through
+    cpu_kernels.bf16_matmul (the weight read once as bf16 at close to the memory's bandwidth,
+    computed in float32) instead of torch's bf16 GEMV (compute-bound on the 2-core box: ~14 GB/s).
+    forward(x [..., in]) -> [..., out] in x's dtype; more tokens, or another device, go to torch.
+
+    It holds the linear's own weight and bias Parameters (tied weights stay tied, no copy)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if (flat.device.type == "cpu" and self.weight.device.type == "cpu" and self.weight.dtype == torch.bfloat16
+                and flat.shape[0] <= LUT_MAX_TOKENS):
+            out = cpu_kernels.bf16_matmul(flat, self.weight, self.bias)
+            return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def install_cpu_bf16_linears(model: nn.Module) -> list[str]:
+    """Replace, in place, every nn.Linear of `model` whose weight is bfloat16 on the CPU (the tied
+    lm_head of a 2 bpp model, every linear of a bf16 dense one) by a CpuBf16Linear holding the
+    same Parameters. Returns the names replaced (empty on a GPU or in another dtype)."""
+    names = [name for name, module in model.named_modules()
+             if type(module) is nn.Linear and module.weight.dtype == torch.bfloat16 and module.weight.device.type == "cpu"]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, CpuBf16Linear(getattr(parent, child)))
+    return names

@@ -2,7 +2,8 @@
 
     fast:  the project's fastest path for the device: AQLM layers become FastQuantizedLinear
            (lookup-table kernels, 2-bit in memory); on CUDA q/k/v and gate/up fused
-           (decode.fuse_projections); greedy_decode replays the step as a CUDA graph there.
+           (decode.fuse_projections); greedy_decode replays the step as a CUDA graph there; on a
+           CPU bfloat16 linears (the tied lm_head) become CpuBf16Linear (numba's bf16 GEMV).
     plain: transformers + aqlm as they load the folder (aqlm's own kernels), decoded eagerly with
            nothing fused (decode_options), for comparison.
 
@@ -47,11 +48,13 @@ def load_for_decoding(model_dir: str | os.PathLike, device: str, dtype: str = "a
     model = load_causal_lm(model_dir, dtype=resolve_dtype(model_dir, device, dtype), device=device)
     if path == "fast":
         from aqflow.inference.decode import fuse_projections
-        from aqflow.inference.fast_linear import install_fast_linears
+        from aqflow.inference.fast_linear import install_cpu_bf16_linears, install_fast_linears
 
         install_fast_linears(model)
         if torch.device(device).type == "cuda":
             fuse_projections(model)
+        else:  # bf16 linears left dense (the tied lm_head): numba's GEMV, faster than torch's there
+            install_cpu_bf16_linears(model)
     return model
 
 
