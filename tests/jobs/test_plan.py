@@ -53,8 +53,7 @@ def test_the_params_are_the_values_runs_made_before_the_plan_recorded():
     assert repr(plan.calibrate_settings()) == (
         "{'batch_size': 4, 'num_windows': 8, 'propagation': 'fp', 'seed': 0, 'window_tokens': 64}")
     assert repr(plan.evaluation_settings()) == (
-        "{'batch_size': 4, 'c4_windows': 8, 'context': 64, 'cpu_kernel': 'dense', 'gpu_kernel': 'dense', "
-        "'max_windows': 8, 'task_limit': 4, 'tasks': ['arc_easy', 'arc_challenge', 'hellaswag', 'piqa', 'winogrande', "
+        "{'batch_size': 4, 'c4_windows': 8, 'context': 64, 'max_windows': 8, 'task_limit': 4, 'tasks': ['arc_easy', 'arc_challenge', 'hellaswag', 'piqa', 'winogrande', "
         "'lambada_openai']}")
     assert plan.domains(GREEDY) == [["wikitext2-standin", "joined"], ["c4-standin", "sampled"]]
     assert repr(plan.fetch_model_settings(GREEDY)) == (

@@ -74,9 +74,10 @@ def test_every_pvtune_key_reaches_its_field_in_the_data_or_the_loop():
     assert set(workflow_glue.PVTUNE_DATA_KEYS) <= {spec.name for spec in dataclasses.fields(type(settings))} - loop
 
 
-def test_every_evaluation_key_and_the_logits_budget_reach_the_evaluate_stage(tmp_path):
+def test_every_evaluation_key_the_logits_budget_and_the_kernels_reach_the_evaluate_stage(tmp_path):
     section = section_example(SCHEMA["evaluation"]["properties"])
-    plan = WorkflowPlan(tiny_config(evaluation=section, execution={"logits_budget_gib": 3.5}))
+    plan = WorkflowPlan(tiny_config(evaluation=section, execution={"logits_budget_gib": 3.5, "cpu_kernel": "aqlm",
+                                                                    "gpu_kernel": "aqlm"}))
     params = {"evaluation": plan.evaluation_settings(), "domains": plan.domains(GREEDY), "settings": {},
               "calibration": {}, "label": plan.fp_label(GREEDY), "execution": plan.execution}
     corpora = [str(tmp_path / "wikitext2-standin.parquet"), str(tmp_path / "c4-standin.parquet")]
@@ -88,6 +89,7 @@ def test_every_evaluation_key_and_the_logits_budget_reach_the_evaluate_stage(tmp
     for key, value in section.items():
         assert getattr(settings, key) == (tuple(value) if isinstance(value, list) else value), key
     assert settings.logits_budget_gib == 3.5 and settings.label == "tiny/fp" and settings.perplexity is None
+    assert settings.cpu_kernel == "aqlm" and settings.gpu_kernel == "aqlm"
     assert paths.domain == (("wikitext2-standin", "joined", corpora[0]), ("c4-standin", "sampled", corpora[1]))
     assert settings.upstream == {"model": "tiny", "bpp": None, "quantizer": {}, "calibration": {},
                                  "evaluation": plan.evaluation_settings(), "layers": [], "block_finetune": [],

@@ -45,6 +45,10 @@ def test_overrides_are_validated_after_merging_and_a_missing_file_is_named(tmp_p
     typo.write_text("calibration: {num_windos: 16}\n")
     result = dry_run(tmp_path / "a", "--config", f"overrides={typo}")
     assert result.returncode != 0 and "num_windos" in result.stdout + result.stderr
+    moved = tmp_path / "moved.yaml"  # a key of an older config.yaml that now lives in execution
+    moved.write_text("evaluation: {cpu_kernel: dense}\n")
+    result = dry_run(tmp_path / "m", "--config", f"overrides={moved}")
+    assert result.returncode != 0 and "evaluation.cpu_kernel is now execution.cpu_kernel" in result.stdout + result.stderr
     result = dry_run(tmp_path / "b", "--config", f"overrides={tmp_path / 'absent.yaml'}")
     assert result.returncode != 0 and "absent.yaml does not exist" in result.stdout + result.stderr
 

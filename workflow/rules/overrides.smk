@@ -85,11 +85,19 @@ update_config(
 )
 
 
+# Keys that moved between sections: (old section, key, new section)
+MOVED_KEYS = (("evaluation", "cpu_kernel", "execution"), ("evaluation", "gpu_kernel", "execution"))
+
+
 def validated(config, schema):
     """`validate` (the schema's defaults filled in), its error one line naming the key and the
     reason (not Snakemake's dump of the whole schema), with a hint when config.yaml, the base every
     other file is layered over, was not found (it is read from the working directory).
     """
+    for section, key, home in MOVED_KEYS:
+        if key in (config.get(section) or {}):
+            raise SystemExit(f"aqflow: config: {section}.{key} is now {home}.{key} (how a job runs, not what it "
+                             f"computes: changing it reruns nothing); move it there in your config file")
     try:
         validate(config, schema)
     except WorkflowError as error:

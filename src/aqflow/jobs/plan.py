@@ -102,13 +102,16 @@ class Execution:
     logits_budget_gib: float
     cell_order: tuple[str, ...]
     save_state_every: int | None  # None: PV-tuning not configured
+    cpu_kernel: str = "fast"  # how an evaluation computes AQLM layers on a CPU / a GPU (stages.evaluate)
+    gpu_kernel: str = "dense"
 
     @classmethod
     def from_config(cls, config: Mapping) -> "Execution":
         section = config["execution"]
         return cls(warm_workers=section["warm_workers"], warm_worker_idle_seconds=section["warm_worker_idle_seconds"],
                    logits_budget_gib=section["logits_budget_gib"], cell_order=tuple(section["cell_order"]),
-                   save_state_every=(config.get("pvtune") or {}).get("save_state_every"))
+                   save_state_every=(config.get("pvtune") or {}).get("save_state_every"),
+                   cpu_kernel=section["cpu_kernel"], gpu_kernel=section["gpu_kernel"])
 
 
 def canonical(mapping: Mapping) -> dict:

@@ -156,13 +156,15 @@ def pvtune(job) -> StageCall:
 
 def evaluate(job) -> StageCall:
     """`evaluation` with the job's label, the upstream record eval.json embeds (`upstream_record`)
-    and the logits budget of `execution` (how the job runs: it changes no metric); one perplexity
+    and the logits budget and AQLM kernels of `execution` (how the job runs: they change no metric
+    beyond float rounding); one perplexity
     domain per evaluation corpus of the model's text (none: no perplexity). Its progress bars
     (perplexity batches, zero-shot requests) go to the job's log."""
     p = job.params
     domains = [(name, protocol, corpus) for (name, protocol), corpus in zip(p.domains, files(job.input.get("corpora", [])))]
     settings = {**p.evaluation, "label": p.label, "upstream": upstream_record(job),
-                "logits_budget_gib": p.execution.logits_budget_gib}
+                "logits_budget_gib": p.execution.logits_budget_gib,
+                "cpu_kernel": p.execution.cpu_kernel, "gpu_kernel": p.execution.gpu_kernel}
     if not domains:
         settings["perplexity"] = []
     pvtune_record = job.input.get("pvtune")

@@ -100,10 +100,10 @@ class EvaluateSettings:
     dtype: str = field(default="auto", metadata=option(
         "compute dtype (auto: float32 on CPU, the model folder's dtype on GPU)",
         choices=("auto", "float16", "bfloat16", "float32")))
-    cpu_kernel: str = field(default="dense", metadata=option(
-        "AQLM layers on a CPU: dense (dequantized once after loading, multi-threaded; RAM holds the dense "
-        "model), fast (aqflow.inference's FastQuantizedLinear: the model stays 2-bit in RAM, each forward "
-        "dequantizes a chunk of rows at a time) or aqlm (aqlm's numba kernel, one thread, 5-14x slower per "
+    cpu_kernel: str = field(default="fast", metadata=option(
+        "AQLM layers on a CPU: fast (aqflow.inference's FastQuantizedLinear: the model stays 2-bit in RAM, "
+        "each forward dequantizes a chunk of rows at a time), dense (dequantized once after loading, "
+        "multi-threaded; RAM holds the dense model) or aqlm (aqlm's numba kernel, one thread, 5-14x slower per "
         "layer)", choices=("dense", "fast", "aqlm")))
     gpu_kernel: str = field(default="dense", metadata=option(
         "AQLM layers on a GPU: dense (dequantized once after loading, cuBLAS matmuls) or aqlm (aqlm's CUDA "
