@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -72,7 +73,17 @@ def openmp_libraries() -> list[str]:
     if not maps.exists():
         return []
     names = {line.split()[-1] for line in maps.read_text().splitlines() if line.split()[-1].startswith("/")}
-    return sorted(name for name in names if any(tag in Path(name).name for tag in ("gomp", "iomp", "libomp", "tbb")))
+    found = sorted(name for name in names if any(tag in Path(name).name for tag in ("gomp", "iomp", "libomp", "tbb")))
+    return [shown_path(name) for name in found]
+
+
+def shown_path(name: str) -> str:
+    """A library's path as the results record it: inside this Python's environment relative to it
+    (where a checkout's venv lives says nothing about the machine), elsewhere whole."""
+    try:
+        return f"<python prefix>/{Path(name).relative_to(sys.prefix)}"
+    except ValueError:
+        return name
 
 
 def last_level_cache_bytes() -> int:
