@@ -86,7 +86,10 @@ update_config(
 
 
 # Keys that moved between sections: (old section, key, new section)
-MOVED_KEYS = (("evaluation", "cpu_kernel", "execution"), ("evaluation", "gpu_kernel", "execution"))
+MOVED_KEYS = (
+    ("evaluation", "cpu_kernel", "execution"),
+    ("evaluation", "gpu_kernel", "execution"),
+)
 
 
 def validated(config, schema):
@@ -96,8 +99,10 @@ def validated(config, schema):
     """
     for section, key, home in MOVED_KEYS:
         if key in (config.get(section) or {}):
-            raise SystemExit(f"aqflow: config: {section}.{key} is now {home}.{key} (how a job runs, not what it "
-                             f"computes: changing it reruns nothing); move it there in your config file")
+            raise SystemExit(
+                f"aqflow: config: {section}.{key} is now {home}.{key} (how a job runs, not what it "
+                f"computes: changing it reruns nothing); move it there in your config file"
+            )
     try:
         validate(config, schema)
     except WorkflowError as error:
