@@ -122,9 +122,14 @@ def install_fast_linears(model: nn.Module) -> list[str]:
             weights = from_quantized_linear(model.get_submodule(name))
         except ValueError as error:
             raise ValueError(f"{name}: {error}") from error
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, FastQuantizedLinear(weights))
+        replace_module(model, name, FastQuantizedLinear(weights))
     return names
+
+
+def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put `module` in place of `model`'s submodule `name` (a dotted path)."""
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
 class CpuBf16Linear(nn.Module):
@@ -160,7 +165,5 @@ def install_cpu_bf16_linears(model: nn.Module) -> list[str]:
     names = [name for name, module in model.named_modules()
              if type(module) is nn.Linear and module.weight.dtype == torch.bfloat16 and module.weight.device.type == "cpu"]
     for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, CpuBf16Linear(getattr(parent, child)))
+        replace_module(model, name, CpuBf16Linear(model.get_submodule(name)))
     return names

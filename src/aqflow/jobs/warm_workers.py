@@ -104,8 +104,8 @@ def wanted(setting: bool | str, environ: Mapping[str, str] | None = None,
 def code_fingerprint(package: Path = PACKAGE_DIR) -> str:
     """What identifies the code a worker runs: the Python executable and every module of aqflow
     (path, size, modification time). Stat calls only: ~1 ms for the package."""
-    entries = [sys.executable] + [f"{path.relative_to(package)}:{path.stat().st_size}:{path.stat().st_mtime_ns}"
-                                  for path in sorted(package.rglob("*.py"))]
+    entries = [sys.executable] + [f"{path.relative_to(package)}:{stat.st_size}:{stat.st_mtime_ns}"
+                                  for path in sorted(package.rglob("*.py")) for stat in [path.stat()]]
     return hashlib.sha256("\n".join(entries).encode()).hexdigest()[:16]
 
 

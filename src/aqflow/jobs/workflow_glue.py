@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from aqflow.io.artifacts import read_json
-from aqflow.jobs.gpu_pool import pin_job_gpus
+from aqflow.jobs import warm_workers
+from aqflow.jobs.gpu_pool import pin_job_gpus, pool_folder
 from aqflow.jobs.stage_jobs import execute_logged, last_error_line, stage_call
 from aqflow.stagekit import stage_cli
 
@@ -119,8 +120,6 @@ def quantize_layer(job) -> StageCall:
     """The variant's quantizer settings (`quantization`, the bit rate and the path) are the stage's
     `quantizer`; where `execution.warm_workers` wants it (`warm_workers.wanted`: true, or "auto" on a
     GPU machine outside a batch scheduler's job) the call runs in a warm worker of the job's card."""
-    from aqflow.jobs import warm_workers
-
     execution = job.params.execution
     paths = {"model_dir": job.input.model, "calibration_dir": job.input.calibration, "layer": job.wildcards.layer,
              "output": job.output.layer, "metrics": job.output.metrics}
@@ -306,9 +305,6 @@ def run_in_warm_worker(stage: str, settings: Mapping[str, Any], paths: Mapping[s
                        outputs: list[str], idle_seconds: float) -> tuple[int, str] | None:
     """`execute_logged` in a warm worker of the job's card (`aqflow.jobs.warm_workers`); None where
     workers are not supported or none could be started (the caller then runs it in process)."""
-    from aqflow.jobs import warm_workers
-    from aqflow.jobs.gpu_pool import pool_folder
-
     if not warm_workers.supported():
         return None
     request = {"stage": stage, "settings": settings, "paths": paths, "log": log_path, "outputs": outputs,
