@@ -12,7 +12,9 @@
 #                 steps (benchmarks/headline_pv.yaml) alone on the card once every other job is done
 #       MODE prepv: the pre-PV targets only;  MODE oaem: OA-EM's eval_pre_pv.json and the fp baseline
 #                 (an 8B's two inits need ~60 GB of the machine's 64 GB disk);  MODE j1: the pre-PV
-#                 targets with `snakemake -j1` (a user's own command line: no profile, one job at a time)
+#                 targets with `snakemake -j1` (a user's own command line: no profile, one job at a time);
+#                 MODE j1oaem: the same for OA-EM's eval_pre_pv.json alone (what the user's command
+#                 `... oaem/b8/eval.json` runs before PV-tuning: no fp baseline, no greedy variant)
 #   bash benchmarks/headline_gpu.sh pv SHAPE            # detached: the PV-tuning steps alone, after `prepv`
 #   bash benchmarks/headline_gpu.sh wait SECONDS        # watch; once Snakemake is done, collect into $OUT
 #   bash benchmarks/headline_gpu.sh collect             # collect now, done or not (a lease about to end)
@@ -71,6 +73,7 @@ start|pv)
     rm -rf "$work/results" "$work/resources" "$work/logs" "$work/.snakemake"
     prepv=$(targets "$shape")
     [ "$variant" = oaem ] && prepv="results/$model/2bpp/oaem/b8/eval_pre_pv.json results/$model/fp/eval.json"
+    [ "$variant" = j1oaem ] && prepv="results/$model/2bpp/oaem/b8/eval_pre_pv.json"
     slots=${GPU_SLOTS:-12}
     # card shares (a resource of this run): PV-tuning takes every share, so it runs alone on the card
     # once the other GPU jobs are done (it fills the card); every other GPU job takes one, but
@@ -85,8 +88,8 @@ start|pv)
     case "$variant" in
       all) suffix=""; run_targets="$prepv $pv_target"; overrides+=(benchmarks/headline_pv.yaml); extra+=("${shares[@]}") ;;
       prepv|oaem) suffix=""; run_targets=$prepv; extra+=("${shares[@]}") ;;
-      j1) suffix=_j1; run_targets=$prepv ;;
-      *) echo "unknown mode $variant (all, prepv, oaem, j1)" >&2; exit 2 ;;
+      j1|j1oaem) suffix=_j1; run_targets=$prepv ;;
+      *) echo "unknown mode $variant (all, prepv, oaem, j1, j1oaem)" >&2; exit 2 ;;
     esac
   else
     prepv=""; run_targets=$pv_target; suffix=_pv
@@ -98,7 +101,7 @@ start|pv)
   rm -f "$STAGE/samples.stop" "$STAGE/samples.csv"
   setsid nohup "$PY" -m benchmarks.headline_gpu_memory --out "$STAGE/samples.csv" --disk "$STAGE" \
       --stop-file "$STAGE/samples.stop" ${HEADLINE_CARD:+--card "$HEADLINE_CARD"} > "$STAGE/samples.log" 2>&1 < /dev/null &
-  if [ "$variant" = j1 ]; then  # the user's own command line: one job at a time, no profile
+  if [ "$suffix" = _j1 ]; then  # the user's own command line: one job at a time, no profile
     PROFILE=none bash benchmarks/gpu_pipeline.sh start -j1 $run_targets "${extra[@]}" ${HEADLINE_ARGS:-}
   else
     bash benchmarks/gpu_pipeline.sh start $run_targets "${extra[@]}" ${HEADLINE_ARGS:-}
@@ -153,6 +156,6 @@ collect)
   echo "commit $commit"; ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 kit SHAPE [CARRY] | start SHAPE [all|prepv|oaem|j1] | pv SHAPE | wait SECONDS | collect" >&2; exit 2
+  echo "usage: $0 kit SHAPE [CARRY] | start SHAPE [all|prepv|oaem|j1|j1oaem] | pv SHAPE | wait SECONDS | collect" >&2; exit 2
   ;;
 esac
