@@ -383,6 +383,7 @@ def test_evaluate_stage_writes_a_complete_eval_json(tiny_dir, corpora_dir, task_
     assert payload["label"] == "pre-pv" and payload["bits_per_parameter"] == 32.0
     assert payload["settings"]["upstream"] == {"num_codebooks": 1, "nbits": 16}
     assert payload["settings"]["context"] == 32 and payload["settings"]["task_limit"] == 2
+    assert payload["settings"]["task_batch_size_used"] == payload["settings"]["batch_size"]  # CPU, none set
     timings = payload["timings"]
     assert {"load_seconds", "wikitext2_seconds", "c4_seconds", "perplexity_seconds", "zero_shot_seconds",
             "total_seconds"} <= set(timings) and timings["total_seconds"] > 0
@@ -390,6 +391,15 @@ def test_evaluate_stage_writes_a_complete_eval_json(tiny_dir, corpora_dir, task_
     assert data["wikitext2"]["role"] == "evaluation" and data["c4"]["role"] == "evaluation"
     assert len(data["c4"]["window_sources"]) == 4 and data["zero_shot"]["source"] == "handwritten"
     assert len(data["wikitext2"]["windows_sha256"]) == 64
+
+
+def test_unset_task_batch_is_large_on_a_gpu_and_the_perplexity_batch_on_a_cpu():
+    # at 1 a 3B's six tasks took ~30 min on an H100 for a user without the GPU profile
+    settings = evaluate_stage.EvaluateSettings
+    assert evaluate_stage.task_batch_size(settings(device="cuda", batch_size=2)) == evaluate_stage.GPU_TASK_BATCH_SIZE
+    assert evaluate_stage.task_batch_size(settings(device="cuda:1")) == evaluate_stage.GPU_TASK_BATCH_SIZE
+    assert evaluate_stage.task_batch_size(settings(device="cpu", batch_size=3)) == 3
+    assert evaluate_stage.task_batch_size(settings(device="cuda", task_batch_size=8)) == 8
 
 
 @pytest.mark.parametrize("cpu_kernel", ["dense", "fast", "aqlm"])
