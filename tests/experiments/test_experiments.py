@@ -9,6 +9,7 @@ import pytest
 from aqflow.experiments.claims import (
     claims_table,
     gap_against_domain_distance,
+    gap_against_model_rho,
     gap_against_rho,
     paired_gaps,
     paper_claims,
@@ -16,6 +17,7 @@ from aqflow.experiments.claims import (
     t_critical,
 )
 from aqflow.experiments.paper_numbers import paper_cells
+from aqflow.experiments.runs import parameter_weighted_rho
 from aqflow.experiments.tables import markdown_table, mean_sd_text, seed_statistics, with_paper
 
 
@@ -159,6 +161,31 @@ def test_rho_and_domain_slopes():
         gap_against_domain_distance(grid(lambda cell: 1.0), ["c4", "wikitext2"], lambda d: f"pre_pv_{d}_ppl", {"c4": 0.1})
 
 
+def test_parameter_weighted_rho_weights_each_layer_by_its_parameters():
+    # one geometry (g 8, K^M 65536): a layer of rho r holds 8 * 65536 * r parameters
+    layers = [0.25, 1.0, 4.0]
+    parameters = [8 * 65536 * rho for rho in layers]
+    by_parameters = sum(rho * count for rho, count in zip(layers, parameters)) / sum(parameters)
+    assert parameter_weighted_rho(layers) == pytest.approx(by_parameters)
+    assert parameter_weighted_rho([2.0]) == 2.0 and parameter_weighted_rho([]) is None
+
+
+def test_gap_against_model_rho_gives_each_model_its_own_gap_and_rho():
+    def model_grid(model, gap, rho_largest, rho_weighted):
+        frame = grid(lambda cell: gap, noise=0.0).assign(model=model)
+        own = frame["bit_rate_geometry"] & (frame["bpp"] == 2)
+        return frame.assign(rho_largest=np.where(own, rho_largest, 99.0), rho_weighted=np.where(own, rho_weighted, 99.0))
+
+    runs = pd.concat([model_grid("wide", 1.5, 26.0, 9.0), model_grid("small", 0.5, 1.7, 0.9)], ignore_index=True)
+    table = gap_against_model_rho(claims_table(runs, paper_claims()), runs)
+    # sorted by weighted rho; each gap from its own model's runs; the rho sweep's geometry not read
+    assert table["model"].tolist() == ["small", "wide"]
+    assert table["gap_mean"].tolist() == pytest.approx([0.5, 1.5]) and table["gap_seeds"].tolist() == [3, 3]
+    assert table["rho_largest"].tolist() == [1.7, 26.0] and table["rho_weighted"].tolist() == [0.9, 9.0]
+    assert (table["gap_verdict"] == "holds").all() and table["slope_mean"].tolist() == pytest.approx([0.0, 0.0])
+    assert gap_against_model_rho(pd.DataFrame(), runs).empty
+
+
 def test_seed_statistics_and_markdown_with_paper_numbers():
     frame = grid(lambda cell: 1.0, noise=0.0)
     stats = seed_statistics(frame, ["pre_pv_wikitext2_ppl", "wikitext2_ppl"])
@@ -221,6 +248,8 @@ def test_paper_tables_stage_writes_tables_claims_plots_and_missing_cells(tmp_pat
     assert "200.00 ± 2.00 | 60.61 | " in cells  # greedy b8 pre-PV, beside the paper's 60.61
     readme = (out / "README.md").read_text()
     assert "## Missing cells (2)" in readme and "greedy-s45/eval.json" in readme
+    # claim (e) across models: the model's rho beside its gap (one layer of rho 0.6)
+    assert "| m | 0.60 | 0.60 | 0.916 ± 0.000 (3) | holds |" in (out / "claims.md").read_text()
     # a domain the paper does not report is in cells.csv, not in the Markdown table
     assert paper_tables.main([*map(str, paths), "--out-dir", str(out), "--domains", "c4", "brown-news", "wikitext2"]) == 0
     assert "brown-news" not in (out / "cells.md").read_text() and "200.00 ± 2.00 | 60.61 | " in (out / "cells.md").read_text()

@@ -290,3 +290,35 @@ def _claim_row(claim: Claim, model: str, effect: Effect) -> dict:
     return {"claim": claim.name, "model": model, "statement": claim.statement, "effect": claim.effect,
             "mean": effect.mean, "sd": effect.sd, "seeds": effect.seeds, "t": effect.t,
             "verdict": effect.verdict, "paper": claim.paper_effect}
+
+
+def gap_against_model_rho(claims: pd.DataFrame, runs: pd.DataFrame, bpp: int = 2) -> pd.DataFrame:
+    """Claim (e) across models: one row per model with its ρ at `bpp`'s own geometry (the largest
+    layer's and the parameter-weighted mean, `rho_largest` / `rho_weighted`), its pre-PV gap
+    (`pre_pv_gap`: mean, sd, seeds, verdict) and, beside it, the within-model slope of the gap
+    against log10 ρ over geometries (`gap_grows_with_rho`). A model without the pre-PV gap claim
+    has no row. Models are not pooled into one test: their gaps are different quantities (module
+    doc), so this is a table to read, sorted by the weighted ρ.
+
+    claims: claims_table's frame. runs: one row per run with model, bpp, init and the ρ columns
+    (runs_table)."""
+    columns = ["model", "rho_largest", "rho_weighted", "gap_mean", "gap_sd", "gap_seeds", "gap_verdict",
+               "slope_mean", "slope_sd", "slope_verdict"]
+    if not len(claims) or not len(runs) or "rho_weighted" not in runs:
+        return pd.DataFrame(columns=columns)
+    own = at_bit_rate_geometry(runs)
+    own = own[(own["bpp"] == bpp) & own["rho_weighted"].notna()]
+    rows = []
+    for _, gap in claims[claims["claim"] == "pre_pv_gap"].iterrows():
+        model_runs = own[own["model"] == gap["model"]]
+        if not len(model_runs):
+            continue
+        slope = claims[(claims["claim"] == "gap_grows_with_rho") & (claims["model"] == gap["model"])]
+        slope = slope.iloc[0] if len(slope) else None
+        rows.append({"model": gap["model"], "rho_largest": float(model_runs["rho_largest"].max()),
+                     "rho_weighted": float(model_runs["rho_weighted"].median()),
+                     "gap_mean": gap["mean"], "gap_sd": gap["sd"], "gap_seeds": gap["seeds"], "gap_verdict": gap["verdict"],
+                     "slope_mean": math.nan if slope is None else slope["mean"],
+                     "slope_sd": math.nan if slope is None else slope["sd"],
+                     "slope_verdict": NO_RUNS if slope is None else slope["verdict"]})
+    return pd.DataFrame(rows, columns=columns).sort_values("rho_weighted", kind="stable").reset_index(drop=True)

@@ -1,8 +1,8 @@
 """One row per evaluated run of the grid, with what the claims group and pair on.
 
 Built on the report's summary row (`aqflow.experiments.reporting.summary_row`), plus the columns a grid needs:
-the quantizer seed, the bit-rate geometry (group size, codebooks, codewords) and the model-level ρ
-(median over the quantized layers).
+the quantizer seed, the bit-rate geometry (group size, codebooks, codewords) and the model-level ρ:
+the median over the quantized layers, the largest layer's, and the mean weighted by parameters.
 """
 
 from __future__ import annotations
@@ -27,6 +27,15 @@ def geometry_name(group_size: int, num_codebooks: int, nbits: int) -> str:
     return f"g{group_size}m{num_codebooks}k{1 << nbits}"
 
 
+def parameter_weighted_rho(rhos: list[float]) -> float | None:
+    """The layers' ρ = N / K^M averaged with each layer's parameter count as its weight (None for
+    no layers). At one geometry a layer's parameters are g x N = g x K^M x ρ, so the weights are
+    the ρ themselves: sum(ρ²) / sum(ρ)."""
+    if not rhos:
+        return None
+    return sum(rho * rho for rho in rhos) / sum(rhos)
+
+
 def run_row(path: str | Path) -> dict:
     """One eval.json -> the summary row plus seed, geometry and rho (None where not quantized)."""
     row = summary_row(path)
@@ -38,6 +47,8 @@ def run_row(path: str | Path) -> dict:
     row["geometry"] = (geometry_name(quantizer["group_size"], quantizer["num_codebooks"], quantizer["nbits"])
                        if "num_codebooks" in quantizer and "nbits" in quantizer else None)
     row["rho"] = statistics.median(rhos) if rhos else None
+    row["rho_largest"] = max(rhos) if rhos else None
+    row["rho_weighted"] = parameter_weighted_rho(rhos)
     row["bit_rate_geometry"] = row["geometry"] is not None and not GEOMETRY_LABEL.match(Path(path).parent.name)
     # code bits per weight of the geometry (scales and codebooks aside): M * log2 K / g
     row["nominal_bits"] = (quantizer["num_codebooks"] * quantizer["nbits"] / quantizer["group_size"]

@@ -25,7 +25,7 @@ import pandas as pd
 from aqflow.io import artifacts
 from aqflow.stagekit import stage_cli
 from aqflow.io.artifacts import read_json, verify_inputs
-from aqflow.experiments.claims import claims_table, paper_claims
+from aqflow.experiments.claims import claims_table, gap_against_model_rho, paper_claims
 from aqflow.experiments.paper_numbers import PAPER_DOMAIN_RATIOS, paper_cells
 from aqflow.experiments.plots import plot_against_beam, plot_against_domain, plot_against_rho, plot_pre_to_post_pv
 from aqflow.experiments.runs import at_bit_rate_geometry, grid_evals, missing_cells, runs_table
@@ -189,6 +189,30 @@ def claims_markdown(claims: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def model_rho_markdown(table: pd.DataFrame) -> str:
+    """gap_against_model_rho's frame as the claims' second table (claim (e) across models)."""
+    lines = ["| model | ρ, largest layer | ρ, parameter-weighted | pre-PV gap (mean ± sd, seeds) | verdict | "
+             "slope over its geometries (per decade of ρ) | verdict |", "|---" * 7 + "|"]
+    number = lambda value, digits=3: "" if pd.isna(value) else f"{value:.{digits}f}"  # noqa: E731
+    spread = lambda mean, sd: "" if pd.isna(mean) else f"{number(mean)} ± {number(sd)}"  # noqa: E731
+    for _, row in table.iterrows():
+        lines.append(f"| {row['model']} | {number(row['rho_largest'], 2)} | {number(row['rho_weighted'], 2)} | "
+                     f"{spread(row['gap_mean'], row['gap_sd'])} ({row['gap_seeds']}) | {row['gap_verdict']} | "
+                     f"{spread(row['slope_mean'], row['slope_sd'])} | {row['slope_verdict']} |")
+    return "\n".join(lines) + "\n"
+
+
+def claims_tables_markdown(claims: pd.DataFrame, model_rho: pd.DataFrame) -> str:
+    """claims.md: the claims table, then (where a model has the pre-PV gap) the gap against each model's ρ."""
+    text = claims_markdown(claims)
+    if len(model_rho):
+        text += ("\n### The pre-PV gap against each model's ρ (claim (e) across models)\n\n"
+                 "ρ = N / K^M of the model's layers at 2 bpp's own geometry; each model's gap is measured on its "
+                 "own runs (not pooled: a table to read, not a test). Beside it, the within-model test of the "
+                 "same claim over the geometries of one bit rate.\n\n" + model_rho_markdown(model_rho))
+    return text
+
+
 def quantized_runs(runs: pd.DataFrame) -> pd.DataFrame:
     """The quantized runs of `runs` (the full-precision baselines left out)."""
     return runs[runs["init"].isin(QUANTIZED_INITS)] if len(runs) else runs
@@ -244,7 +268,9 @@ def write_tables(runs: pd.DataFrame, out_dir: Path, given_domains: list[str], ex
     claims = (claims_table(quantized, lambda model: paper_claims(domains_of.get(model, domains), headline,
                                                                  domain_distances=measured_of.get(model)))
               if len(quantized) else pd.DataFrame())
-    _write_table(out_dir, "claims", claims, claims_markdown(claims) if len(claims) else "no runs yet\n")
+    model_rho = gap_against_model_rho(claims, quantized) if len(claims) else pd.DataFrame()
+    claims_text = claims_tables_markdown(claims, model_rho) if len(claims) else "no runs yet\n"
+    _write_table(out_dir, "claims", claims, claims_text)
     draws = (lambda p: plot_against_beam(own, p, headline),
              lambda p: plot_against_rho(quantized, p, f"pre_pv_{headline}_ppl"),
              lambda p: plot_against_domain(own, domains_of, p, distances_of=measured_of),
@@ -263,7 +289,7 @@ def write_tables(runs: pd.DataFrame, out_dir: Path, given_domains: list[str], ex
               "## Claims", "",
               "One row per claim and model with runs, measured on that model's runs alone (a claim no model has "
               "runs for: one row without a model).", "",
-              claims_markdown(claims) if len(claims) else "no runs yet", "",
+              claims_text if len(claims) else "no runs yet", "",
               f"## Missing cells ({len(missing)})", ""]
     if expected:
         readme += [f"- `{cell['eval_json']}`" for cell in missing] or ["none"]
