@@ -253,10 +253,13 @@ def _aqlm_linear(w):
 
 
 def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int, new_tokens: int, threads: int,
-                 repeats: int, bf16_gemv: bool = False) -> dict:
+                 repeats: int, bf16_gemv: bool = False, torch_thread_count: int | None = None) -> dict:
     """Build one variant and time its batch-1 decode, in this (fresh) process. bf16_gemv: its bf16
     nn.Linears (the tied lm_head; every linear of the dense bf16 model) through numba's GEMV
-    (fast_linear.install_cpu_bf16_linears, as runtime.load_for_decoding's fast path on a CPU)."""
+    (fast_linear.install_cpu_bf16_linears, as runtime.load_for_decoding's fast path on a CPU).
+    torch_thread_count: torch's threads while decoding (default `threads`): the 2-bit model's
+    torch ops are small (attention, norms), and torch's OpenMP pool spinning between them may
+    take cores from numba's pool (a second libgomp) on a many-core host."""
     from aqflow.inference.cpu_kernels import numba_threads
     from aqflow.inference.decode import greedy_decode
     from aqflow.inference.fast_linear import install_cpu_bf16_linears
@@ -279,10 +282,12 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
         started = time.perf_counter()
         greedy_decode(model, random_prompt(LLAMA_3B["vocab_size"], prompt_tokens, 1), 2)  # compile, caches
         warmup_seconds = time.perf_counter() - started
+        torch.set_num_threads(torch_thread_count or threads)  # after numba's pool has started
         runs, cpu_rates = zip(*[timed_decode(model, random_prompt(LLAMA_3B["vocab_size"], prompt_tokens, 0), new_tokens,
                                              {}, True) for _ in range(repeats)])  # {}: greedy_decode's defaults
     timings = max(runs, key=lambda run: run.decode_tokens_per_second)
     return {"variant": variant, "dtype": dtype_name, "linears": linears, "bf16_gemv": bf16_gemv, "threads": threads,
+            "torch_threads_decoding": torch.get_num_threads(),
             "openmp_libraries": openmp_libraries(), "numba_threading_layer": _numba_layer(),
             "numba_threads": numba_count, "build_seconds": build_seconds, "warmup_seconds": warmup_seconds,
             "decode_tokens_per_second": timings.decode_tokens_per_second,
@@ -304,14 +309,16 @@ def _numba_layer() -> str | None:
         return None
 
 
-DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears, bf16 linears through numba's GEMV)
-    ("dense fp32", "float32", "dense", False),
-    ("dense bf16", "bfloat16", "dense", False),
-    ("dense bf16 (numba GEMV)", "bfloat16", "dense", True),
-    ("2x8 fast (bf16 rest)", "bfloat16", "fast", True),
-    ("2x8 fast (bf16 rest, torch lm_head)", "bfloat16", "fast", False),
-    ("2x8 fast (fp32 rest)", "float32", "fast", False),
-    ("2x8 aqlm kernel (1 thread)", "float32", "aqlm", False),
+DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears, bf16 linears through numba's GEMV,
+    #                    torch's threads while decoding: None for all)
+    ("dense fp32", "float32", "dense", False, None),
+    ("dense bf16", "bfloat16", "dense", False, None),
+    ("dense bf16 (numba GEMV)", "bfloat16", "dense", True, None),
+    ("2x8 fast (bf16 rest)", "bfloat16", "fast", True, None),
+    ("2x8 fast (bf16 rest, torch 1 thread)", "bfloat16", "fast", True, 1),
+    ("2x8 fast (bf16 rest, torch lm_head)", "bfloat16", "fast", False, None),
+    ("2x8 fast (fp32 rest)", "float32", "fast", False, None),
+    ("2x8 aqlm kernel (1 thread)", "float32", "aqlm", False, None),
 ]
 # The dense baselines the speed-up is taken over: torch's fp32 and bf16, and bf16 through the same
 # numba GEMV the 2x8 model's lm_head uses (so the head's gain is not counted as the codes' gain).
@@ -321,12 +328,12 @@ DENSE_VARIANTS = ("dense fp32", "dense bf16", "dense bf16 (numba GEMV)")
 def decode_rows(args, threads: int) -> list[dict]:
     from aqflow.inference.runtime import call_in_child
 
-    def job(name, dtype, linears, bf16_gemv):
+    def job(name, dtype, linears, bf16_gemv, torch_thread_count):
         def run():
             new_tokens = args.aqlm_new_tokens if linears == "aqlm" else args.new_tokens
             repeats = 1 if linears == "aqlm" else args.repeats
             row = call_in_child(decode_child, name, dtype, linears, args.prompt_tokens, new_tokens, threads, repeats,
-                                bf16_gemv, what=name)
+                                bf16_gemv, torch_thread_count, what=name)
             print(f"  {name:28s} {row['decode_tokens_per_second']:7.2f} tokens/s, weights "
                   f"{row['resident_weight_bytes'] / 2**30:6.2f} GiB, peak RSS {row['peak_rss_bytes'] / 2**30:6.2f} GiB",
                   flush=True)
@@ -337,7 +344,7 @@ def decode_rows(args, threads: int) -> list[dict]:
     if args.variants is not None:  # in the order given: an order effect can be checked by reversing it
         by_name = {v[0]: v for v in chosen}
         chosen = [by_name[name] for name in args.variants if name in by_name]
-    jobs = [(name, job(name, dtype, linears, gemv)) for name, dtype, linears, gemv in chosen]
+    jobs = [(variant[0], job(*variant)) for variant in chosen]
     return best_of_rounds(args.rounds, jobs, "decode_tokens_per_second", True)
 
 
@@ -467,7 +474,7 @@ def table(record: dict) -> str:
             pair = record["smollm2_compared" + suffix]
             lines.append(f"smollm2_compared{suffix}: {pair['2 bpp']} over {pair['dense']}")
     for key in ("cpu_decode_speedup_3b", "cpu_decode_speedup_3b_cpu_time", "cpu_decode_speedup_3b_fp32_rest",
-                "cpu_resident_fraction_of_bf16_3b",
+                "cpu_decode_speedup_3b_torch_1_thread", "cpu_resident_fraction_of_bf16_3b",
                 "smollm2_decode_speedup_over_fp16_source", "smollm2_decode_speedup_over_fp16_source_cpu_time"):
         if record.get(key) is not None:
             lines.append(f"{key}: {record[key]:.3f}")
@@ -528,9 +535,12 @@ def main() -> int:
                                                            DENSE_VARIANTS, "decode_tokens_per_cpu_second")
         record["cpu_decode_speedup_3b_fp32_rest"] = speedup(record["decode_3b"], "2x8 fast (fp32 rest)",
                                                             DENSE_VARIANTS)
+        record["cpu_decode_speedup_3b_torch_1_thread"] = speedup(
+            record["decode_3b"], "2x8 fast (bf16 rest, torch 1 thread)", DENSE_VARIANTS)
         by_name = {row["variant"]: row for row in record["decode_3b"]}
-        record["cpu_resident_fraction_of_bf16_3b"] = (by_name["2x8 fast (bf16 rest)"]["resident_weight_bytes"]
-                                                      / by_name["dense bf16"]["resident_weight_bytes"])
+        if "2x8 fast (bf16 rest)" in by_name and "dense bf16" in by_name:
+            record["cpu_resident_fraction_of_bf16_3b"] = (by_name["2x8 fast (bf16 rest)"]["resident_weight_bytes"]
+                                                          / by_name["dense bf16"]["resident_weight_bytes"])
     if args.checkpoint is not None:
         print("(c) SmolLM2 checkpoint", flush=True)
         record["smollm2"] = checkpoint_rows(args, threads)
