@@ -230,13 +230,19 @@ def one_job(tree: Path, args, model_dir: Path, calibration_dir: Path, out: Path)
 
 
 SNAKEFILE = """
+from types import SimpleNamespace
+
+# what the pipeline's rule gets from its plan (aqflow.jobs.plan.Execution): the warm-worker settings
+EXECUTION = SimpleNamespace(warm_workers=config.get("execution", {{}}).get("warm_workers", False),
+                            warm_worker_idle_seconds=config.get("execution", {{}}).get("warm_worker_idle_seconds", 20))
+
 rule quantize_layer:
     input: model={model!r}, calibration={calibration!r}
     output: layer="out/{{layer}}.safetensors", metrics="out/{{layer}}.json"
     log: "logs/{{layer}}.log"
     benchmark: "benchmarks/{{layer}}.tsv"
     resources: gpu={gpu}
-    params: settings={settings!r}
+    params: settings={settings!r}, execution=EXECUTION
     script: {script!r}
 """
 
