@@ -268,8 +268,8 @@ def write_tables(runs: pd.DataFrame, out_dir: Path, given_domains: list[str], ex
     claims = (claims_table(quantized, lambda model: paper_claims(domains_of.get(model, domains), headline,
                                                                  domain_distances=measured_of.get(model)))
               if len(quantized) else pd.DataFrame())
-    model_rho = gap_against_model_rho(claims, quantized) if len(claims) else pd.DataFrame()
-    claims_text = claims_tables_markdown(claims, model_rho) if len(claims) else "no runs yet\n"
+    claims_text = (claims_tables_markdown(claims, gap_against_model_rho(claims, quantized)) if len(claims)
+                   else "no runs yet\n")
     _write_table(out_dir, "claims", claims, claims_text)
     draws = (lambda p: plot_against_beam(own, p, headline),
              lambda p: plot_against_rho(quantized, p, f"pre_pv_{headline}_ppl"),
@@ -289,7 +289,7 @@ def write_tables(runs: pd.DataFrame, out_dir: Path, given_domains: list[str], ex
               "## Claims", "",
               "One row per claim and model with runs, measured on that model's runs alone (a claim no model has "
               "runs for: one row without a model).", "",
-              claims_text if len(claims) else "no runs yet", "",
+              claims_text, "",
               f"## Missing cells ({len(missing)})", ""]
     if expected:
         readme += [f"- `{cell['eval_json']}`" for cell in missing] or ["none"]
