@@ -1,0 +1,121 @@
+"""The CPU lookup-table product per linear of the Llama-3.2-3B shape, by thread count and schedule.
+
+    NUMBA_CACHE_DIR=/tmp/numba_cache PYTHONPATH=src python3 benchmarks/lut_schedule.py --threads 1 2 4 8 14 \\
+        --out $OUT/lut_schedule.json
+
+Why: on a 16-core host the 2x8 decode reads its tables at ~0.5e9 loads/s per thread, against
+~1.6e9 on one core of the 2-core box, so the 16-core speed-up over dense stays ~1.1-1.3x. This
+times one token's product (`cpu_kernels.lut_matmul_operands`, random 2x8 codes) of each linear
+of a 3B block at each thread count, through the two schedules (`cpu_kernels.LUT_SCHEDULES`:
+"rows", two parallel regions; "units", one), and a numba parallel region that does nothing (what
+waking the pool costs). A token's lookups in the block linears = 28 x the per-block sum. Prints a
+table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange
+
+from aqflow.inference import cpu_kernels
+
+# (name, out_features, in_features, linears of the name per block) of Llama-3.2-3B
+LINEARS_3B = [("q/o", 3072, 3072, 2), ("k/v", 1024, 3072, 2), ("gate/up", 8192, 3072, 2), ("down", 3072, 8192, 1)]
+BLOCKS_3B = 28
+
+
+@njit(parallel=True, cache=True)
+def _empty_region(values):
+    """One parallel region with one trivial iteration per thread (the cost of waking the pool)."""
+    for i in prange(values.shape[0]):
+        values[i] += 1.0
+
+
+def random_operands(out_features: int, in_features: int, seed: int = 0) -> cpu_kernels.CpuOperands:
+    """A 2x8 layer (groups of 8) with random codes, codebooks and scales, tiled as the decode path holds it."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (out_features, in_features // 8, 2), dtype=torch.uint8, generator=generator)
+    return cpu_kernels.operands_from_tiled(cpu_kernels.tile_codes(codes, 8), torch.randn(2, 256, 8, generator=generator),
+                                           torch.rand(out_features, generator=generator) + 0.5, None, 8)
+
+
+def best_seconds(call, calls: int, rounds: int) -> float:
+    """The best over `rounds` of the mean time of `calls` calls."""
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for _ in range(calls):
+            call()
+        best = min(best, (time.perf_counter() - started) / calls)
+    return best
+
+
+def cpu_description() -> dict:
+    """The host's CPU as lscpu names it (model, cores, threads per core, caches)."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {"processor": platform.processor()}
+    keep = ("Model name", "CPU(s)", "Thread(s) per core", "Core(s) per socket", "Socket(s)", "L1d cache", "L2 cache",
+            "L3 cache", "NUMA node(s)")
+    return {key: value.strip() for key, _, value in (line.partition(":") for line in text.splitlines()) if key in keep}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, numba.config.NUMBA_NUM_THREADS])
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    layers = {name: (random_operands(out, inp), count) for name, out, inp, count in LINEARS_3B}
+    rows = []
+    for threads in args.threads:
+        numba.set_num_threads(threads)
+        flags = np.zeros(threads, dtype=np.float64)
+        _empty_region(flags)
+        region = best_seconds(lambda: _empty_region(flags), 200, args.rounds)
+        for schedule in cpu_kernels.LUT_SCHEDULES:
+            block_seconds = 0.0
+            for name, (operands, count) in layers.items():
+                x = np.random.default_rng(0).standard_normal((1, operands.in_features), dtype=np.float32)
+                call = lambda: cpu_kernels.lut_matmul_operands(x, operands, schedule=schedule)  # noqa: E731
+                call()  # compile or load the cache
+                seconds = best_seconds(call, args.calls, args.rounds)
+                block_seconds += count * seconds
+                rows.append({"threads": threads, "schedule": schedule, "linear": name, "microseconds": seconds * 1e6,
+                             "loads_per_second_per_thread": operands.codes.size / seconds / threads,
+                             "empty_region_microseconds": region * 1e6})
+            rows.append({"threads": threads, "schedule": schedule, "linear": "token (28 blocks)",
+                         "milliseconds": BLOCKS_3B * block_seconds * 1e3, "empty_region_microseconds": region * 1e6})
+    record = {"cpu": cpu_description(), "numba_threading_layer": numba.threading_layer(),
+              "numba_num_threads": numba.config.NUMBA_NUM_THREADS, "rows": rows}
+    print(f"CPU: {record['cpu']}, numba layer {record['numba_threading_layer']}")
+    print(f"{'threads':>7} {'schedule':>8} {'linear':>18} {'us':>9} {'e9 loads/s/thread':>18} {'empty region us':>15}")
+    for row in rows:
+        if "milliseconds" in row:
+            print(f"{row['threads']:7d} {row['schedule']:>8} {row['linear']:>18} {row['milliseconds']:8.1f}ms")
+        else:
+            print(f"{row['threads']:7d} {row['schedule']:>8} {row['linear']:>18} {row['microseconds']:9.1f} "
+                  f"{row['loads_per_second_per_thread'] / 1e9:18.2f} {row['empty_region_microseconds']:15.1f}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        temporary = args.out.with_suffix(".tmp")
+        temporary.write_text(json.dumps(record, indent=1))
+        os.replace(temporary, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
