@@ -253,16 +253,13 @@ def _aqlm_linear(w):
 
 
 def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int, new_tokens: int, threads: int,
-                 repeats: int, bf16_gemv: bool = False, torch_thread_count: int | None = None,
-                 schedule: str | None = None) -> dict:
+                 repeats: int, bf16_gemv: bool = False, torch_thread_count: int | None = None) -> dict:
     """Build one variant and time its batch-1 decode, in this (fresh) process. bf16_gemv: its bf16
     nn.Linears (the tied lm_head; every linear of the dense bf16 model) through numba's GEMV
     (fast_linear.install_cpu_bf16_linears, as runtime.load_for_decoding's fast path on a CPU).
     torch_thread_count: torch's threads while decoding (default `threads`): the 2-bit model's
     torch ops are small (attention, norms), and torch's OpenMP pool spinning between them may
-    take cores from numba's pool (a second libgomp) on a many-core host. schedule: the lookup-table
-    products' split among threads (cpu_kernels.LUT_SCHEDULES; None: the default)."""
-    from aqflow.inference import cpu_kernels
+    take cores from numba's pool (a second libgomp) on a many-core host."""
     from aqflow.inference.cpu_kernels import numba_threads
     from aqflow.inference.decode import greedy_decode
     from aqflow.inference.fast_linear import install_cpu_bf16_linears
@@ -272,8 +269,6 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
     import numba
 
     dtype = getattr(torch, dtype_name)
-    if schedule is not None:
-        cpu_kernels.LUT_SCHEDULE = schedule
     numba.set_num_threads(threads)  # numba's pool first: starting it can reset torch's count
     torch.set_num_threads(threads)
     rss_before = peak_rss_bytes()
@@ -292,7 +287,6 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
                                              {}, True) for _ in range(repeats)])  # {}: greedy_decode's defaults
     timings = max(runs, key=lambda run: run.decode_tokens_per_second)
     return {"variant": variant, "dtype": dtype_name, "linears": linears, "bf16_gemv": bf16_gemv, "threads": threads,
-            "lut_schedule": cpu_kernels.LUT_SCHEDULE,
             "torch_threads_decoding": torch.get_num_threads(),
             "openmp_libraries": openmp_libraries(), "numba_threading_layer": _numba_layer(),
             "numba_threads": numba_count, "build_seconds": build_seconds, "warmup_seconds": warmup_seconds,
@@ -316,14 +310,12 @@ def _numba_layer() -> str | None:
 
 
 DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears, bf16 linears through numba's GEMV,
-    #                    torch's threads while decoding: None for all[, lookup-table schedule: default if left out])
+    #                    torch's threads while decoding: None for all)
     ("dense fp32", "float32", "dense", False, None),
     ("dense bf16", "bfloat16", "dense", False, None),
     ("dense bf16 (numba GEMV)", "bfloat16", "dense", True, None),
     ("2x8 fast (bf16 rest)", "bfloat16", "fast", True, None),
     ("2x8 fast (bf16 rest, torch 1 thread)", "bfloat16", "fast", True, 1),
-    ("2x8 fast (bf16 rest, units schedule)", "bfloat16", "fast", True, None, "units"),
-    ("2x8 fast (bf16 rest, rows schedule)", "bfloat16", "fast", True, None, "rows"),
     ("2x8 fast (bf16 rest, torch lm_head)", "bfloat16", "fast", False, None),
     ("2x8 fast (fp32 rest)", "float32", "fast", False, None),
     ("2x8 aqlm kernel (1 thread)", "float32", "aqlm", False, None),
@@ -336,12 +328,12 @@ DENSE_VARIANTS = ("dense fp32", "dense bf16", "dense bf16 (numba GEMV)")
 def decode_rows(args, threads: int) -> list[dict]:
     from aqflow.inference.runtime import call_in_child
 
-    def job(name, dtype, linears, bf16_gemv, torch_thread_count, schedule=None):
+    def job(name, dtype, linears, bf16_gemv, torch_thread_count):
         def run():
             new_tokens = args.aqlm_new_tokens if linears == "aqlm" else args.new_tokens
             repeats = 1 if linears == "aqlm" else args.repeats
             row = call_in_child(decode_child, name, dtype, linears, args.prompt_tokens, new_tokens, threads, repeats,
-                                bf16_gemv, torch_thread_count, schedule, what=name)
+                                bf16_gemv, torch_thread_count, what=name)
             print(f"  {name:28s} {row['decode_tokens_per_second']:7.2f} tokens/s, weights "
                   f"{row['resident_weight_bytes'] / 2**30:6.2f} GiB, peak RSS {row['peak_rss_bytes'] / 2**30:6.2f} GiB",
                   flush=True)
@@ -482,8 +474,7 @@ def table(record: dict) -> str:
             pair = record["smollm2_compared" + suffix]
             lines.append(f"smollm2_compared{suffix}: {pair['2 bpp']} over {pair['dense']}")
     for key in ("cpu_decode_speedup_3b", "cpu_decode_speedup_3b_cpu_time", "cpu_decode_speedup_3b_fp32_rest",
-                "cpu_decode_speedup_3b_torch_1_thread", "cpu_decode_speedup_3b_units_schedule",
-                "cpu_decode_speedup_3b_rows_schedule", "cpu_resident_fraction_of_bf16_3b",
+                "cpu_decode_speedup_3b_torch_1_thread", "cpu_resident_fraction_of_bf16_3b",
                 "smollm2_decode_speedup_over_fp16_source", "smollm2_decode_speedup_over_fp16_source_cpu_time"):
         if record.get(key) is not None:
             lines.append(f"{key}: {record[key]:.3f}")
@@ -546,9 +537,6 @@ def main() -> int:
                                                             DENSE_VARIANTS)
         record["cpu_decode_speedup_3b_torch_1_thread"] = speedup(
             record["decode_3b"], "2x8 fast (bf16 rest, torch 1 thread)", DENSE_VARIANTS)
-        for schedule in ("units", "rows"):
-            record[f"cpu_decode_speedup_3b_{schedule}_schedule"] = speedup(
-                record["decode_3b"], f"2x8 fast (bf16 rest, {schedule} schedule)", DENSE_VARIANTS)
         by_name = {row["variant"]: row for row in record["decode_3b"]}
         if "2x8 fast (bf16 rest)" in by_name and "dense bf16" in by_name:
             record["cpu_resident_fraction_of_bf16_3b"] = (by_name["2x8 fast (bf16 rest)"]["resident_weight_bytes"]

@@ -1,15 +1,14 @@
-"""The CPU lookup-table product per linear of the Llama-3.2-3B shape, by thread count and schedule.
+"""The CPU lookup-table product per linear of the Llama-3.2-3B shape, by thread count.
 
-    NUMBA_CACHE_DIR=/tmp/numba_cache PYTHONPATH=src python3 benchmarks/lut_schedule.py --threads 1 2 4 8 14 \\
-        --out $OUT/lut_schedule.json
+    NUMBA_CACHE_DIR=/tmp/numba_cache PYTHONPATH=src python3 benchmarks/lut_threads.py --threads 1 2 4 8 14 \\
+        --out $OUT/lut_threads.json
 
 Why: on a 16-core host the 2x8 decode reads its tables at ~0.5e9 loads/s per thread, against
 ~1.6e9 on one core of the 2-core box, so the 16-core speed-up over dense stays ~1.1-1.3x. This
 times one token's product (`cpu_kernels.lut_matmul_operands`, random 2x8 codes) of each linear
-of a 3B block at each thread count, through the two schedules (`cpu_kernels.LUT_SCHEDULES`:
-"rows", two parallel regions; "units", one), and a numba parallel region that does nothing (what
-waking the pool costs). A token's lookups in the block linears = 28 x the per-block sum. Prints a
-table, writes JSON.
+of a 3B block at each thread count, and a numba parallel region that does nothing (what waking
+the pool costs). A token's lookups in the block linears = 28 x the per-block sum. Prints a table,
+writes JSON. (Commit 2771e50 also timed a one-region "units" schedule here, which did not win.)
 """
 
 from __future__ import annotations
@@ -86,28 +85,27 @@ def main() -> int:
         flags = np.zeros(threads, dtype=np.float64)
         _empty_region(flags)
         region = best_seconds(lambda: _empty_region(flags), 200, args.rounds)
-        for schedule in cpu_kernels.LUT_SCHEDULES:
-            block_seconds = 0.0
-            for name, (operands, count) in layers.items():
-                x = np.random.default_rng(0).standard_normal((1, operands.in_features), dtype=np.float32)
-                call = lambda: cpu_kernels.lut_matmul_operands(x, operands, schedule=schedule)  # noqa: E731
-                call()  # compile or load the cache
-                seconds = best_seconds(call, args.calls, args.rounds)
-                block_seconds += count * seconds
-                rows.append({"threads": threads, "schedule": schedule, "linear": name, "microseconds": seconds * 1e6,
-                             "loads_per_second_per_thread": operands.codes.size / seconds / threads,
-                             "empty_region_microseconds": region * 1e6})
-            rows.append({"threads": threads, "schedule": schedule, "linear": "token (28 blocks)",
-                         "milliseconds": BLOCKS_3B * block_seconds * 1e3, "empty_region_microseconds": region * 1e6})
+        block_seconds = 0.0
+        for name, (operands, count) in layers.items():
+            x = np.random.default_rng(0).standard_normal((1, operands.in_features), dtype=np.float32)
+            call = lambda: cpu_kernels.lut_matmul_operands(x, operands)  # noqa: E731
+            call()  # compile or load the cache
+            seconds = best_seconds(call, args.calls, args.rounds)
+            block_seconds += count * seconds
+            rows.append({"threads": threads, "linear": name, "microseconds": seconds * 1e6,
+                         "loads_per_second_per_thread": operands.codes.size / seconds / threads,
+                         "empty_region_microseconds": region * 1e6})
+        rows.append({"threads": threads, "linear": "token (28 blocks)", "milliseconds": BLOCKS_3B * block_seconds * 1e3,
+                     "empty_region_microseconds": region * 1e6})
     record = {"cpu": cpu_description(), "numba_threading_layer": numba.threading_layer(),
               "numba_num_threads": numba.config.NUMBA_NUM_THREADS, "rows": rows}
     print(f"CPU: {record['cpu']}, numba layer {record['numba_threading_layer']}")
-    print(f"{'threads':>7} {'schedule':>8} {'linear':>18} {'us':>9} {'e9 loads/s/thread':>18} {'empty region us':>15}")
+    print(f"{'threads':>7} {'linear':>18} {'us':>9} {'e9 loads/s/thread':>18} {'empty region us':>15}")
     for row in rows:
         if "milliseconds" in row:
-            print(f"{row['threads']:7d} {row['schedule']:>8} {row['linear']:>18} {row['milliseconds']:8.1f}ms")
+            print(f"{row['threads']:7d} {row['linear']:>18} {row['milliseconds']:8.1f}ms")
         else:
-            print(f"{row['threads']:7d} {row['schedule']:>8} {row['linear']:>18} {row['microseconds']:9.1f} "
+            print(f"{row['threads']:7d} {row['linear']:>18} {row['microseconds']:9.1f} "
                   f"{row['loads_per_second_per_thread'] / 1e9:18.2f} {row['empty_region_microseconds']:15.1f}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
