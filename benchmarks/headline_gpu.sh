@@ -108,6 +108,9 @@ start|pv)
   fi
   ;;
 wait)
+  if [ ! -f "$STAGE/started_at" ]; then  # a fresh machine: the lease that ran `start` has ended
+    echo "no run started on this machine ($STAGE/started_at missing): the machine that ran 'start' is gone" >&2; exit 3
+  fi
   deadline=$(( $(date +%s) + $2 ))
   while [ ! -f "$STAGE/snakemake.rc" ] && [ "$(date +%s)" -lt "$deadline" ]; do
     sleep 15

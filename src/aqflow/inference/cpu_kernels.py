@@ -69,11 +69,6 @@ TABLE_SLICE_BYTES = 32 << 10
 # The most table bytes built at once (all tokens): large codebooks (16-bit codes: 256 KiB of table
 # per code column) are built and consumed in passes of this size instead of all at once.
 TABLE_PASS_BYTES = 64 << 20
-# How a one-pass product on several threads splits its work: "rows" (threads own blocks of output
-# rows; tables built by all threads first: outputs bitwise the same at any thread count) or
-# "units" (_lut_units_parallel: one parallel region, each table slice built where it is read).
-LUT_SCHEDULES = ("rows", "units")
-LUT_SCHEDULE = "rows"
 # Rows dequantized per chunk in dequantized_matmul, in dense float32 bytes: small next to the
 # model, large enough that one BLAS call amortises its start.
 DEQUANTIZED_CHUNK_BYTES = 16 << 20
@@ -322,56 +317,6 @@ def _lut_pass_serial(x, codebooks_t, tiled, nbits, first_slice, last_slice, tabl
                   last_slice == slices)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def _lut_units_parallel(x, codebooks_t, tiled, nbits, scales, bias, has_bias, parts, blocks_per_slice):
-    """The whole product in one parallel region (the "units" schedule): a unit is one slice of code
-    columns over one block of tiles; part p takes units p, p + parts, ..., builds each unit's
-    table slice itself (in its own L1, where it is read next) and adds the unit's entries into
-    its own partial output; the partials are summed, scaled and biased on the calling thread.
-    Against the two regions of `_lut_one_pass_parallel` this wakes the pool once and reads no
-    table built on another core, for one extra table build per further block of a slice and a
-    serial sum of parts x out; the sums' order depends on `parts`.
-
-    x [T, in] f32, codebooks_t [M, g, K] f32, tiled [out/R, G*M/C, R, C], scales [out] f32,
-    bias [out] f32 (read only if has_bias) -> [T, out] f32."""
-    tiles, slices, rows, columns = tiled.shape
-    tokens = x.shape[0]
-    units = slices * blocks_per_slice
-    partial = np.empty((parts, tokens, tiles * rows), dtype=np.float32)
-    for p in prange(parts):
-        table = np.empty((tokens, columns << nbits), dtype=np.float32)
-        own = partial[p]
-        own[:] = 0
-        for unit in range(p, units, parts):
-            s = unit // blocks_per_slice
-            b = unit - s * blocks_per_slice
-            _build_units(x, codebooks_t, s * columns, (s + 1) * columns, table, 0, tokens * columns)
-            _gather_tiles(table, tiled, nbits, s, s + 1, b * tiles // blocks_per_slice,
-                          (b + 1) * tiles // blocks_per_slice, own, scales, bias, False, False)
-    out = np.empty((tokens, tiles * rows), dtype=np.float32)
-    for t in range(tokens):
-        for o in range(tiles * rows):
-            total = partial[0, t, o]
-            for p in range(1, parts):
-                total += partial[p, t, o]
-            value = total * scales[o]
-            if has_bias:
-                value += bias[o]
-            out[t, o] = value
-    return out
-
-
-def unit_blocks(slices: int, tiles: int, threads: int) -> int:
-    """Blocks of tiles per slice for the units schedule: the fewest (each block builds its slice's
-    table again) that give every thread about as many units (at most 1/8 more than the mean: a
-    thread's last unit rounded up)."""
-    for blocks in range(1, tiles + 1):
-        units = slices * blocks
-        if units >= threads and (-(-units // threads)) * threads <= units * 9 / 8:
-            return blocks
-    return tiles
-
-
 def pass_slices(tokens: int, operands: CpuOperands, table_pass_bytes: int = TABLE_PASS_BYTES) -> int:
     """Slices of code columns whose tables (all tokens) one pass builds: at most table_pass_bytes,
     at least one slice."""
@@ -402,10 +347,9 @@ def _lut_one_pass_parallel(x, codebooks_t, tiled, nbits, scales, bias, has_bias,
 
 
 def lut_matmul_operands(x: np.ndarray | torch.Tensor, operands: CpuOperands,
-                        table_pass_bytes: int = TABLE_PASS_BYTES, schedule: str | None = None) -> np.ndarray:
+                        table_pass_bytes: int = TABLE_PASS_BYTES) -> np.ndarray:
     """`lut_matmul` on prepared operands: x [T, in] float32 -> [T, out] float32. Tables are built
-    and consumed in passes of at most table_pass_bytes (one pass unless codebooks are large).
-    schedule (None: LUT_SCHEDULE): how a one-pass product splits among threads, "rows" or "units"."""
+    and consumed in passes of at most table_pass_bytes (one pass unless codebooks are large)."""
     if isinstance(x, torch.Tensor):
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.to(torch.float32).contiguous()
@@ -424,8 +368,6 @@ def lut_matmul_operands(x: np.ndarray | torch.Tensor, operands: CpuOperands,
     if per_pass >= slices:
         if threads == 1:
             return _lut_one_pass_serial(*common, *bias)
-        if (schedule or LUT_SCHEDULE) == "units":
-            return _lut_units_parallel(*common, *bias, threads, unit_blocks(slices, tiles, threads))
         # one block of tiles per thread: the fewer blocks, the fewer times a table slice is loaded
         return _lut_one_pass_parallel(*common, *bias, min(threads, tiles), 4 * threads)
     tables = np.empty((tokens, (per_pass * columns) << operands.nbits), dtype=np.float32)
