@@ -250,10 +250,15 @@ def test_paper_tables_stage_writes_tables_claims_plots_and_missing_cells(tmp_pat
     assert "## Missing cells (2)" in readme and "greedy-s45/eval.json" in readme
     # claim (e) across models: the model's rho beside its gap (one layer of rho 0.6)
     assert "| m | 0.60 | 0.60 | 0.916 ± 0.000 (3) | holds |" in (out / "claims.md").read_text()
+    assert paper_tables.LAYER_STUDY not in (out / "claims.md").read_text()  # none in the folder: no link
     # a domain the paper does not report is in cells.csv, not in the Markdown table
     assert paper_tables.main([*map(str, paths), "--out-dir", str(out), "--domains", "c4", "brown-news", "wikitext2"]) == 0
     assert "brown-news" not in (out / "cells.md").read_text() and "200.00 ± 2.00 | 60.61 | " in (out / "cells.md").read_text()
     assert any(column.startswith("pre_pv_brown-news_ppl") for column in pd.read_csv(out / "cells.csv").columns)
+    # a layer-level study beside the tables: the claims point at it
+    (out / paper_tables.LAYER_STUDY).write_text("| layer | rho |\n")
+    assert paper_tables.main([*map(str, paths), "--out-dir", str(out)]) == 0
+    assert f"]({paper_tables.LAYER_STUDY})" in (out / "claims.md").read_text()
     assert paper_tables.main([str(tmp_path / "nope.json"), "--out-dir", str(out)]) == 2
 
 

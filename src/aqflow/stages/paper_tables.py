@@ -202,14 +202,23 @@ def model_rho_markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-def claims_tables_markdown(claims: pd.DataFrame, model_rho: pd.DataFrame) -> str:
-    """claims.md: the claims table, then (where a model has the pre-PV gap) the gap against each model's ρ."""
+# The layer-level study of claim (e) (benchmarks/layer_rho.py writes it beside the tables): each
+# layer's error from greedy and OA-EM against its ρ, at ρ that no model with whole runs reaches.
+LAYER_STUDY = "layers_rho.md"
+
+
+def claims_tables_markdown(claims: pd.DataFrame, model_rho: pd.DataFrame, layer_study: bool = False) -> str:
+    """claims.md: the claims table, then (where a model has the pre-PV gap) the gap against each
+    model's ρ, pointing at the layer-level study where the folder holds one (layer_study)."""
     text = claims_markdown(claims)
     if len(model_rho):
         text += ("\n### The pre-PV gap against each model's ρ (claim (e) across models)\n\n"
                  "ρ = N / K^M of the model's layers at 2 bpp's own geometry; each model's gap is measured on its "
                  "own runs (not pooled: a table to read, not a test). Beside it, the within-model test of the "
                  "same claim over the geometries of one bit rate.\n\n" + model_rho_markdown(model_rho))
+        if layer_study:
+            text += (f"\nThe same claim layer by layer, up to larger ρ than these models': [{LAYER_STUDY}]({LAYER_STUDY}) "
+                     "(each layer's error after greedy and OA-EM initialisation against its ρ).\n")
     return text
 
 
@@ -268,7 +277,8 @@ def write_tables(runs: pd.DataFrame, out_dir: Path, given_domains: list[str], ex
     claims = (claims_table(quantized, lambda model: paper_claims(domains_of.get(model, domains), headline,
                                                                  domain_distances=measured_of.get(model)))
               if len(quantized) else pd.DataFrame())
-    claims_text = (claims_tables_markdown(claims, gap_against_model_rho(claims, quantized)) if len(claims)
+    claims_text = (claims_tables_markdown(claims, gap_against_model_rho(claims, quantized),
+                                          layer_study=(out_dir / LAYER_STUDY).exists()) if len(claims)
                    else "no runs yet\n")
     _write_table(out_dir, "claims", claims, claims_text)
     draws = (lambda p: plot_against_beam(own, p, headline),
