@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from aqflow.io.artifacts import atomic_path
+from aqflow.stages.paper_tables import LAYER_STUDY
 
 
 def runs_frame(paths: list[Path]) -> pd.DataFrame:
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path, help="quantizer_gpu.py result JSONs")
     parser.add_argument("--out-dir", type=Path, required=True)
-    parser.add_argument("--stem", default="layers_rho")
+    parser.add_argument("--stem", default=Path(LAYER_STUDY).stem, help="the name paper_tables links the claims to")
     args = parser.parse_args(argv)
     runs = runs_frame(args.results)
     layers = per_layer(runs)

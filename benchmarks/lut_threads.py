@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import subprocess
 import time
@@ -27,6 +26,7 @@ import torch
 from numba import njit, prange
 
 from aqflow.inference import cpu_kernels
+from aqflow.io.artifacts import atomic_path
 
 # (name, out_features, in_features, linears of the name per block) of Llama-3.2-3B
 LINEARS_3B = [("q/o", 3072, 3072, 2), ("k/v", 1024, 3072, 2), ("gate/up", 8192, 3072, 2), ("down", 3072, 8192, 1)]
@@ -108,10 +108,8 @@ def main() -> int:
             print(f"{row['threads']:7d} {row['linear']:>18} {row['microseconds']:9.1f} "
                   f"{row['loads_per_second_per_thread'] / 1e9:18.2f} {row['empty_region_microseconds']:15.1f}")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        temporary = args.out.with_suffix(".tmp")
-        temporary.write_text(json.dumps(record, indent=1))
-        os.replace(temporary, args.out)
+        with atomic_path(args.out, checksum=False) as tmp:  # no sidecar among the files a device call returns
+            tmp.write_text(json.dumps(record, indent=1))
     return 0
 
 
