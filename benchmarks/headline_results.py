@@ -4,6 +4,8 @@ GPU/disk samples of benchmarks/headline_gpu_memory.py, the outputs' sizes and PV
     python -m benchmarks.headline_results --work DIR --shape llama3b --card "NVIDIA H100 80GB HBM3" \
         --started-at UNIX_SECONDS --targets T1 T2 T3 [--samples CSV] [--hf-home DIR] [--pv DIR] \
         [--plan-seconds S] [--merge PRE_PV.json] [--out headline.json]
+    python -m benchmarks.headline_results --synthetic-pv AFTER_DIR --merge PRE_PV.json --shape llama8b \
+        --card "NVIDIA H200" --out headline.json
 
 Writes the JSON of benchmarks/results/headline_<shape>_<card>.json and prints a table:
 
@@ -178,6 +180,10 @@ def pv_measurement(pv_dir: Path | None, settings: dict) -> dict:
         evaluation = timings["heldout_eval_seconds"] / heldout_rows
     else:
         evaluation = float(pd.Series(evaluations).median()) if evaluations else math.nan
+    # a run with fewer held-out windows than the paper's (the synthetic 8B student) is scaled to them:
+    # an evaluation's time grows with its windows
+    heldout_windows = (metrics.get("data") or {}).get("heldout_samples") or settings["heldout_samples"]
+    evaluation *= settings["heldout_samples"] / heldout_windows
     samples, epochs, batch = settings["num_samples"], settings["epochs"], settings["batch_size"]
     paper_steps = math.ceil(samples * epochs / batch)
     paper_evaluations = paper_steps // settings["eval_every_steps"] + 1
@@ -185,6 +191,7 @@ def pv_measurement(pv_dir: Path | None, settings: dict) -> dict:
     return {
         "pv_step_seconds": step,
         "pv": {"steps_timed": len(timed), "step_seconds": timed, "heldout_evaluation_seconds": evaluation,
+               "heldout_windows_timed": heldout_windows,
                "timings": metrics.get("timings"), "peak_memory_allocated_gib": metrics.get("peak_memory_allocated_gib"),
                "micro_batch_size": (metrics.get("settings") or {}).get("micro_batch_size")},
         "paper_pv_hours_projected": hours,
@@ -244,6 +251,19 @@ def merge_pv(pre_pv: dict, pv_run: dict) -> dict:
     return merged
 
 
+def merge_synthetic_pv(pre_pv: dict, pv_dir: Path, settings: dict, card: str) -> dict:
+    """The pre-PV record with the PV step of `benchmarks/throughput.py pv` at the same shape (its
+    `after/` folder): the pvtune stage on a random student of the shape, outside Snakemake, where the
+    card's time did not allow the pipeline's own PV-tuning after the pre-PV run."""
+    measured = pv_measurement(pv_dir, settings)
+    if not measured:
+        raise SystemExit(f"{pv_dir}: no train_log.parquet of a PV-tuning run")
+    return {**pre_pv, **measured, "pv_source": (
+        f"benchmarks/throughput.py pv --shape {pre_pv['shape']} on {card}: the pvtune stage at the paper's "
+        "settings on a random 2x8-bit student of the shape (not the pre-PV run's model; the step time does "
+        "not depend on the weights' values)")}
+
+
 def table(record: dict) -> str:
     """The README table "What a run costs" for one record."""
     def number(value, digits=0):
@@ -271,10 +291,10 @@ def table(record: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, required=True, help="the folder Snakemake ran in")
+    parser.add_argument("--work", type=Path, help="the folder Snakemake ran in (not with --synthetic-pv)")
     parser.add_argument("--shape", required=True)
     parser.add_argument("--card", required=True)
-    parser.add_argument("--started-at", type=float, required=True, help="unix seconds Snakemake was started at")
+    parser.add_argument("--started-at", type=float, help="unix seconds Snakemake was started at")
     parser.add_argument("--targets", nargs="*", default=[], help="the run's pre-PV targets (none: a PV-tuning run only)")
     parser.add_argument("--samples", type=Path)
     parser.add_argument("--hf-home", type=Path)
@@ -282,11 +302,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan-seconds", type=float)
     parser.add_argument("--config", type=Path, default=Path("config.yaml"), help="where the paper's pvtune settings are")
     parser.add_argument("--merge", type=Path, help="a pre-PV record to add this PV-tuning run's measurement to")
+    parser.add_argument("--synthetic-pv", type=Path, help="benchmarks/throughput.py's after/ folder: its PV "
+                        "step added to the --merge record")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     import yaml
 
     pv_settings = yaml.safe_load(args.config.read_text())["pvtune"]
+    if args.synthetic_pv is not None:
+        if args.merge is None or not args.merge.is_file():
+            parser.error("--synthetic-pv needs --merge PRE_PV.json")
+        record = merge_synthetic_pv(json.loads(args.merge.read_text()), args.synthetic_pv, pv_settings, args.card)
+        if args.out:
+            args.out.write_text(json.dumps(record, indent=1) + "\n")
+        print(table(record))
+        return 0
+    if args.work is None or args.started_at is None:
+        parser.error("--work and --started-at are needed (or --synthetic-pv)")
     record = collect(args.work, args.shape, args.card, args.started_at, args.targets, args.samples, args.hf_home,
                      args.pv, args.plan_seconds, pv_settings)
     if args.merge is not None and args.merge.is_file():

@@ -40,11 +40,18 @@ SHAPES = {
     "llama3b": dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                     num_attention_heads=24, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
                     max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True),
+    "llama8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False),
     "smoke": dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),  # checks this script on a CPU
 }
 # steps of the measured run per shape: (batch windows, steps, held-out windows, eval every)
-RUNS = {"smollm2": (32, 8, 16, 4), "llama3b": (8, 6, 4, 3), "smoke": (4, 4, 2, 2)}
+# llama8b: the paper's batch of 32 windows, one held-out evaluation before the timed steps (the
+# headline's 8B PV step: benchmarks/headline_results.py --synthetic-pv)
+RUNS = {"smollm2": (32, 8, 16, 4), "llama3b": (8, 6, 4, 3), "llama8b": (32, 4, 32, 1000), "smoke": (4, 4, 2, 2)}
+# documents x words of the random corpus; llama8b's holds 128 training and 32 held-out windows of 4096
+CORPUS = {"smoke": (48, 2000), "llama8b": (200, 20_000)}
 WINDOW_TOKENS = {"smoke": 64}
 
 
@@ -118,16 +125,16 @@ def run_variant(label: str, source: Path, inputs: dict, shape_name: str, work: P
                "--checkpoint-dir", str(inputs["student"]), "--corpus", str(inputs["corpus"]),
                "--num-samples", str(batch * steps), "--heldout-samples", str(heldout), "--window-tokens", str(tokens),
                "--batch-size", str(batch), "--epochs", "1", "--max-steps", str(steps), "--eval-every-steps", str(every),
-               "--device", device, "--quiet", "--output-dir", str(out / "model"), "--train-log", str(out / "log.parquet"),
-               "--metrics", str(out / "pv.json"), *extra]
+               "--device", device, "--quiet", "--output-dir", str(out / "model"), "--train-log", str(out / "train_log.parquet"),
+               "--metrics", str(out / "pvtune.json"), *extra]  # the pvtune rule's names: `out` reads as a pv/ folder
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started
     print(done.stdout[-1500:], flush=True)
     if done.returncode != 0:
         raise RuntimeError(f"{label} failed:\n{done.stderr[-4000:]}")
-    record = json.loads((out / "pv.json").read_text())
-    log = pd.read_parquet(out / "log.parquet")
+    record = json.loads((out / "pvtune.json").read_text())
+    log = pd.read_parquet(out / "train_log.parquet")
     durations = steady_step_seconds(log)
     heldout_rows = log[log["split"] == "heldout"]
     return {
@@ -174,7 +181,7 @@ def command_pv(args: argparse.Namespace) -> int:
     else:
         teacher = random_teacher(work / "teacher", shape, args.device)
         inputs = {"teacher": teacher, "student": build_student(teacher, work, args.device), "corpus": synthetic_corpus(
-            work / "corpus.parquet", 48, 40_000 if args.shape != "smoke" else 2000)}
+            work / "corpus.parquet", *CORPUS.get(args.shape, (48, 40_000)))}
     run = tuple(args.run) if args.run else RUNS[args.shape]
     report = {"shape_name": args.shape, "shape": shape,
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
