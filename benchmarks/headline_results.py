@@ -182,8 +182,10 @@ def pv_measurement(pv_dir: Path | None, settings: dict) -> dict:
         evaluation = float(pd.Series(evaluations).median()) if evaluations else math.nan
     # a run with fewer held-out windows than the paper's (the synthetic 8B student) is scaled to them:
     # an evaluation's time grows with its windows
-    heldout_windows = (metrics.get("data") or {}).get("heldout_samples") or settings["heldout_samples"]
-    evaluation *= settings["heldout_samples"] / heldout_windows
+    paper_windows = settings.get("heldout_samples")
+    heldout_windows = (metrics.get("data") or {}).get("heldout_samples") or paper_windows
+    if paper_windows and heldout_windows:
+        evaluation *= paper_windows / heldout_windows
     samples, epochs, batch = settings["num_samples"], settings["epochs"], settings["batch_size"]
     paper_steps = math.ceil(samples * epochs / batch)
     paper_evaluations = paper_steps // settings["eval_every_steps"] + 1

@@ -182,6 +182,8 @@ def command_pv(args: argparse.Namespace) -> int:
         teacher = random_teacher(work / "teacher", shape, args.device)
         inputs = {"teacher": teacher, "student": build_student(teacher, work, args.device), "corpus": synthetic_corpus(
             work / "corpus.parquet", *CORPUS.get(args.shape, (48, 40_000)))}
+    if args.device == "cuda":  # the pvtune processes get the card; this one keeps only its context
+        torch.cuda.empty_cache()
     run = tuple(args.run) if args.run else RUNS[args.shape]
     report = {"shape_name": args.shape, "shape": shape,
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",

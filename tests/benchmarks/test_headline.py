@@ -204,3 +204,9 @@ def test_outputs_samples_and_pv_log_are_attributed_to_their_rules(tmp_path):
                        **measured, "pv_run_seconds": 30.0})
     assert merged["stages"] == {"calibrate": {}, "pvtune": {"jobs": 1}} and merged["pre_pv_total_seconds"] == 9.0
     assert merged["pv_step_seconds"] == 2.25 and merged["disk_bytes_after_pv"] == {"results": 2}
+    # a run that scored fewer held-out windows than the paper's (the synthetic 8B student): its
+    # evaluation time is scaled to the paper's windows
+    (pv / "pvtune.json").write_text(json.dumps({"timings": {"heldout_eval_seconds": 9.0}, "data": {"heldout_samples": 32}}))
+    scaled = pv_measurement(pv, {"num_samples": 10000, "epochs": 5, "batch_size": 32, "eval_every_steps": 10,
+                                 "heldout_samples": 128})
+    assert scaled["pv"]["heldout_evaluation_seconds"] == 4.5 * 4 and scaled["pv_step_seconds"] == 2.25

@@ -13,7 +13,8 @@ Then:
 
 * P-step: Adam on codebooks, scales and, optionally, every non-quantized parameter (norms,
   embeddings, head, biases).
-* V-step: Adam on each layer's straight-through weight (its gradient is dL/dW), then the codes
+* V-step: Adam on each layer's straight-through weight (its gradient is dL/dW; with beta1 = 0
+  one that keeps no first moment, `vstep_adam`), then the codes
   are re-encoded toward it (`vstep.v_step_layer`), at most `max_code_change_fraction` of each
   layer's groups per step. The codes are integer buffers: nothing else ever writes them.
 
@@ -26,6 +27,7 @@ included) is kept in CPU memory and restored at the end.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
@@ -41,6 +43,7 @@ from .loss import chunked_kl_sum, chunked_nll_sum, final_hidden
 from .resume import LoopState, Resumer
 from .student import PVLinear, close_weight_gradients, open_weight_gradients, pv_linears
 from .vstep import DEFAULT_MEMORY_BUDGET_BYTES, VStep
+from .vstep_adam import state_bytes_per_parameter_byte, v_step_optimizer
 
 SELECTION_METRICS = ("kl", "perplexity")
 CODE_LR_SCALES = ("absolute", "weight_rms")
@@ -238,14 +241,17 @@ def micro_batch_kl(student: nn.Module, teacher: nn.Module, input_ids: torch.Tens
 
 
 def choose_micro_batch_size(student: nn.Module, teacher: nn.Module, window: torch.Tensor, settings: PVSettings,
-                            device: torch.device, trainable: list[nn.Parameter]) -> int:
+                            device: torch.device, p_params: list[nn.Parameter], v_params: list[nn.Parameter]) -> int:
     """The most windows per micro-batch that fit the card, from one measured window.
 
     window [1, T] int64. Runs one forward/backward (gradients discarded) and measures its peak memory
-    over what the models hold; the gradients it leaves and Adam's two moments (not yet allocated
-    before the first step) are reserved, and so are the V-step's beam-search budget and 10 % of
-    the rest. Capped at this process's share of a batch; 1 on a CPU.
+    over what the models hold; the gradients it leaves and the optimisers' moments (not yet
+    allocated before the first step: two per P-step parameter, one or two per V-step weight,
+    `vstep_adam`) are reserved, and so are the V-step's beam-search budget and 10 % of the rest.
+    Capped at this process's share of a batch; 1 on a CPU. Where not even one window fits, says
+    so on stderr (the first step will run out of memory) with what would help.
     """
+    trainable = p_params + v_params
     size = world()[1]
     most = max(1, math.ceil(settings.batch_size / size))
     if device.type != "cuda":
@@ -264,8 +270,19 @@ def choose_micro_batch_size(student: nn.Module, teacher: nn.Module, window: torc
         parameter.grad = None
     free, _ = torch.cuda.mem_get_info(device)
     reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    moments = sum(2 * p.numel() * p.element_size() for p in trainable)
+    v_moments = state_bytes_per_parameter_byte(settings.code_beta1)
+    moments = (sum(2 * p.numel() * p.element_size() for p in p_params)
+               + sum(v_moments * p.numel() * p.element_size() for p in v_params))
     budget = 0.9 * (free + reusable - gradients - moments - settings.beam_memory_budget_bytes)
+    if budget < activations:
+        gib = 2.0**30
+        print(f"warning: PV-tuning does not fit this card: after the models, their gradients "
+              f"({gradients / gib:.1f} GiB) and the optimisers' moments ({moments / gib:.1f} GiB), "
+              f"{max(budget, 0) / gib:.1f} GiB are left and one window of {window.shape[1]} tokens needs "
+              f"{activations / gib:.1f} GiB; expect an out-of-memory error at the first step. What helps: a card "
+              f"with more memory (every process of a torchrun holds all of it), pvtune.code_beta1: 0 (the V-step "
+              f"then keeps no first moment), pvtune.update_non_quantized: false, or a shorter pvtune.window_tokens",
+              file=sys.stderr, flush=True)
     chosen = int(max(1, min(most, budget // activations)))
     if size > 1:  # every process takes the same size (the smallest card decides)
         agreed = torch.tensor(chosen, device=device)
@@ -364,8 +381,8 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
     p_params, v_params = trainable_groups(student, settings)
     layers = list(pv_linears(student).values())
     p_optimizer = torch.optim.Adam(p_params, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2)) if p_params else None
-    v_optimizer = (torch.optim.Adam(v_step_param_groups(v_params, settings.code_lr, settings.code_lr_scale),
-                                    betas=(settings.code_beta1, settings.code_beta2)) if v_params else None)
+    v_optimizer = (v_step_optimizer(v_step_param_groups(v_params, settings.code_lr, settings.code_lr_scale),
+                                    settings.code_beta1, settings.code_beta2) if v_params else None)
     if settings.gradient_checkpointing:
         set_checkpointing(student, True)
     student.train()
@@ -375,7 +392,7 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
     if settings.micro_batch_size == 0:
         with _timed(timings, "micro_batch_probe_seconds", device):
             settings = replace(settings, micro_batch_size=choose_micro_batch_size(
-                student, teacher, train_windows[:1], settings, device, p_params + v_params))
+                student, teacher, train_windows[:1], settings, device, p_params, v_params))
     log: list[dict] = []
     started = time.perf_counter()
     steps_per_epoch = batches_per_epoch(train_windows.shape[0], settings.batch_size)

@@ -23,7 +23,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+# PV-tuning frees and allocates activations of many sizes beside ~100 GB of long-lived state at
+# 8B: with fixed-size segments 10 GB sat reserved but unusable and the step ran out of memory on
+# a 141 GB card. Growable segments (read at the first CUDA allocation) keep that waste small.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402 (after the allocator setting)
 
 from aqflow.io import artifacts
 from aqflow.stagekit import stage_cli
