@@ -130,6 +130,9 @@ def run_variant(label: str, source: Path, inputs: dict, shape_name: str, work: P
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started
+    out.mkdir(parents=True, exist_ok=True)  # the whole output, for a run that fails (an out-of-memory's place)
+    (out / "stdout.log").write_text(done.stdout)
+    (out / "stderr.log").write_text(done.stderr)
     print(done.stdout[-1500:], flush=True)
     if done.returncode != 0:
         raise RuntimeError(f"{label} failed:\n{done.stderr[-4000:]}")

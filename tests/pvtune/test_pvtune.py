@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -426,3 +427,45 @@ def test_v_step_with_weight_rms_moves_every_layer_by_the_same_fraction_of_its_si
     assert len(v_step_param_groups([torch.nn.Parameter(base)] * 3, 0.01, "absolute")) == 1
     with pytest.raises(ValueError, match="code_lr_scale"):
         v_step_param_groups([torch.nn.Parameter(base)], 0.01, "relative")
+
+
+def test_a_step_that_runs_out_of_memory_is_redone_with_smaller_micro_batches(setup, monkeypatch, capsys):
+    """Where the second forward pass of 4 windows runs out of memory (the first one's gradient is
+    already summed), the step is redone at 2 windows per pass and training ends where a run at 2
+    from the start does: the half-summed gradient was dropped."""
+    settings = pvtrain.PVSettings(epochs=1, **QUICK)  # micro-batch 4, batch 8
+
+    def run(micro_batch_size: int, fail_above: int | None):
+        student, teacher = load_student(setup["aqlm_dir"]), _teacher(setup)
+        real = pvtrain.micro_batch_kl
+        calls = []
+
+        def tight_memory(student, teacher, input_ids, settings, device):
+            calls.append(input_ids.shape[0])
+            if fail_above is not None and input_ids.shape[0] > fail_above and len(calls) > 1:
+                raise torch.OutOfMemoryError("simulated: the card is full")
+            return real(student, teacher, input_ids, settings, device)
+
+        monkeypatch.setattr(pvtrain, "micro_batch_kl", tight_memory)
+        result = pvtrain.train(student, teacher, setup["data"].train.input_ids, setup["data"].heldout.input_ids,
+                               replace(settings, micro_batch_size=micro_batch_size), "cpu", progress=False)
+        return result, pvtrain.snapshot(student, list(student.parameters())), calls
+
+    redone, redone_state, calls = run(4, fail_above=2)
+    plain, plain_state, _ = run(2, fail_above=None)
+    assert calls[:3] == [4, 4, 2] and redone.micro_batch_size == 2 and "redone with 2 windows" in capsys.readouterr().err
+    assert [row["kl"] for row in redone.log] == pytest.approx([row["kl"] for row in plain.log], rel=1e-6)
+    for name, value in plain_state.items():
+        torch.testing.assert_close(redone_state[name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_out_of_memory_at_one_window_is_not_retried(setup, monkeypatch):
+    student, teacher = load_student(setup["aqlm_dir"]), _teacher(setup)
+
+    def full(*args):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(pvtrain, "micro_batch_kl", full)
+    with pytest.raises(torch.OutOfMemoryError):
+        pvtrain.train(student, teacher, setup["data"].train.input_ids, setup["data"].heldout.input_ids,
+                      pvtrain.PVSettings(epochs=1, **(QUICK | dict(micro_batch_size=1))), "cpu", progress=False)

@@ -6,7 +6,8 @@ One optimiser step consumes `batch_size` windows, split into micro-batches of
 micro-batches r, r + world, ...). Each micro-batch's KL sum is divided by the token count of the
 whole batch, so the accumulated and all-reduced gradient is that of the batch's mean token KL.
 `micro_batch_size: 0` picks the largest micro-batch the card's free memory allows, measured on
-one window before training (`choose_micro_batch_size`; 1 on a CPU). The quantized layers'
+one window before training (`choose_micro_batch_size`; 1 on a CPU); a step that still runs out
+of memory is redone with half as many (one process; `batch_gradients`). The quantized layers'
 dL/dW is summed over the micro-batches and pushed into codebooks and scales once per step
 (`student.open_weight_gradients`). On a GPU, float32 matmuls outside autocast may use TF32.
 Then:
@@ -345,6 +346,36 @@ def _average_gradients(parameters: list[nn.Parameter]) -> None:
 
 # --- the loop ------------------------------------------------------------------------------------
 
+def batch_gradients(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, batch: torch.Tensor,
+                    settings: PVSettings, device: torch.device, layers: list[PVLinear]) -> torch.Tensor:
+    """This process's micro-batches of one batch forward and backward: the gradient of the batch's
+    mean token KL added into every trainable .grad (the quantized layers' through their weight
+    gradients). train_windows [n, T] int64, batch [b] int64 indices into it; returns this process's
+    KL sum, a float64 scalar on `device`."""
+    rank, size = world()
+    batch_tokens = batch.numel() * train_windows.shape[1]
+    step = settings.micro_batch_size
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    open_weight_gradients(layers)
+    for first in range(rank * step, batch.numel(), size * step):
+        kl = micro_batch_kl(student, teacher, train_windows[batch[first:first + step]].to(device), settings, device)
+        (kl / batch_tokens).backward()
+        loss_sum += kl.detach().double()
+    close_weight_gradients(layers)
+    return loss_sum
+
+
+def discard_gradients(layers: list[PVLinear], parameters: list[nn.Parameter], device: torch.device) -> None:
+    """Drop what a failed forward/backward pass left: the layers' open weight gradients, every
+    parameter's .grad and, on a GPU, the allocator's cached blocks."""
+    for layer in layers:
+        layer.weight_gradient = None
+    for parameter in parameters:
+        parameter.grad = None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 @contextmanager
 def _timed(timings: dict[str, float], key: str, device: torch.device) -> Iterator[None]:
     started = time.perf_counter()
@@ -435,16 +466,22 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
             batch = order[first:first + settings.batch_size]
             first += settings.batch_size
             batch_tokens = batch.numel() * train_windows.shape[1]
-            mine = [batch[i:i + settings.micro_batch_size]
-                    for i in range(rank * settings.micro_batch_size, batch.numel(), size * settings.micro_batch_size)]
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             with _timed(timings, "forward_backward_seconds", device):
-                open_weight_gradients(layers)
-                for micro in mine:
-                    kl = micro_batch_kl(student, teacher, train_windows[micro].to(device), settings, device)
-                    (kl / batch_tokens).backward()
-                    loss_sum += kl.detach().double()
-                close_weight_gradients(layers)
+                while True:
+                    out_of_memory = False
+                    try:
+                        loss_sum = batch_gradients(student, teacher, train_windows, batch, settings, device, layers)
+                    except torch.OutOfMemoryError:
+                        if size > 1 or settings.micro_batch_size == 1:
+                            raise  # the processes would disagree on the micro-batch; one window is the floor
+                        out_of_memory = True
+                    if not out_of_memory:
+                        break
+                    # outside the except block, so the failed pass's tensors are no longer referenced
+                    settings = replace(settings, micro_batch_size=settings.micro_batch_size // 2)
+                    discard_gradients(layers, p_params + v_params, device)
+                    print(f"pv-tune: out of memory at step {step + 1}; the step is redone with "
+                          f"{settings.micro_batch_size} windows per forward pass", file=sys.stderr, flush=True)
                 _average_gradients(p_params + v_params)
                 all_reduce_sum(loss_sum)
             with _timed(timings, "p_step_seconds", device):
