@@ -469,3 +469,14 @@ def test_out_of_memory_at_one_window_is_not_retried(setup, monkeypatch):
     with pytest.raises(torch.OutOfMemoryError):
         pvtrain.train(student, teacher, setup["data"].train.input_ids, setup["data"].heldout.input_ids,
                       pvtrain.PVSettings(epochs=1, **(QUICK | dict(micro_batch_size=1))), "cpu", progress=False)
+
+
+def test_micro_batch_probe_arithmetic():
+    """The probe's budget: what is left after gradients, moments and the search budget, less 10 %,
+    in whole windows, capped; 0 (and a warning naming the sizes) where one window does not fit."""
+    gib = 2**30
+    assert pvtrain.windows_that_fit(100 * gib, 20 * gib, 30 * gib, 1 * gib, 4 * gib, most=32) == 11  # 0.9 x 49 = 44.1 GiB, over 4
+    assert pvtrain.windows_that_fit(100 * gib, 20 * gib, 30 * gib, 1 * gib, 1 * gib, most=32) == 32
+    assert pvtrain.windows_that_fit(50 * gib, 20 * gib, 30 * gib, 1 * gib, 1 * gib, most=32) == 0
+    warning = pvtrain.memory_warning(50 * gib, 20 * gib, 30 * gib, 3 * gib, 4096)
+    assert "20.0 GiB" in warning and "30.0 GiB" in warning and "4096 tokens needs 3.0 GiB" in warning

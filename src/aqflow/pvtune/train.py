@@ -241,6 +241,26 @@ def micro_batch_kl(student: nn.Module, teacher: nn.Module, input_ids: torch.Tens
                               teacher_hidden.reshape(-1, teacher_hidden.shape[-1]), settings.kl_chunk_tokens)
 
 
+def windows_that_fit(available: int, gradients: int, moments: int, reserved: int, per_window: int, most: int) -> int:
+    """Windows per forward pass within `available` bytes once the gradients, the optimisers'
+    moments, a `reserved` budget and 10 % of what is left are set aside, at most `most`; 0 where
+    not even one window of `per_window` bytes fits."""
+    budget = 0.9 * (available - gradients - moments - reserved)
+    return int(min(most, max(budget, 0) // max(per_window, 1)))
+
+
+def memory_warning(available: int, gradients: int, moments: int, per_window: int, window_tokens: int) -> str:
+    """What the micro-batch probe says when not even one window fits, with what would help."""
+    gib = 2.0**30
+    left = max(0.0, available - gradients - moments) / gib
+    return (f"warning: PV-tuning does not fit this card: after the models, their gradients ({gradients / gib:.1f} GiB) "
+            f"and the optimisers' moments ({moments / gib:.1f} GiB), {left:.1f} GiB are left and one window of "
+            f"{window_tokens} tokens needs {per_window / gib:.1f} GiB (plus 10 % and the V-step's search budget); "
+            f"expect an out-of-memory error at the first step. What helps: a card with more memory (every process "
+            f"of a torchrun holds all of it), pvtune.code_beta1: 0 (the V-step then keeps no first moment), "
+            f"pvtune.update_non_quantized: false, or a shorter pvtune.window_tokens")
+
+
 def choose_micro_batch_size(student: nn.Module, teacher: nn.Module, window: torch.Tensor, settings: PVSettings,
                             device: torch.device, p_params: list[nn.Parameter], v_params: list[nn.Parameter]) -> int:
     """The most windows per micro-batch that fit the card, from one measured window.
@@ -274,17 +294,11 @@ def choose_micro_batch_size(student: nn.Module, teacher: nn.Module, window: torc
     v_moments = state_bytes_per_parameter_byte(settings.code_beta1)
     moments = (sum(2 * p.numel() * p.element_size() for p in p_params)
                + sum(v_moments * p.numel() * p.element_size() for p in v_params))
-    budget = 0.9 * (free + reusable - gradients - moments - settings.beam_memory_budget_bytes)
-    if budget < activations:
-        gib = 2.0**30
-        print(f"warning: PV-tuning does not fit this card: after the models, their gradients "
-              f"({gradients / gib:.1f} GiB) and the optimisers' moments ({moments / gib:.1f} GiB), "
-              f"{max(budget, 0) / gib:.1f} GiB are left and one window of {window.shape[1]} tokens needs "
-              f"{activations / gib:.1f} GiB; expect an out-of-memory error at the first step. What helps: a card "
-              f"with more memory (every process of a torchrun holds all of it), pvtune.code_beta1: 0 (the V-step "
-              f"then keeps no first moment), pvtune.update_non_quantized: false, or a shorter pvtune.window_tokens",
-              file=sys.stderr, flush=True)
-    chosen = int(max(1, min(most, budget // activations)))
+    chosen = windows_that_fit(free + reusable, gradients, moments, settings.beam_memory_budget_bytes, activations, most)
+    if chosen == 0:
+        print(memory_warning(free + reusable, gradients, moments, activations, window.shape[1]), file=sys.stderr,
+              flush=True)
+        chosen = 1
     if size > 1:  # every process takes the same size (the smallest card decides)
         agreed = torch.tensor(chosen, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
