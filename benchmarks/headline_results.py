@@ -34,10 +34,8 @@ adds its measurement to the pre-PV record: one file per shape and card).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
-import os
 import re
 from pathlib import Path
 
