@@ -57,3 +57,21 @@ def test_state_dict_resumes_the_same_steps():
         return weight.detach().clone()
 
     torch.testing.assert_close(run(resume_after=2), run(resume_after=None), rtol=0, atol=0)
+
+
+def test_resumes_from_the_state_torch_adam_saved():
+    """A run interrupted under torch's Adam (before this optimiser) resumes here on the same path."""
+    def run(switch_after: int | None) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(2)
+        weight = torch.nn.Parameter(torch.randn(6, 8, generator=generator))
+        optimizer = torch.optim.Adam([weight], lr=1e-2, betas=(0.0, 0.95), foreach=False)
+        for step in range(5):
+            weight.grad = torch.randn(weight.shape, generator=generator)
+            optimizer.step()
+            if step == switch_after:
+                saved = optimizer.state_dict()
+                optimizer = SecondMomentAdam([weight], lr=1e-2, beta2=0.95)
+                optimizer.load_state_dict(saved)
+        return weight.detach().clone()
+
+    torch.testing.assert_close(run(switch_after=1), run(switch_after=None), rtol=1e-6, atol=1e-7)

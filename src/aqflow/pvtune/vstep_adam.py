@@ -22,7 +22,8 @@ class SecondMomentAdam(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, beta2: float = 0.999, eps: float = 1e-8):
         if not 0.0 <= beta2 < 1.0:
             raise ValueError(f"beta2 must lie in [0, 1), got {beta2}")
-        super().__init__(params, dict(lr=lr, beta2=beta2, eps=eps))
+        # torch.optim.Adam's names, so the state of a run saved by torch's Adam at beta1 0 resumes here
+        super().__init__(params, dict(lr=lr, betas=(0.0, beta2), eps=eps))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -31,7 +32,7 @@ class SecondMomentAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta2, lr, eps = group["beta2"], group["lr"], group["eps"]
+            beta2, lr, eps = group["betas"][1], group["lr"], group["eps"]
             for parameter in group["params"]:
                 if parameter.grad is None:
                     continue
@@ -39,6 +40,7 @@ class SecondMomentAdam(torch.optim.Optimizer):
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+                state.pop("exp_avg", None)  # resumed from torch's Adam: at beta1 0 it is the last gradient, unused
                 state["step"] += 1
                 gradient, second = parameter.grad, state["exp_avg_sq"]
                 second.mul_(beta2).addcmul_(gradient, gradient, value=1 - beta2)
