@@ -480,3 +480,32 @@ def test_micro_batch_probe_arithmetic():
     assert pvtrain.windows_that_fit(50 * gib, 20 * gib, 30 * gib, 1 * gib, 1 * gib, most=32) == 0
     warning = pvtrain.memory_warning(50 * gib, 20 * gib, 30 * gib, 3 * gib, 4096)
     assert "20.0 GiB" in warning and "30.0 GiB" in warning and "4096 tokens needs 3.0 GiB" in warning
+
+
+@pytest.mark.parametrize("code_beta1", [0.0, 0.9])
+def test_state_bytes_from_headers_equal_what_training_holds(setup, code_beta1):
+    """The header arithmetic of pvtune.memory against the loaded teacher and student: teacher
+    weights, codes, and (after one step) every straight-through copy, its gradient buffer and the
+    V-step optimiser's moments."""
+    from aqflow.models.folder import tensor_headers
+    from aqflow.pvtune.memory import PVMemoryError, require_fit, state_bytes
+
+    settings = pvtrain.PVSettings(epochs=1, code_beta1=code_beta1, **QUICK)
+    parts = state_bytes(tensor_headers(setup["aqlm_dir"]), tensor_headers(setup["model_dir"]), 4, settings)
+    student, teacher = load_student(setup["aqlm_dir"]), _teacher(setup)
+    layers = pv_linears(student).values()
+    assert parts["teacher"] == sum(p.nbytes for p in teacher.parameters())
+    assert parts["codes"] == sum(layer.codes.nbytes for layer in layers)
+    _, v_params = pvtrain.trainable_groups(student, settings)
+    optimizer = pvtrain.v_step_optimizer(pvtrain.v_step_param_groups(v_params, 1e-3, "absolute"), code_beta1, 0.95)
+    for weight in v_params:
+        weight.grad = torch.ones_like(weight)
+    optimizer.step()
+    moments = sum(t.nbytes for state in optimizer.state.values() for t in state.values() if t.dim() > 0)
+    assert parts["v_step"] == sum(2 * w.nbytes for w in v_params) + moments
+    quantized = {id(t) for layer in layers for t in (layer.codebooks, layer.scales, layer.straight_through)}
+    rest = sum(p.nbytes for p in student.parameters() if id(p) not in quantized)
+    assert parts["non_quantized"] == 4 * rest  # with gradient and two moments
+    require_fit(parts, sum(parts.values()), "cuda:0")
+    with pytest.raises(PVMemoryError, match=r"needs .* GiB on cuda:0 .*teacher"):
+        require_fit(parts, sum(parts.values()) - 1, "cuda:0")

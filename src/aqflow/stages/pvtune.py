@@ -35,9 +35,11 @@ from aqflow.stagekit import stage_cli
 from aqflow.io.artifacts import verify_inputs
 from aqflow.data.offline_text import CorpusError
 from aqflow.io.finite import NonFiniteMetricError, require_finite
-from aqflow.models.fetch import ModelInputError, load_tokenizer, model_compute_dtype
+from aqflow.models.fetch import ModelInputError, load_tokenizer, model_compute_dtype, torch_dtype
+from aqflow.models.folder import tensor_headers
 from aqflow.stagekit.processes import die_with_parent
 from aqflow.pvtune.data import pv_windows
+from aqflow.pvtune.memory import PVMemoryError, require_fit, state_bytes
 from aqflow.pvtune.resume import Resumer, run_fingerprint
 from aqflow.pvtune.student import StudentError, load_student, load_teacher, pv_linears, save_student
 from aqflow.pvtune.train import PVSettings, settings_record, train, world
@@ -46,7 +48,7 @@ from aqflow.stagekit.stage_cli import option
 from aqflow.stagekit.stage_errors import EXPECTED_ERRORS, StageInputError
 
 STAGE = "pvtune"
-INPUT_ERRORS = (*EXPECTED_ERRORS, NonFiniteMetricError, StudentError, CorpusError, ModelInputError)
+INPUT_ERRORS = (*EXPECTED_ERRORS, NonFiniteMetricError, StudentError, CorpusError, ModelInputError, PVMemoryError)
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,12 @@ def pvtune(options: PvtuneSettings, paths: PvtunePaths) -> dict:
 
     phase = time.perf_counter()
     teacher_dtype = options.teacher_dtype if options.teacher_dtype != "auto" else model_compute_dtype(paths.model_dir, device)
+    if device.type == "cuda":  # a card too small is named before minutes of loading
+        parts = state_bytes(tensor_headers(paths.checkpoint_dir), tensor_headers(paths.model_dir),
+                            torch_dtype(teacher_dtype).itemsize, settings)
+        say(f"memory: {sum(parts.values()) / 2**30:.1f} GiB of state before activations on a "
+            f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB card", flush=True)
+        require_fit(parts, torch.cuda.get_device_properties(device).total_memory, str(device))
     teacher = load_teacher(paths.model_dir, device, teacher_dtype)
     student = load_student(paths.checkpoint_dir, device)
     initial_codes = {name: pack_codes(layer.codes, layer.nbits).cpu() for name, layer in pv_linears(student).items()}
