@@ -46,7 +46,7 @@ class SecondMomentAdam(torch.optim.Optimizer):
                 second.mul_(beta2).addcmul_(gradient, gradient, value=1 - beta2)
                 correction = math.sqrt(1 - beta2 ** float(state["step"]))
                 # one layer's temporary at a time: the denominator is never held for all layers
-                denominator = (second.sqrt() / correction).add_(eps)
+                denominator = second.sqrt().div_(correction).add_(eps)
                 parameter.addcdiv_(gradient, denominator, value=-lr)
         return loss
 
