@@ -313,16 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.merge is None or not args.merge.is_file():
             parser.error("--synthetic-pv needs --merge PRE_PV.json")
         record = merge_synthetic_pv(json.loads(args.merge.read_text()), args.synthetic_pv, pv_settings, args.card)
-        if args.out:
-            args.out.write_text(json.dumps(record, indent=1) + "\n")
-        print(table(record))
-        return 0
-    if args.work is None or args.started_at is None:
+    elif args.work is None or args.started_at is None:
         parser.error("--work and --started-at are needed (or --synthetic-pv)")
-    record = collect(args.work, args.shape, args.card, args.started_at, args.targets, args.samples, args.hf_home,
-                     args.pv, args.plan_seconds, pv_settings)
-    if args.merge is not None and args.merge.is_file():
-        record = merge_pv(json.loads(args.merge.read_text()), record)
+    else:
+        record = collect(args.work, args.shape, args.card, args.started_at, args.targets, args.samples, args.hf_home,
+                         args.pv, args.plan_seconds, pv_settings)
+        if args.merge is not None and args.merge.is_file():
+            record = merge_pv(json.loads(args.merge.read_text()), record)
     if args.out:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(table(record))

@@ -51,7 +51,7 @@ SHAPES = {
 # headline's 8B PV step: benchmarks/headline_results.py --synthetic-pv)
 RUNS = {"smollm2": (32, 8, 16, 4), "llama3b": (8, 6, 4, 3), "llama8b": (32, 4, 32, 1000), "smoke": (4, 4, 2, 2)}
 # documents x words of the random corpus; llama8b's holds 128 training and 32 held-out windows of 4096
-CORPUS = {"smoke": (48, 2000), "llama8b": (200, 20_000)}
+CORPUS = {"smollm2": (48, 40_000), "llama3b": (48, 40_000), "llama8b": (200, 20_000), "smoke": (48, 2000)}
 WINDOW_TOKENS = {"smoke": 64}
 
 
@@ -184,7 +184,7 @@ def command_pv(args: argparse.Namespace) -> int:
     else:
         teacher = random_teacher(work / "teacher", shape, args.device)
         inputs = {"teacher": teacher, "student": build_student(teacher, work, args.device), "corpus": synthetic_corpus(
-            work / "corpus.parquet", *CORPUS.get(args.shape, (48, 40_000)))}
+            work / "corpus.parquet", *CORPUS[args.shape])}
     if args.device == "cuda":  # the pvtune processes get the card; this one keeps only its context
         torch.cuda.empty_cache()
     run = tuple(args.run) if args.run else RUNS[args.shape]

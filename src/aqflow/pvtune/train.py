@@ -379,6 +379,25 @@ def batch_gradients(student: nn.Module, teacher: nn.Module, train_windows: torch
     return loss_sum
 
 
+def gradients_within_memory(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, batch: torch.Tensor,
+                            settings: PVSettings, device: torch.device, layers: list[PVLinear],
+                            trainable: list[nn.Parameter], step: int) -> tuple[torch.Tensor, PVSettings]:
+    """`batch_gradients`, redone with half the windows per forward pass while a pass runs out of
+    memory (one process only: processes would disagree on the micro-batch; one window is the
+    floor). Returns the KL sum and the settings with the micro-batch that worked."""
+    while True:
+        try:
+            return batch_gradients(student, teacher, train_windows, batch, settings, device, layers), settings
+        except torch.OutOfMemoryError:
+            if world()[1] > 1 or settings.micro_batch_size == 1:
+                raise
+        # here, past the except block, the failed pass's tensors are no longer referenced
+        settings = replace(settings, micro_batch_size=settings.micro_batch_size // 2)
+        discard_gradients(layers, trainable, device)
+        print(f"pv-tune: out of memory at step {step}; the step is redone with {settings.micro_batch_size} windows "
+              f"per forward pass", file=sys.stderr, flush=True)
+
+
 def discard_gradients(layers: list[PVLinear], parameters: list[nn.Parameter], device: torch.device) -> None:
     """Drop what a failed forward/backward pass left: the layers' open weight gradients, every
     parameter's .grad and, on a GPU, the allocator's cached blocks."""
@@ -481,21 +500,8 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
             first += settings.batch_size
             batch_tokens = batch.numel() * train_windows.shape[1]
             with _timed(timings, "forward_backward_seconds", device):
-                while True:
-                    out_of_memory = False
-                    try:
-                        loss_sum = batch_gradients(student, teacher, train_windows, batch, settings, device, layers)
-                    except torch.OutOfMemoryError:
-                        if size > 1 or settings.micro_batch_size == 1:
-                            raise  # the processes would disagree on the micro-batch; one window is the floor
-                        out_of_memory = True
-                    if not out_of_memory:
-                        break
-                    # outside the except block, so the failed pass's tensors are no longer referenced
-                    settings = replace(settings, micro_batch_size=settings.micro_batch_size // 2)
-                    discard_gradients(layers, p_params + v_params, device)
-                    print(f"pv-tune: out of memory at step {step + 1}; the step is redone with "
-                          f"{settings.micro_batch_size} windows per forward pass", file=sys.stderr, flush=True)
+                loss_sum, settings = gradients_within_memory(student, teacher, train_windows, batch, settings, device,
+                                                             layers, p_params + v_params, step + 1)
                 _average_gradients(p_params + v_params)
                 all_reduce_sum(loss_sum)
             with _timed(timings, "p_step_seconds", device):

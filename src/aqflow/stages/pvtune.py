@@ -174,9 +174,10 @@ def pvtune(options: PvtuneSettings, paths: PvtunePaths) -> dict:
     if device.type == "cuda":  # a card too small is named before minutes of loading
         parts = state_bytes(tensor_headers(paths.checkpoint_dir), tensor_headers(paths.model_dir),
                             torch_dtype(teacher_dtype).itemsize, settings)
+        card_bytes = torch.cuda.get_device_properties(device).total_memory
         say(f"memory: {sum(parts.values()) / 2**30:.1f} GiB of state before activations on a "
-            f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB card", flush=True)
-        require_fit(parts, torch.cuda.get_device_properties(device).total_memory, str(device))
+            f"{card_bytes / 2**30:.1f} GiB card", flush=True)
+        require_fit(parts, card_bytes, str(device))
     teacher = load_teacher(paths.model_dir, device, teacher_dtype)
     student = load_student(paths.checkpoint_dir, device)
     initial_codes = {name: pack_codes(layer.codes, layer.nbits).cpu() for name, layer in pv_linears(student).items()}
