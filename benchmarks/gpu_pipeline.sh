@@ -2,7 +2,10 @@
 # The SmolLM2 pipeline on the lent GPU machine (no network there): files are staged in
 # /root/stage over several device calls (each call carries at most 64 MiB), then Snakemake runs
 # the whole DAG with profiles/gpu. Run from the repository root on the device machine:
-#   bash benchmarks/gpu_pipeline.sh install   # carry the wheel folders WHEELS (default: .whl)
+#   bash benchmarks/gpu_pipeline.sh install   # carry the wheel folders WHEELS (default: .whl); a folder
+#                                             # may hold a packed site (*.site.tar.xz) instead of wheels
+#   bash benchmarks/gpu_pipeline.sh pack F    # here, not there: WHEELS installed for the card's Python 3.12
+#                                             # into one xz tarball F (half the wheels' bytes, one carry)
 #   bash benchmarks/gpu_pipeline.sh assets F  # carry F: a tar.xz of cache/ (zero-shot data) and resources/data
 #   bash benchmarks/gpu_pipeline.sh part F [PRESET]  # carry one part F of a GGUF preset's file (split -b 49M,
 #                                             # parts in name order; PRESET default smollm2), once per part;
@@ -27,10 +30,27 @@ export PYTHONPATH="$STAGE/site:$PWD/src" AQFLOW_CACHE="$STAGE/cache" PYTHONUNBUF
 mkdir -p "$STAGE/parts"
 
 case "$1" in
-install)
+pack)
+  site=$(mktemp -d)
   wheels=()
   for folder in ${WHEELS:-.whl}; do wheels+=("$folder"/*.whl); done
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$STAGE/site" "${wheels[@]}"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" --python-version 3.12 \
+    --implementation cp --only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
+    --platform manylinux1_x86_64 "${wheels[@]}"
+  mkdir -p "$(dirname "$2")"
+  tar -cf - -C "$site" . | xz -6 -T0 > "$2.tmp" && mv "$2.tmp" "$2"
+  rm -rf "$site"; ls -la "$2"
+  ;;
+install)
+  wheels=()
+  for folder in ${WHEELS:-.whl}; do
+    for pack in "$folder"/*.site.tar.xz; do [ -f "$pack" ] && mkdir -p "$STAGE/site" && tar -xJf "$pack" -C "$STAGE/site"; done
+    for wheel in "$folder"/*.whl; do [ -f "$wheel" ] && wheels+=("$wheel"); done
+  done
+  if [ ${#wheels[@]} -gt 0 ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$STAGE/site" "${wheels[@]}"
+  fi
   "$PY" -c "import snakemake, aqlm, lm_eval, datasets, gguf, matplotlib, torch, transformers; \
 print('snakemake', snakemake.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
   # Bytecode for the staged packages and the card's own Python (pip ran with --no-compile, and a
