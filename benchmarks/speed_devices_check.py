@@ -2,6 +2,9 @@
 
     PYTHONPATH=src python benchmarks/speed_devices_check.py --json $OUT/speed_devices.json
 
+Each phase prints a line as it starts and ends (pipe it through `grep --line-buffered` if at all: a
+try on an H100 on 2026-11-28 printed nothing in 290 s through a buffering grep and was cut).
+
 Builds a random Llama at SmolLM2-135M's shape (hidden 576, 30 layers, MLP 1536, 9 heads, 3 KV heads;
 a tiny BPE vocabulary) in float16 and a random 2x8 AQLM checkpoint of it (groups of 8: the shape the
 CUDA table kernel takes), then:
@@ -70,6 +73,7 @@ def main() -> int:
         aqlm_dir = root / "aqlm"
         write_random_aqlm_checkpoint(fp_dir, aqlm_dir, num_codebooks=2, nbits=8, group_size=8)
         for name, folder in (("fp16", fp_dir), ("aqlm 2x8", aqlm_dir)):
+            print(f"{name}: the fusion check on cuda", flush=True)
             fused = fusion_check(folder)
             record.setdefault("fused_members", {})[name] = fused
             if fused["plain"] != 0 or fused["fast"] == 0:
@@ -78,6 +82,7 @@ def main() -> int:
             started = time.perf_counter()
             payload = speed.run(settings, speed.SpeedPaths(model_dir=folder, output=root / f"{name}.json"))
             payload["stage_seconds"] = time.perf_counter() - started
+            print(f"{name}: the speed stage took {payload['stage_seconds']:.0f} s", flush=True)
             record["folders"][name] = payload
             if list(payload["devices"]) != ["cuda", "cpu"]:
                 failures.append(f"{name}: devices {list(payload['devices'])}, want ['cuda', 'cpu']")

@@ -75,7 +75,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert generate.top_p_filter(logits, 1.0).isfinite().all()
 
 
-def test_speed_measures_the_paths_it_is_given_per_device(folders, tmp_path):
+def test_speed_measures_the_paths_it_is_given_per_device(folders, tmp_path, capsys):
     """The AQLM checkpoint through the fast path (its plain path skipped by cpu_plain_tokens 0), the fp
     model through the plain one, on the CPU with the CPU's token counts (aqlm's own CPU kernel compiles
     for half a minute per process: generate's test runs it)."""
@@ -89,6 +89,9 @@ def test_speed_measures_the_paths_it_is_given_per_device(folders, tmp_path):
         payloads[name] = json.loads((tmp_path / f"{name}.json").read_text())
         assert list(payloads[name]["devices"]) == ["cpu"] and payloads[name]["format"] == ("aqlm" if name == "aqlm" else "plain")
     aqlm, fp = payloads["aqlm"], payloads["fp"]
+    # the job's log says which path is being measured and how long it took
+    log = capsys.readouterr().out
+    assert "speed: the fast path on cpu (float32, 4 new tokens" in log and log.count("measured in") == 2
     cpu = aqlm["devices"]["cpu"]
     assert list(cpu["paths"]) == ["fast"] and "cpu_plain_tokens" in cpu["skipped_paths"]["plain"]
     assert list(fp["devices"]["cpu"]["paths"]) == ["plain"] and "skipped_paths" not in fp["devices"]["cpu"]

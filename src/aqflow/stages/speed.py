@@ -287,7 +287,13 @@ def measure_device(settings: SpeedSettings, model_dir: Path, device: str) -> dic
             skipped[path] = "cpu_plain_tokens is 0 (aqlm's CPU kernel takes seconds a token at billions of weights)"
             continue
         child_settings = {"threads": settings.threads, "seed": settings.seed, "repeats": settings.repeats, **counts}
+        # a path takes minutes where its decode step is compiled first: say which one is running
+        print(f"speed: the {path} path on {device} ({dtype}, {counts['new_tokens']} new tokens x {settings.repeats})",
+              flush=True)
+        started = time.perf_counter()
         results[path] = measure_in_child(model_dir, device, dtype, path, child_settings)
+        print(f"speed: the {path} path on {device}: {results[path]['decode_tokens_per_second']:.1f} tokens/s, "
+              f"measured in {time.perf_counter() - started:.0f} s", flush=True)
     threads = next((result["threads"] for result in results.values()), settings.threads)
     section = {"device": device, "kind": device_kind(device), "name": device_name(device), "dtype": dtype,
                "threads": threads, "paths": results}
