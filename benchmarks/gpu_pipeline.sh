@@ -8,7 +8,8 @@
 #                                             # into one xz tarball F (half the wheels' bytes, one carry)
 #   bash benchmarks/gpu_pipeline.sh assets F  # carry F: a tar.xz of cache/ (zero-shot data) and resources/data
 #   bash benchmarks/gpu_pipeline.sh part F [PRESET]  # carry one part F of a GGUF preset's file (split -b 34M:
-#                                             # a part and the ~28 MiB tree fit one call; parts in name order; PRESET default smollm2), once per part;
+#                                             # a part and the ~28 MiB tree fit one call; parts in name order;
+#                                             # PRESET default smollm2), once per part;
 #                                             # also while a grid runs, for its later lines
 #   bash benchmarks/gpu_pipeline.sh start [snakemake args]   # detached Snakemake run of the DAG
 #   bash benchmarks/gpu_pipeline.sh grid FILE      # detached: one Snakemake run per line of FILE, in order
