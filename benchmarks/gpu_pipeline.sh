@@ -30,11 +30,20 @@ PY=${PYTHON:-python3}
 export PYTHONPATH="$STAGE/site:$PWD/src" AQFLOW_CACHE="$STAGE/cache" PYTHONUNBUFFERED=1
 mkdir -p "$STAGE/parts"
 
+carried() {  # carried NAME [GLOB]: the array NAME := the files matching GLOB (default *.whl) in the WHEELS folders
+  local -n found=$1
+  local file
+  found=()
+  for folder in ${WHEELS:-.whl}; do
+    for file in "$folder"/${2:-*.whl}; do [ -f "$file" ] && found+=("$file"); done
+  done
+  return 0
+}
+
 case "$1" in
 pack)
   site=$(mktemp -d)
-  wheels=()
-  for folder in ${WHEELS:-.whl}; do wheels+=("$folder"/*.whl); done
+  carried wheels
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" --python-version 3.12 \
     --implementation cp --only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
@@ -44,11 +53,9 @@ pack)
   rm -rf "$site"; ls -la "$2"
   ;;
 install)
-  wheels=()
-  for folder in ${WHEELS:-.whl}; do
-    for pack in "$folder"/*.site.tar.xz; do [ -f "$pack" ] && mkdir -p "$STAGE/site" && tar -xJf "$pack" -C "$STAGE/site"; done
-    for wheel in "$folder"/*.whl; do [ -f "$wheel" ] && wheels+=("$wheel"); done
-  done
+  carried packs '*.site.tar.xz'
+  for pack in "${packs[@]}"; do mkdir -p "$STAGE/site" && tar -xJf "$pack" -C "$STAGE/site"; done
+  carried wheels
   if [ ${#wheels[@]} -gt 0 ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$STAGE/site" "${wheels[@]}"
   fi
