@@ -92,3 +92,17 @@ def test_calibration_files_hold_float32(model_dir, corpus, tmp_path):
     manifest = pd.read_parquet(tmp_path / "c" / "manifest.parquet")
     assert set(manifest["dtype"]) == {"float32"}
     assert load_block_xtx(tmp_path / "c" / "block0.npz").xtx[manifest["site"][0]].dtype == torch.float32
+
+
+def test_cpu_budget_is_the_hosts_available_memory_less_a_forward_pass(monkeypatch):
+    """On a CPU the sums get what the host has free, not everything: a 1.5B model's float64 sums
+    (~20 GB) would otherwise be allocated at once and the process killed on a 24 GB machine."""
+    import psutil
+
+    available = 40 * 2**30
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": available})())
+    settings = calibrate_stage.CalibrateSettings(device="cpu", batch_size=2)
+    budget = calibrate_stage.xtx_budget_bytes(settings, window_tokens=128, widest_input=1024)
+    assert budget == available - (4 * 2**30 + 2 * 8 * 2 * 128 * 1024)
+    explicit = calibrate_stage.xtx_budget_bytes(dataclasses.replace(settings, xtx_memory_gib=2.0), 128, 1024)
+    assert explicit == 2 * 2**30

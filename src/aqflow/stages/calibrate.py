@@ -77,7 +77,7 @@ class CalibrateSettings:
     batch_size: int = field(default=4, metadata=option("windows per forward pass"))
     xtx_memory_gib: float = field(default=0.0, metadata=option(
         "device memory for the float64 XᵀX sums; blocks beyond it are summed in further passes over the windows "
-        "(0: what a card has free after the model, less room for the forward pass; a CPU: all blocks at once)"))
+        "(0: what the card, or on a CPU the host, has free after the model, less room for the forward pass)"))
     device: str = field(default_factory=stage_cli.default_device)
     num_devices: int = field(default=1, metadata=option(
         "shard the windows over this many devices of --device's type (summed XᵀX)"))
@@ -150,15 +150,19 @@ def block_groups(block_bytes: list[int], budget_bytes: float) -> list[list[int]]
 
 
 def xtx_budget_bytes(settings: CalibrateSettings, window_tokens: int, widest_input: int) -> float:
-    """Device memory the XᵀX sums may take: --xtx-memory-gib, else on a card its free memory after
-    the model less room for a forward pass (4 GiB, plus twice the float64 copy of the widest
-    input site's batch that accumulate_xtx makes); on a CPU no limit."""
+    """Memory the XᵀX sums may take: --xtx-memory-gib, else what the device has free after the model
+    (a card's free memory; on a CPU the host's available RAM) less room for a forward pass (4 GiB,
+    plus twice the float64 copy of the widest input site's batch that accumulate_xtx makes)."""
     if settings.xtx_memory_gib > 0:
         return settings.xtx_memory_gib * 2**30
     device = torch.device(settings.device)
-    if device.type != "cuda":
-        return float("inf")
-    free, _ = torch.cuda.mem_get_info(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        # a 1.5B model's sums (28 x 8960^2 float64 for down_proj alone, 18 GB) outgrow a 24 GB host
+        import psutil
+
+        free = psutil.virtual_memory().available
     forward = 4 * 2**30 + 2 * 8 * settings.batch_size * window_tokens * widest_input
     return max(free - forward, 1)
 
