@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu_pipeline.sh pack F    # here, not there: WHEELS installed for the card's Python 3.12
 #                                             # into one xz tarball F (half the wheels' bytes, one carry)
 #   bash benchmarks/gpu_pipeline.sh assets F  # carry F: a tar.xz of cache/ (zero-shot data) and resources/data
-#   bash benchmarks/gpu_pipeline.sh part F [PRESET]  # carry one part F of a GGUF preset's file (split -b 34M:
-#                                             # a part and the ~28 MiB tree fit one call; parts in name order;
+#   bash benchmarks/gpu_pipeline.sh part F [PRESET]  # carry one part F of a GGUF preset's file (a part and
+#                                             # the tree fit one call's 64 MiB; parts in name order;
 #                                             # PRESET default smollm2), once per part;
 #                                             # also while a grid runs, for its later lines
 #   bash benchmarks/gpu_pipeline.sh start [snakemake args]   # detached Snakemake run of the DAG

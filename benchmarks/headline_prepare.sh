@@ -9,15 +9,17 @@
 # .device-carry/headline/  the kit's inputs (python -m benchmarks.headline_kit carry): tokenizer,
 #         registry text, the zero-shot tasks
 # .whl3/  PuLP, for Snakemake's default (ILP) scheduler: only the -j1 run needs it
-# Each device call carries at most ~38 MB beside the tracked tree: .whl with .device-carry/headline
-# in one call (35 MB), .whl2 with .whl3 in another (32 MB). The folders are ignored by git
+# .whl4/  huggingface_hub as envs/ pins it, with httpx2, httpcore2 and truststore
+# `gpu_pipeline.sh pack` turns .whl, .whl2 and .whl4 into one 20 MB xz site (.whlx/), which goes
+# in one call with .device-carry/headline (or the text of `gpu_pipeline.sh assets`, 12.5 MB).
+# The folders are ignored by git
 # (.git/info/exclude of the main checkout; .device-carry/ by .gitignore).
 # PYTHON: a python3 with the pinned packages (the carry step runs the pipeline's own fetchers).
 set -euo pipefail
 PY=${PYTHON:-python3}
 exclude="$(git rev-parse --git-common-dir)/info/exclude"
 mkdir -p "$(dirname "$exclude")"
-for pattern in /.whl/ /.whl2/ /.whl3/; do grep -qxF "$pattern" "$exclude" 2>/dev/null || echo "$pattern" >> "$exclude"; done
+for pattern in /.whl/ /.whl2/ /.whl3/ /.whl4/ /.whlx/; do grep -qxF "$pattern" "$exclude" 2>/dev/null || echo "$pattern" >> "$exclude"; done
 
 # runtime packages missing on the machine (its package list: the device notes), pure-Python needs included
 WHL=(snakemake snakemake-interface-common snakemake-interface-executor-plugins snakemake-interface-logger-plugins
@@ -32,6 +34,9 @@ WHL=(snakemake snakemake-interface-common snakemake-interface-executor-plugins s
 # published as source only (pure Python): built into wheels here
 BUILT=(connection_pool rouge_score sqlitedict word2number)
 WHL2=(transformers tokenizers)
+# huggingface_hub as envs/ pins it (transformers 5.23 needs it) and the HTTP client it imports, which
+# the machine lacks (on 2026-11-28 a site packed without them failed at `import transformers`)
+WHL4=(huggingface_hub httpx2 httpcore2 truststore)
 # Snakemake's ILP job selection (its default scheduler; without PuLP it falls back to greedy, with a
 # warning): only the -j1 run, a user's own command line, needs it
 WHL3=(PuLP)
@@ -56,6 +61,7 @@ for name in "${BUILT[@]}"; do
   "$PY" -m pip wheel -q --no-deps -w .whl "$(pin "$name")" 2>&1 | grep -v "^WARNING: Location" || true
 done
 download .whl2 "${WHL2[@]}"
+download .whl4 "${WHL4[@]}"
 download .whl3 "${WHL3[@]}"
 
 # every requirement of every wheel is either carried or on the machine (its list, as the device notes give it)
@@ -89,5 +95,6 @@ print("requirements neither carried nor on the machine:", sorted(missing) or "no
 EOF
 
 PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m benchmarks.headline_kit carry --out .device-carry/headline
-du -sh .whl .whl2 .whl3 .device-carry/headline
+du -sh .whl .whl2 .whl3 .whl4 .device-carry/headline
+echo "then: WHEELS=\".whl .whl2 .whl4\" bash benchmarks/gpu_pipeline.sh pack .whlx/headline.site.tar.xz"
 echo "tracked tree: $(git ls-files -z | du -ch --files0-from=- 2>/dev/null | tail -1)"

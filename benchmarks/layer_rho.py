@@ -1,6 +1,9 @@
 """Layer-level evidence against ρ: greedy vs OA-EM on real layers, from quantizer_gpu.py results.
 
     python -m benchmarks.layer_rho RESULT.json [...] --out-dir results/published/paper --stem layers_rho
+    python -m benchmarks.layer_rho --variant-dirs results/M/2bpp/greedy/b8 results/M/2bpp/oaem/b8 [...] \
+        --runs-parquet OUT/layers.parquet --out-dir OUT    # a pipeline run's own layer jobs
+    python -m benchmarks.layer_rho --runs-parquet OUT/layers.parquet --out-dir OUT   # again, from that table
 
 For every (model, layer, init) of the runs: ρ = N/K^M of the layer, the relative output error
 after the init and at the end (mean and sd over seeds), and epochs. Then per layer the ratio
@@ -32,6 +35,27 @@ def runs_frame(paths: list[Path]) -> pd.DataFrame:
                          "seed": run.get("seed", 42), "bpp": run["bpp"], "rho": run["rho"],
                          "init_relative_mse": run["init_relative_mse"], "final_relative_mse": run["final_relative_mse"],
                          "epochs": run["epochs"], "device": result["device"]})
+    return pd.DataFrame(rows)
+
+
+def variant_layer_runs(variant_dir: Path) -> pd.DataFrame:
+    """The layer jobs of one pipeline variant (results/<model>/<bpp>bpp/<init>/<variant>/layers/*.json)
+    in runs_frame's columns, plus the job's seconds and why its loop stopped: the whole model's
+    layers at the run's own calibration, where quantizer_gpu.py runs take a few bundled layers."""
+    model, bpp_folder, init = variant_dir.parts[-4:-1]
+    rows = []
+    for path in sorted((variant_dir / "layers").glob("*.json")):
+        job = json.loads(path.read_text())
+        rows.append({"model": model, "layer": job["layer"], "init": init, "seed": job["settings"]["seed"],
+                     "bpp": int(bpp_folder.removesuffix("bpp")), "rho": job["rho"],
+                     "init_relative_mse": job["init_relative_mse"], "final_relative_mse": job["final_relative_mse"],
+                     "epochs": len(job["epochs"]), "device": job["device"],
+                     "out_features": job["out_features"], "in_features": job["in_features"],
+                     "init_seconds": job["init_seconds"],
+                     "seconds": job["init_seconds"] + sum(e["beam_seconds"] + e["adam_seconds"] for e in job["epochs"]),
+                     "stopped_because": job["stopped_because"]})
+    if not rows:
+        raise SystemExit(f"{variant_dir}: no layer metrics under layers/ (a variant folder of results/?)")
     return pd.DataFrame(rows)
 
 
@@ -116,11 +140,28 @@ def plot(layers: pd.DataFrame, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", nargs="+", type=Path, help="quantizer_gpu.py result JSONs")
+    parser.add_argument("results", nargs="*", type=Path, help="quantizer_gpu.py result JSONs")
+    parser.add_argument("--variant-dirs", nargs="*", type=Path, default=[],
+                        help="pipeline variant folders whose layers/*.json to read")
+    parser.add_argument("--runs-parquet", type=Path,
+                        help="with --variant-dirs: where to write their runs (one row per layer job); "
+                             "alone: the runs to read")
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--stem", default=Path(LAYER_STUDY).stem, help="the name paper_tables links the claims to")
     args = parser.parse_args(argv)
-    runs = runs_frame(args.results)
+    frames = [runs_frame(args.results)] if args.results else []
+    if args.variant_dirs:
+        variant_runs = pd.concat([variant_layer_runs(d) for d in args.variant_dirs], ignore_index=True)
+        if args.runs_parquet:
+            args.runs_parquet.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_path(args.runs_parquet) as tmp:
+                variant_runs.to_parquet(tmp, index=False)
+        frames.append(variant_runs)
+    elif args.runs_parquet:
+        frames.append(pd.read_parquet(args.runs_parquet))
+    if not frames:
+        parser.error("give result JSONs, --variant-dirs or --runs-parquet")
+    runs = pd.concat(frames, ignore_index=True)
     layers = per_layer(runs)
     device = ", ".join(sorted(runs["device"].unique()))
     args.out_dir.mkdir(parents=True, exist_ok=True)
