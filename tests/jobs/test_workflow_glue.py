@@ -99,6 +99,17 @@ def test_every_evaluation_key_the_logits_budget_and_the_kernels_reach_the_evalua
     assert built("evaluate", workflow_glue.evaluate(no_domains))[0].perplexity == ()
 
 
+def test_the_execution_fields_marked_for_the_evaluation_are_exactly_those_it_declares():
+    """`execution` settings reach the evaluate stage by their own names, marked in the Execution
+    dataclass: a field both declare but left unmarked (or marked but unknown to the stage) fails."""
+    from aqflow.jobs.plan import Execution
+    from aqflow.stages.evaluate import EvaluateSettings
+
+    both = {spec.name for spec in dataclasses.fields(Execution)} & {spec.name for spec in dataclasses.fields(EvaluateSettings)}
+    execution = WorkflowPlan(tiny_config()).execution
+    assert set(execution.stage_options("evaluate")) == both == {"logits_budget_gib", "cpu_kernel", "gpu_kernel"}
+
+
 def test_a_pv_tuned_evaluation_embeds_its_layers_and_its_training_record(tmp_path):
     """The upstream record of eval.json: the rule's settings, each layer's metrics (the quantization
     time their sum), and the PV-tuning record whole; the pre-PV evaluation is a path."""

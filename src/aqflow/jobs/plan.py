@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
@@ -89,6 +89,9 @@ def variant_name(beam: int, epochs: int | None = None, seed: int | None = None, 
     return f"{geometry}-{name}" if geometry and geometry != default_geometry else name
 
 
+EVALUATE_OPTION = {"stage": "evaluate"}  # an Execution field that is also an evaluate stage setting
+
+
 @dataclass(frozen=True)
 class Execution:
     """How jobs run, not what they compute: config `execution`, and `pvtune.save_state_every`.
@@ -99,11 +102,17 @@ class Execution:
 
     warm_workers: bool | str  # true, false or "auto" (aqflow.jobs.warm_workers.wanted)
     warm_worker_idle_seconds: float
-    logits_budget_gib: float
+    # the evaluation's own settings of the same names (stage_options("evaluate")): the most logits
+    # one forward pass holds, and how it computes AQLM layers on a CPU / a GPU
+    logits_budget_gib: float = field(metadata=EVALUATE_OPTION)
     cell_order: tuple[str, ...]
     save_state_every: int | None  # None: PV-tuning not configured
-    cpu_kernel: str = "fast"  # how an evaluation computes AQLM layers on a CPU / a GPU (stages.evaluate)
-    gpu_kernel: str = "dense"
+    cpu_kernel: str = field(default="fast", metadata=EVALUATE_OPTION)
+    gpu_kernel: str = field(default="dense", metadata=EVALUATE_OPTION)
+
+    def stage_options(self, stage: str) -> dict:
+        """The fields marked as `stage`'s settings, by name: passed to that stage unrenamed."""
+        return {spec.name: getattr(self, spec.name) for spec in fields(self) if spec.metadata.get("stage") == stage}
 
     @classmethod
     def from_config(cls, config: Mapping) -> "Execution":

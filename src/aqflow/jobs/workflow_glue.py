@@ -161,9 +161,7 @@ def evaluate(job) -> StageCall:
     (perplexity batches, zero-shot requests) go to the job's log."""
     p = job.params
     domains = [(name, protocol, corpus) for (name, protocol), corpus in zip(p.domains, files(job.input.get("corpora", [])))]
-    settings = {**p.evaluation, "label": p.label, "upstream": upstream_record(job),
-                "logits_budget_gib": p.execution.logits_budget_gib,
-                "cpu_kernel": p.execution.cpu_kernel, "gpu_kernel": p.execution.gpu_kernel}
+    settings = {**p.evaluation, "label": p.label, "upstream": upstream_record(job), **p.execution.stage_options("evaluate")}
     if not domains:
         settings["perplexity"] = []
     pvtune_record = job.input.get("pvtune")
