@@ -7,6 +7,11 @@
 #   bash benchmarks/gpu_pipeline.sh pack F    # here, not there: WHEELS installed for the card's Python 3.12
 #                                             # into one xz tarball F (half the wheels' bytes, one carry)
 #   bash benchmarks/gpu_pipeline.sh assets F  # carry F: a tar.xz of cache/ (zero-shot data) and resources/data
+#   bash benchmarks/gpu_pipeline.sh slim      # here: switch the checkout to a branch without results/published,
+#                                             # benchmarks/results and docs (the tree that travels: 30 MB -> 2 MB);
+#                                             # `unslim` switches back and deletes it (the device sends this checkout)
+#   bash benchmarks/gpu_pipeline.sh split GGUF DIR [FIRST_CARRY...]  # here: GGUF in parts that each fit one call
+#                                             # beside the tree; the first part also beside FIRST_CARRY (e.g. .whlx)
 #   bash benchmarks/gpu_pipeline.sh part F [PRESET]  # carry one part F of a GGUF preset's file (a part and
 #                                             # the tree fit one call's 64 MiB; parts in name order;
 #                                             # PRESET default smollm2), once per part;
@@ -40,7 +45,35 @@ carried() {  # carried NAME [GLOB]: the array NAME := the files matching GLOB (d
   return 0
 }
 
+# one call's carry, tree included (the device tool's limit), less a margin for what git does not list
+CALL_BYTES=$(( 64 * 1024 * 1024 - 256 * 1024 ))
+tree_bytes() { git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1; }
+
 case "$1" in
+slim)
+  [ -z "$(git status --porcelain --untracked-files=no)" ] || { echo "commit or stash your changes first" >&2; exit 1; }
+  git switch -q -c device-slim
+  git rm -rq --quiet results/published benchmarks/results docs
+  git commit -qm "device-slim: the tree that travels to the GPU box (never merged)"
+  echo "tree now $(tree_bytes) bytes; \`$0 unslim\` when the device calls are done"
+  ;;
+unslim)
+  [ "$(git branch --show-current)" = device-slim ] || { echo "not on device-slim" >&2; exit 1; }
+  git switch -q - && git branch -q -D device-slim && git branch --show-current
+  ;;
+split)
+  # part 0 fits beside the tree and FIRST_CARRY, every later part beside the tree alone
+  gguf=$2 dir=$3; shift 3
+  tree=$(tree_bytes)
+  extra=0; [ $# -eq 0 ] || extra=$(du -cb "$@" | tail -1 | cut -f1)
+  first=$(( CALL_BYTES - tree - extra ))
+  rest=$(( CALL_BYTES - tree ))
+  [ "$first" -gt 0 ] || { echo "no room beside the tree ($tree bytes) and $*" >&2; exit 1; }
+  mkdir -p "$dir"
+  head -c "$first" "$gguf" > "$dir/part.00"
+  tail -c +"$((first + 1))" "$gguf" | split -b "$rest" -d -a 2 --numeric-suffixes=1 - "$dir/part."
+  ls -la "$dir"; echo "$(ls "$dir" | wc -l) parts for a $tree-byte tree: one \`part\` call each, in name order"
+  ;;
 pack)
   site=$(mktemp -d)
   carried wheels
