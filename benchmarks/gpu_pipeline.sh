@@ -53,7 +53,7 @@ case "$1" in
 slim)
   [ -z "$(git status --porcelain --untracked-files=no)" ] || { echo "commit or stash your changes first" >&2; exit 1; }
   git switch -q -c device-slim
-  git rm -rq --quiet results/published benchmarks/results docs
+  git rm -rq results/published benchmarks/results docs
   git commit -qm "device-slim: the tree that travels to the GPU box (never merged)"
   echo "tree now $(tree_bytes) bytes; \`$0 unslim\` when the device calls are done"
   ;;

@@ -51,8 +51,7 @@ def variant_layer_runs(variant_dir: Path) -> pd.DataFrame:
                      "init_relative_mse": job["init_relative_mse"], "final_relative_mse": job["final_relative_mse"],
                      "epochs": len(job["epochs"]), "device": job["device"],
                      "out_features": job["out_features"], "in_features": job["in_features"],
-                     "init_seconds": job["init_seconds"],
-                     "seconds": job["init_seconds"] + sum(e["beam_seconds"] + e["adam_seconds"] for e in job["epochs"]),
+                     "init_seconds": job["init_seconds"], "seconds": job["total_seconds"],
                      "stopped_because": job["stopped_because"]})
     if not rows:
         raise SystemExit(f"{variant_dir}: no layer metrics under layers/ (a variant folder of results/?)")
@@ -153,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.variant_dirs:
         variant_runs = pd.concat([variant_layer_runs(d) for d in args.variant_dirs], ignore_index=True)
         if args.runs_parquet:
-            args.runs_parquet.parent.mkdir(parents=True, exist_ok=True)
             with atomic_path(args.runs_parquet) as tmp:
                 variant_runs.to_parquet(tmp, index=False)
         frames.append(variant_runs)
