@@ -200,15 +200,19 @@ def test_seed_statistics_and_markdown_with_paper_numbers():
     assert mean_sd_text(float("nan"), float("nan")) == "missing" and mean_sd_text(3.0, float("nan")) == "3.00"
 
 
-def write_eval(folder, init, beam, seed, pre_wiki, post_wiki, bpp=2, epochs=100, rho=0.6, model="m", pre_c4=None):
+def write_eval(folder, init, beam, seed, pre_wiki, post_wiki, bpp=2, epochs=100, rho=0.6, model="m", pre_c4=None,
+               pv_tuned=True):
     """A minimal eval.json of a PV-tuned run, shaped as the evaluate stage writes it (c4 perplexity
-    half of wikitext2's unless `pre_c4` gives the pre-PV one)."""
+    half of wikitext2's unless `pre_c4` gives the pre-PV one). pv_tuned=False: an eval_pre_pv.json,
+    the cell's evaluation before PV-tuning (its metrics are `pre_wiki`'s; `post_wiki` is unused)."""
     import json
 
     upstream = {"model": model, "bpp": bpp, "quantization_seconds": 10.0,
                 "quantizer": {"init": init, "beam_size": beam, "max_epochs": epochs, "seed": seed, "group_size": 8,
                               "num_codebooks": bpp, "nbits": 8},
-                "layers": [{"rho": rho, "final_relative_mse": 0.01, "init_relative_mse": 0.02}], "pvtune": {"steps": 3}}
+                "layers": [{"rho": rho, "final_relative_mse": 0.01, "init_relative_mse": 0.02}]}
+    if pv_tuned:
+        upstream["pvtune"] = {"steps": 3}
     metrics = lambda wiki: {"wikitext2": {"perplexity": wiki}, "c4": {"perplexity": wiki / 2},  # noqa: E731
                             "brown-news": {"perplexity": wiki * 1.5}, "avg_acc": 0.4}
     pre_metrics = metrics(pre_wiki)
@@ -216,7 +220,9 @@ def write_eval(folder, init, beam, seed, pre_wiki, post_wiki, bpp=2, epochs=100,
         pre_metrics["c4"] = {"perplexity": pre_c4}
     record = {"label": f"{init}-b{beam}-s{seed}", "metrics": metrics(post_wiki), "settings": {"upstream": upstream},
               "bits_per_parameter": 2.15, "pre_pv": {"metrics": pre_metrics}}
-    path = folder / model / f"{init}-b{beam}-s{seed}-{bpp}" / "eval.json"
+    if not pv_tuned:
+        record = {**record, "metrics": pre_metrics, "pre_pv": None}
+    path = folder / model / f"{init}-b{beam}-s{seed}-{bpp}" / ("eval.json" if pv_tuned else "eval_pre_pv.json")
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(record))
     return path
@@ -376,3 +382,28 @@ def test_a_post_pv_claim_on_runs_whose_pv_tuning_kept_its_start_is_not_a_verdict
     assert untuned.loc["post_pv_gap", "verdict"] == "inconclusive (PV-tuning kept its start in every run: nothing was tuned)"
     assert untuned.loc["post_pv_gap", "mean"] == pytest.approx(tuned.loc["post_pv_gap", "mean"])  # still shown
     assert untuned.loc["pre_pv_gap", "verdict"] == "holds"
+
+
+def test_cells_never_pv_tuned_count_before_pv_and_never_after(tmp_path):
+    """eval_pre_pv.json files (a model whose cells stopped before PV-tuning) beside a PV-tuned
+    model: the pre-PV claim is measured on their own numbers; no after-PV claim or column uses them."""
+    from aqflow.stages import paper_tables
+
+    paths = []
+    for seed in (42, 43, 44):
+        jitter = 1 + 0.01 * (seed - 43)
+        paths += [write_eval(tmp_path, "greedy", 8, seed, 200 * jitter, 50 * jitter),
+                  write_eval(tmp_path, "oaem", 8, seed, 80 * jitter, 45 * jitter)]
+        paths += [write_eval(tmp_path, "greedy", 8, seed, 30 * jitter, 999.0, model="big", rho=26.25, pv_tuned=False),
+                  write_eval(tmp_path, "oaem", 8, seed, 20 * jitter, 1.0, model="big", rho=26.25, pv_tuned=False)]
+    out = tmp_path / "paper"
+    assert paper_tables.main([*map(str, paths), "--out-dir", str(out)]) == 0
+    claims = pd.read_csv(out / "claims.csv").set_index(["claim", "model"])
+    assert claims.loc[("pre_pv_gap", "big"), "mean"] == pytest.approx(math.log(30 / 20), rel=1e-6)
+    assert claims.loc[("pre_pv_gap", "big"), "verdict"] == "holds"
+    assert ("post_pv_gap", "big") not in claims.index
+    assert claims.loc[("post_pv_gap", "m"), "mean"] == pytest.approx(math.log(50 / 45), rel=1e-6)
+    runs = pd.read_csv(out / "runs.csv")
+    big = runs[runs["model"] == "big"]
+    assert big["wikitext2_ppl"].isna().all() and big["pre_pv_wikitext2_ppl"].notna().all()
+    assert "| big | 26.25 | 26.25 | 0.405 ± 0.000 (3) | holds |" in (out / "claims.md").read_text()

@@ -119,10 +119,13 @@ def eval_text(record: dict) -> str | None:
 
 def pv_columns(record: dict) -> dict:
     """Before/after PV-tuning columns of one eval.json: the metrics of the embedded pre-PV
-    evaluation and what the PV-tuning cost (all None for a model that was not PV-tuned)."""
-    pre = record.get("pre_pv") or {}
+    evaluation and what the PV-tuning cost. A quantized model that was never PV-tuned (an
+    eval_pre_pv.json, or a run with PV-tuning off) is its own pre-PV evaluation; an fp baseline
+    has no pre-PV columns."""
+    settings = pipeline_settings(record)
+    pvtune = settings.get("pvtune") or {}
+    pre = record if settings.get("quantizer") and not pvtune and not record.get("pre_pv") else record.get("pre_pv") or {}
     pre_metrics = pre.get("metrics") or {}
-    pvtune = pipeline_settings(record).get("pvtune") or {}
     return {
         "pv_tuned": bool(pvtune),
         **{f"pre_pv_{domain}_ppl": value for domain, value in domain_perplexities(pre).items()},

@@ -71,6 +71,20 @@ def runs_table(paths: Iterable[str | Path]) -> pd.DataFrame:
     return pd.DataFrame([run_row(path) for path in paths])
 
 
+def after_pv_where_tuned(runs: pd.DataFrame) -> pd.DataFrame:
+    """`runs` with the after-PV numbers (every perplexity column but the pre_pv_ ones, and avg_acc)
+    blanked for quantized runs that were never PV-tuned (eval_pre_pv.json): their numbers are
+    their pre-PV ones (reporting.pv_columns), and in the paper's tables and claims a cell that did
+    not reach PV-tuning must not stand in for one after it. fp baselines keep theirs."""
+    if not len(runs) or "pv_tuned" not in runs:
+        return runs
+    untuned = runs["init"].notna() & (runs["init"] != "fp") & ~runs["pv_tuned"].fillna(False).astype(bool)
+    after = [c for c in runs.columns if (c.endswith("_ppl") and not c.startswith("pre_pv_")) or c == "avg_acc"]
+    runs = runs.copy()
+    runs.loc[untuned, after] = None
+    return runs
+
+
 def missing_cells(expected: list[dict]) -> list[dict]:
     """The expected cells (dicts with an `eval_json` path) whose eval.json does not exist yet."""
     return [cell for cell in expected if not Path(cell["eval_json"]).is_file()]

@@ -28,7 +28,7 @@ from aqflow.io.artifacts import read_json, verify_inputs
 from aqflow.experiments.claims import claims_table, gap_against_model_rho, paper_claims
 from aqflow.experiments.paper_numbers import PAPER_DOMAIN_RATIOS, paper_cells
 from aqflow.experiments.plots import plot_against_beam, plot_against_domain, plot_against_rho, plot_pre_to_post_pv
-from aqflow.experiments.runs import at_bit_rate_geometry, grid_evals, missing_cells, runs_table
+from aqflow.experiments.runs import after_pv_where_tuned, at_bit_rate_geometry, grid_evals, missing_cells, runs_table
 from aqflow.experiments.tables import GROUP, PAPER_KEYS, frame_markdown, markdown_table, seed_statistics, with_paper
 from aqflow.stagekit.stage_cli import option
 from aqflow.stagekit.stage_errors import EXPECTED_ERRORS, StageInputError
@@ -332,7 +332,7 @@ def run(settings: PaperTablesSettings, paths: PaperTablesPaths) -> dict:
     files = distance_files(paths.domain_distances)
     verify_inputs(*paths.evals, paths.expected_cells, *files.values())
     expected = read_json(paths.expected_cells, required=False) if paths.expected_cells else []
-    runs = runs_table(grid_evals(list(paths.evals), expected))
+    runs = after_pv_where_tuned(runs_table(grid_evals(list(paths.evals), expected)))
     quantized = quantized_runs(runs)
     distances = distances_by_model(files, run_models(quantized))
     result = write_tables(runs, paths.out_dir, list(settings.domains), expected, distances)
