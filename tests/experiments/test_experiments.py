@@ -407,3 +407,6 @@ def test_cells_never_pv_tuned_count_before_pv_and_never_after(tmp_path):
     big = runs[runs["model"] == "big"]
     assert big["wikitext2_ppl"].isna().all() and big["pre_pv_wikitext2_ppl"].notna().all()
     assert "| big | 26.25 | 26.25 | 0.405 ± 0.000 (3) | holds |" in (out / "claims.md").read_text()
+    # one seed: its gap without a spread
+    assert paper_tables.main([*map(str, paths[2:4]), "--out-dir", str(out)]) == 0
+    assert "| big | 26.25 | 26.25 | 0.405 (1) | inconclusive (fewer than 3 seeds) |" in (out / "claims.md").read_text()

@@ -194,7 +194,8 @@ def model_rho_markdown(table: pd.DataFrame) -> str:
     lines = ["| model | ρ, largest layer | ρ, parameter-weighted | pre-PV gap (mean ± sd, seeds) | verdict | "
              "slope over its geometries (per decade of ρ) | verdict |", "|---" * 7 + "|"]
     number = lambda value, digits=3: "" if pd.isna(value) else f"{value:.{digits}f}"  # noqa: E731
-    spread = lambda mean, sd: "" if pd.isna(mean) else f"{number(mean)} ± {number(sd)}"  # noqa: E731
+    spread = lambda mean, sd: ("" if pd.isna(mean) else number(mean) if pd.isna(sd)  # noqa: E731
+                               else f"{number(mean)} ± {number(sd)}")
     for _, row in table.iterrows():
         lines.append(f"| {row['model']} | {number(row['rho_largest'], 2)} | {number(row['rho_weighted'], 2)} | "
                      f"{spread(row['gap_mean'], row['gap_sd'])} ({row['gap_seeds']}) | {row['gap_verdict']} | "
