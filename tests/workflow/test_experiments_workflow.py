@@ -85,6 +85,41 @@ def test_the_project_grid_plans_gemma_cells_as_variant_paths(tmp_path, profile):
     assert "results/smollm2/domains.json" in inputs
 
 
+def test_cells_that_stop_before_pv_tuning_are_their_pre_pv_evaluations(tmp_path):
+    """An entry with `pv: false`: its cells are the variants' eval_pre_pv.json, so the grid builds no
+    PV-tuning for them, while the other entries' cells are PV-tuned as before."""
+    grid = {"models": ["tiny"], "cells": [
+        {"bpp": 2, "inits": ["greedy"], "beams": [2], "epochs": [2]},
+        {"bpp": 2, "inits": ["oaem"], "beams": [2], "epochs": [2], "seeds": [42, 43], "pv": False},
+    ]}
+    result = dry_run(tmp_path, grid, "paper", quiet=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    inputs = job_inputs(result, "paper")
+    assert {"results/tiny/2bpp/greedy/b2/eval.json", "results/tiny/2bpp/oaem/b2/eval_pre_pv.json",
+            "results/tiny/2bpp/oaem/b2s43/eval_pre_pv.json"} <= set(inputs)
+    assert not any(path.startswith("results/tiny/2bpp/oaem/") and path.endswith("/eval.json") for path in inputs)
+    assert planned(result)["pvtune"] == 1 and planned(result)["stitch"] == 3
+
+
+def test_the_published_tables_are_drawn_again_from_the_published_cells_alone(tmp_path):
+    """profiles/published: `snakemake paper` reads config.yaml's grid from results/published (each
+    cell's eval.json or eval_pre_pv.json, each model's domains.json), runs nothing else, and writes
+    the same claims, cells and domains tables as results/published/paper holds (they are current)."""
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "published").symlink_to(REPO / "results" / "published")
+    configs = [REPO / "config.yaml", REPO / "profiles" / "published" / "published.yaml"]
+    result = snakemake(tmp_path, configs, "-c1", "paper")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 of 2 steps (100%) done" in result.stderr
+    out, published = tmp_path / "results" / "paper", REPO / "results" / "published" / "paper"
+    for table in ("claims.csv", "cells.csv", "domains.csv", "runs.csv"):
+        assert (out / table).read_text() == (published / table).read_text(), table
+    readme = (out / "README.md").read_text()
+    missing = [line for line in readme.split("## Missing cells")[1].splitlines() if line.startswith("- ")]
+    assert missing and all(line.startswith("- `results/published/qwen2.5-coder-1.5b/") for line in missing)
+    assert sorted(path.name for path in (tmp_path / "results").iterdir()) == ["paper", "published"]
+
+
 def test_a_geometry_of_another_bit_rate_is_refused_when_the_dag_is_built(tmp_path):
     result = dry_run(tmp_path, {"models": ["tiny"], "cells": [{"bpp": 2, "inits": ["oaem"], "beams": [2]}]},
                      "results/tiny/2bpp/oaem/g8m1k256-b2/eval.json")
@@ -155,8 +190,9 @@ def test_published_grid_and_device_batches_are_the_config_grid(tmp_path):
         lines = (REPO / "benchmarks" / name).read_text().splitlines()
         return [target for line in lines for target in line.split() if target != "all"]
 
-    one_card, node, gemma, gemma_node = (targets(f"paper_batches_{name}.txt")
-                                         for name in ("smollm2", "smollm2_node", "gemma3", "gemma3_node"))
+    one_card, node, gemma, gemma_node, qwen = (targets(f"paper_batches_{name}.txt")
+                                               for name in ("smollm2", "smollm2_node", "gemma3", "gemma3_node", "qwen"))
+    assert sorted(qwen) == sorted(cell for cell in cells if cell.startswith("results/qwen2.5-coder-1.5b/"))
     for batch in (one_card, node, gemma, gemma_node):
         assert len(batch) == len(set(batch)) and set(batch) <= cells
     assert sorted(gemma_node) == sorted(gemma)

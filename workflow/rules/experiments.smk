@@ -50,7 +50,10 @@ if "paper" in config.get("experiments", {}):
             distances=current(
                 "paper",
                 [
-                    output_path(rules.domain_distances.output[0], model=model)
+                    PLAN.experiment_file(
+                        "paper",
+                        output_path(rules.domain_distances.output[0], model=model),
+                    )
                     for model in PLAN.experiment_models("paper")
                 ],
             ),

@@ -385,6 +385,11 @@ class WorkflowPlan:
         """A variant's final eval.json (the PV-tuned model's when PV-tuning is on)."""
         return VARIANT_FOLDER.format(**variant) + "/eval.json"
 
+    def pre_pv_eval(self, variant: Mapping) -> str:
+        """A variant's evaluation before PV-tuning: eval_pre_pv.json beside eval.json when PV-tuning
+        is on, else eval.json itself."""
+        return VARIANT_FOLDER.format(**variant) + ("/eval_pre_pv.json" if self.pv_enabled else "/eval.json")
+
     def target_models(self) -> list[str]:
         return sorted({target["model"] for target in self.config["targets"]})
 
@@ -418,13 +423,31 @@ class WorkflowPlan:
             jobs += [(rule, variant) for rule in finals]
         return jobs
 
-    def experiment_cells(self, name: str) -> list[dict]:
-        """Every run of the experiment grid `experiments.<name>`: one dict per model, init, beam,
-        epochs, seed and geometry of each `cells` entry (lists multiply out), with its eval.json path."""
+    def experiment_grid(self, name: str) -> dict:
         grids = self.config.get("experiments", {})
         if name not in grids:
             raise ValueError(f"no experiment grid {name!r} in config.yaml experiments ({sorted(grids)})")
-        grid, default_epochs = grids[name], self.quantization["max_epochs"]
+        return grids[name]
+
+    def cells_source(self, name: str) -> str:
+        """The folder grid `name` reads its cells from: results (built as needed) or its
+        `cells_from`, e.g. results/published (finished cells, read as they are, never rebuilt)."""
+        return self.experiment_grid(name).get("cells_from", "results").rstrip("/")
+
+    def experiment_file(self, name: str, path: str) -> str:
+        """Where grid `name` reads `path`, a file the pipeline writes under results/ (a cell's
+        eval.json, a model's domains.json): the same path under the grid's cells_source."""
+        return self.cells_source(name) + path.removeprefix("results")
+
+    def reads_finished_cells(self, name: str) -> bool:
+        """Grid `name` reads finished cells from elsewhere (`cells_from`) instead of building them."""
+        return self.cells_source(name) != "results"
+
+    def experiment_cells(self, name: str) -> list[dict]:
+        """Every run of the experiment grid `experiments.<name>`: one dict per model, init, beam,
+        epochs, seed and geometry of each `cells` entry (lists multiply out), with its eval.json path
+        (the evaluation before PV-tuning for entries with `pv: false`; under `cells_from` if set)."""
+        grid, default_epochs = self.experiment_grid(name), self.quantization["max_epochs"]
         cells = {}
         for entry in grid["cells"]:
             for model, init, beam, epochs, seed, geometry in itertools.product(
@@ -436,12 +459,17 @@ class WorkflowPlan:
                 # the default epoch budget stays out of the path (b8, as the default targets have it)
                 if epochs != default_epochs:
                     target["epochs"] = epochs
-                path = self.final_eval(self.target_wildcards(target))
+                variant = self.target_wildcards(target)
+                evaluation = self.final_eval(variant) if entry.get("pv", True) else self.pre_pv_eval(variant)
+                path = self.experiment_file(name, evaluation)
                 cells[path] = {**target, "max_epochs": epochs, "eval_json": path}  # a cell listed twice runs once
         return list(cells.values())
 
     def experiment_evals(self, name: str) -> list[str]:
-        return [cell["eval_json"] for cell in self.experiment_cells(name)]
+        """The grid's eval.json files to build; under `cells_from`, those that exist there (the
+        tables list the others as missing: nothing is built)."""
+        paths = [cell["eval_json"] for cell in self.experiment_cells(name)]
+        return [path for path in paths if os.path.isfile(path)] if self.reads_finished_cells(name) else paths
 
     def experiment_models(self, name: str) -> list[str]:
         """The models of a grid's cells in order of first appearance (the grid's `models`, then those
@@ -452,7 +480,7 @@ class WorkflowPlan:
         """The evaluation domains of a grid's tables as `domains` of the grid orders them; [] when it
         names none: paper-tables then orders the model's evaluation domains by their measured distance
         from the calibration text (rule domain_distances)."""
-        return list(self.config["experiments"][name].get("domains") or [])
+        return list(self.experiment_grid(name).get("domains") or [])
 
     # --- resources and scheduling -----------------------------------------------------------------
 
