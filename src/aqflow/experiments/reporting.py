@@ -124,7 +124,8 @@ def pv_columns(record: dict) -> dict:
     has no pre-PV columns."""
     settings = pipeline_settings(record)
     pvtune = settings.get("pvtune") or {}
-    pre = record if settings.get("quantizer") and not pvtune and not record.get("pre_pv") else record.get("pre_pv") or {}
+    never_tuned = bool(settings.get("quantizer")) and not pvtune
+    pre = record if never_tuned else record.get("pre_pv") or {}
     pre_metrics = pre.get("metrics") or {}
     return {
         "pv_tuned": bool(pvtune),

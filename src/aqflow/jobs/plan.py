@@ -439,10 +439,6 @@ class WorkflowPlan:
         eval.json, a model's domains.json): the same path under the grid's cells_source."""
         return self.cells_source(name) + path.removeprefix("results")
 
-    def reads_finished_cells(self, name: str) -> bool:
-        """Grid `name` reads finished cells from elsewhere (`cells_from`) instead of building them."""
-        return self.cells_source(name) != "results"
-
     def experiment_cells(self, name: str) -> list[dict]:
         """Every run of the experiment grid `experiments.<name>`: one dict per model, init, beam,
         epochs, seed and geometry of each `cells` entry (lists multiply out), with its eval.json path
@@ -469,7 +465,7 @@ class WorkflowPlan:
         """The grid's eval.json files to build; under `cells_from`, those that exist there (the
         tables list the others as missing: nothing is built)."""
         paths = [cell["eval_json"] for cell in self.experiment_cells(name)]
-        return [path for path in paths if os.path.isfile(path)] if self.reads_finished_cells(name) else paths
+        return paths if self.cells_source(name) == "results" else [path for path in paths if os.path.isfile(path)]
 
     def experiment_models(self, name: str) -> list[str]:
         """The models of a grid's cells in order of first appearance (the grid's `models`, then those
