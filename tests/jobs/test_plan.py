@@ -38,14 +38,15 @@ def tiny_config(**sections) -> dict:
 
 def test_the_params_are_the_values_runs_made_before_the_plan_recorded():
     """Snakemake reruns a job whose params' repr changed: these are the reprs a finished tiny run
-    recorded with the Snakefile's own code, before that code became this module."""
+    recorded with the Snakefile's own code, before that code became this module; since then only
+    the V-step's unit (code_lr_scale) joined PV-tuning's, when its default became weight_rms."""
     plan = WorkflowPlan(tiny_config())
     assert repr(plan.quantizer_settings(GREEDY)) == (
         "{'beam_size': 2, 'group_size': 8, 'init': 'greedy', 'kmeans_max_iter': 50, 'lr': 0.0001, 'max_epochs': 2, "
         "'nbits': 6, 'num_codebooks': 2, 'oaem_damping': 0.01, 'oaem_lr': 0.0001, 'oaem_rounds': 2, 'oaem_steps': 20, "
         "'relative_tolerance': 0.0, 'seed': 42, 'steps_per_epoch': 20}")
     assert repr(plan.pvtune_settings()) == (
-        "{'batch_size': 4, 'code_lr': 0.001, 'epochs': 1, 'eval_every_steps': 1, 'heldout_fraction': 0.1, "
+        "{'batch_size': 4, 'code_lr': 0.001, 'code_lr_scale': 'weight_rms', 'epochs': 1, 'eval_every_steps': 1, 'heldout_fraction': 0.1, "
         "'heldout_samples': 4, 'kl_chunk_tokens': 64, 'lr': 0.0001, 'max_code_change_fraction': 0.05, "
         "'micro_batch_size': 2, 'num_samples': 8, 'window_tokens': 64}")
     assert repr(plan.calibration_record(GREEDY)) == (
@@ -63,9 +64,10 @@ def test_the_params_are_the_values_runs_made_before_the_plan_recorded():
     assert [plan.quantizer_setting(key)(GREEDY) for key in ("num_codebooks", "nbits", "group_size")] == [2, 6, 8]
 
 
-def test_a_later_setting_enters_the_params_only_where_it_changes_the_behaviour():
-    assert "code_lr_scale" not in WorkflowPlan(tiny_config(pvtune={"code_lr_scale": "absolute"})).pvtune_settings()
-    assert WorkflowPlan(tiny_config(pvtune={"code_lr_scale": "weight_rms"})).pvtune_settings()["code_lr_scale"] == "weight_rms"
+def test_the_v_step_unit_is_a_param_and_the_state_interval_is_not():
+    # either unit is passed as written: the stage's default (weight_rms) never stands in for absolute
+    for unit in ("absolute", "weight_rms"):
+        assert WorkflowPlan(tiny_config(pvtune={"code_lr_scale": unit})).pvtune_settings()["code_lr_scale"] == unit
     # how often PV-tuning saves its state is how the job runs: no param, the job's execution
     config = tiny_config(pvtune={"save_state_every": 7}, execution={"logits_budget_gib": 2})
     assert "save_state_every" not in WorkflowPlan(config).pvtune_settings()

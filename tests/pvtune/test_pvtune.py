@@ -252,7 +252,7 @@ def test_stage_lowers_heldout_loss_changes_codes_and_writes_a_loadable_checkpoin
     settings = pvtune.PvtuneSettings(
         num_samples=16, heldout_samples=8, window_tokens=48, heldout_fraction=0.25, device="cpu", quiet=True,
         training=pvtrain.PVSettings(epochs=3, batch_size=8, micro_batch_size=4, eval_every_steps=2, lr=1e-4,
-                                    code_lr=1e-3, max_code_change_fraction=max_fraction))
+                                    max_code_change_fraction=max_fraction))
     paths = pvtune.PvtunePaths(model_dir=setup["model_dir"], checkpoint_dir=setup["aqlm_dir"], corpus=setup["corpus"],
                                output_dir=out, train_log=log_path, metrics=metrics_path)
     assert run_stage_module(pvtune, settings, paths) == 0

@@ -39,9 +39,6 @@ VARIANT_WILDCARDS = ("model", "bpp", "init", "variant")
 # wildcard).
 VARIANT_REGEX = r"(?:g(\d+)m(\d+)k(\d+)-)?b(\d+)(?:e(\d+))?(?:s(\d+))?"
 VARIANT_FORM = "[g<group>m<codebooks>k<codewords>-]b<beam>[e<epochs>][s<seed>]"
-# settings added after runs were made enter the params only where they differ from the behaviour
-# those runs had, so adding them reruns nothing
-PVTUNE_LATER_DEFAULTS = {"code_lr_scale": "absolute"}
 # pvtune keys that are no param of the rule: the switch, the corpus (an input), and how often the
 # state is saved (it changes no result: Execution)
 PVTUNE_NOT_SETTINGS = ("enabled", "corpus", "save_state_every")
@@ -245,8 +242,7 @@ class WorkflowPlan:
     def pvtune_settings(self) -> dict:
         """Every PV-tuning setting of the config but those of PVTUNE_NOT_SETTINGS; keys left out take
         the stage's defaults (the paper's)."""
-        return canonical({key: value for key, value in self.pvtune.items() if key not in PVTUNE_NOT_SETTINGS
-                          and PVTUNE_LATER_DEFAULTS.get(key, object()) != value})
+        return canonical({key: value for key, value in self.pvtune.items() if key not in PVTUNE_NOT_SETTINGS})
 
     def speed_settings(self) -> dict:
         """Every setting of config `speed` but the switch: a changed one reruns the speed jobs."""
