@@ -55,7 +55,7 @@ def built(stage: str, call: workflow_glue.StageCall):
 
 def test_every_pvtune_key_reaches_its_field_in_the_data_or_the_loop():
     section = section_example(SCHEMA["pvtune"]["properties"], leave_out=("enabled",)) | {"update_codes": True}
-    plan = WorkflowPlan(tiny_config(pvtune=section))
+    plan = WorkflowPlan(tiny_config(pvtune=section, execution={"pvtune_memory_wait_seconds": 42}))
     pvtune_job = job(params={"settings": plan.pvtune_settings(), "execution": plan.execution},
                      input={"model": "m", "checkpoint": "c", "corpus": "c.parquet"},
                      output={"model": "pv/model", "train_log": "pv/log.parquet", "metrics": "pv/pvtune.json"}, gpu=2)
@@ -67,6 +67,7 @@ def test_every_pvtune_key_reaches_its_field_in_the_data_or_the_loop():
         else:
             where = settings if key in workflow_glue.PVTUNE_DATA_KEYS else settings.training
             assert getattr(where, key) == value, key
+    assert settings.memory_wait_seconds == 42  # how the job runs, from `execution`
     assert not settings.quiet and call.processes == 2  # its progress goes to the job log; torchrun over 2 GPUs
     assert paths.state_dir == Path("pv/state")
     # the data keys are the stage's own fields, none of them a loop setting: nothing is ambiguous
@@ -99,7 +100,7 @@ def test_every_evaluation_key_the_logits_budget_and_the_kernels_reach_the_evalua
     assert built("evaluate", workflow_glue.evaluate(no_domains))[0].perplexity == ()
 
 
-def test_the_execution_fields_marked_for_the_evaluation_are_exactly_those_it_declares():
+def test_the_execution_fields_marked_for_a_stage_are_exactly_those_it_declares():
     """`execution` settings reach the evaluate stage by their own names, marked in the Execution
     dataclass: a field both declare but left unmarked (or marked but unknown to the stage) fails."""
     from aqflow.jobs.plan import Execution
@@ -108,6 +109,10 @@ def test_the_execution_fields_marked_for_the_evaluation_are_exactly_those_it_dec
     both = {spec.name for spec in dataclasses.fields(Execution)} & {spec.name for spec in dataclasses.fields(EvaluateSettings)}
     execution = WorkflowPlan(tiny_config()).execution
     assert set(execution.stage_options("evaluate")) == both == {"logits_budget_gib", "cpu_kernel", "gpu_kernel"}
+    from aqflow.stages.pvtune import PvtuneSettings
+
+    both = {spec.name for spec in dataclasses.fields(Execution)} & {spec.name for spec in dataclasses.fields(PvtuneSettings)}
+    assert set(execution.stage_options("pvtune")) == both == {"save_state_every", "memory_wait_seconds"}
 
 
 def test_a_pv_tuned_evaluation_embeds_its_layers_and_its_training_record(tmp_path):

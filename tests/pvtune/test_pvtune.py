@@ -509,3 +509,27 @@ def test_state_bytes_from_headers_equal_what_training_holds(setup, code_beta1):
     require_fit(parts, sum(parts.values()), "cuda:0")
     with pytest.raises(PVMemoryError, match=r"needs .* GiB on cuda:0 .*teacher"):
         require_fit(parts, sum(parts.values()) - 1, "cuda:0")
+
+
+def test_the_wait_for_a_full_card_ends_when_its_memory_is_free_or_at_the_timeout():
+    """A fake card whose other jobs free 10 GiB a poll: the wait ends at the first poll that sees
+    the state's bytes free; a card that never frees them is waited for exactly the timeout."""
+    from aqflow.pvtune.memory import wait_for_free_memory
+
+    gib = 2**30
+    now = [0.0]
+
+    def sleep(seconds):
+        now[0] += seconds
+
+    def clock():
+        return now[0]
+
+    freed = iter(range(0, 1000 * gib, 10 * gib))
+    free, waited = wait_for_free_memory(26 * gib, lambda: next(freed), timeout_seconds=300, poll_seconds=5,
+                                        sleep=sleep, clock=clock)
+    assert free == 30 * gib and waited == 15.0  # polls at 0, 5, 10, 15 s saw 0, 10, 20, 30 GiB
+    now[0] = 0.0
+    free, waited = wait_for_free_memory(26 * gib, lambda: gib, timeout_seconds=12, poll_seconds=5, sleep=sleep, clock=clock)
+    assert free == gib and waited == 12.0  # the last sleep is cut to the timeout, never past it
+    assert wait_for_free_memory(gib, lambda: 2 * gib, timeout_seconds=300, sleep=sleep, clock=clock)[0] == 2 * gib

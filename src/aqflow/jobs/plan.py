@@ -87,6 +87,7 @@ def variant_name(beam: int, epochs: int | None = None, seed: int | None = None, 
 
 
 EVALUATE_OPTION = {"stage": "evaluate"}  # an Execution field that is also an evaluate stage setting
+PVTUNE_OPTION = {"stage": "pvtune"}  # ... and one that is a pvtune stage setting
 
 
 @dataclass(frozen=True)
@@ -103,9 +104,11 @@ class Execution:
     # one forward pass holds, and how it computes AQLM layers on a CPU / a GPU
     logits_budget_gib: float = field(metadata=EVALUATE_OPTION)
     cell_order: tuple[str, ...]
-    save_state_every: int | None  # None: PV-tuning not configured
+    save_state_every: int | None = field(metadata=PVTUNE_OPTION)  # None: PV-tuning not configured
     cpu_kernel: str = field(default="fast", metadata=EVALUATE_OPTION)
     gpu_kernel: str = field(default="dense", metadata=EVALUATE_OPTION)
+    # how long a PV-tuning job waits for its card's memory when other jobs hold it
+    memory_wait_seconds: float = field(default=300, metadata=PVTUNE_OPTION)
 
     def stage_options(self, stage: str) -> dict:
         """The fields marked as `stage`'s settings, by name: passed to that stage unrenamed."""
@@ -117,7 +120,8 @@ class Execution:
         return cls(warm_workers=section["warm_workers"], warm_worker_idle_seconds=section["warm_worker_idle_seconds"],
                    logits_budget_gib=section["logits_budget_gib"], cell_order=tuple(section["cell_order"]),
                    save_state_every=(config.get("pvtune") or {}).get("save_state_every"),
-                   cpu_kernel=section["cpu_kernel"], gpu_kernel=section["gpu_kernel"])
+                   cpu_kernel=section["cpu_kernel"], gpu_kernel=section["gpu_kernel"],
+                   memory_wait_seconds=section["pvtune_memory_wait_seconds"])
 
 
 def canonical(mapping: Mapping) -> dict:

@@ -16,7 +16,8 @@ Per part, in bytes (the student trains in float32, `student.load_student`):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 from ..models.folder import TensorHeader
 from .train import PVSettings
@@ -70,3 +71,18 @@ def require_fit(parts: Mapping[str, int], device_bytes: int, device: str) -> Non
         f"{device_bytes / gib:.1f} GiB. Every torchrun process holds all of it. What shrinks it: pvtune.code_beta1 0 "
         f"(no first moment for the V-step), pvtune.update_non_quantized false, pvtune.update_codes false "
         f"(no V-step), or a card with more memory")
+
+
+def wait_for_free_memory(needed: int, free_bytes: Callable[[], int], timeout_seconds: float, poll_seconds: float = 5.0,
+                         sleep: Callable[[float], None] = time.sleep,
+                         clock: Callable[[], float] = time.monotonic) -> tuple[int, float]:
+    """Poll `free_bytes()` until it reports at least `needed` bytes or `timeout_seconds` have
+    passed; (the free bytes last seen, seconds waited). On a node whose jobs share cards, the
+    other jobs' memory is released when they end, so a PV-tuning run that waits for it starts
+    instead of running out of memory while it loads."""
+    start = clock()
+    free = free_bytes()
+    while free < needed and clock() - start < timeout_seconds:
+        sleep(min(poll_seconds, max(timeout_seconds - (clock() - start), 0.0)))
+        free = free_bytes()
+    return free, clock() - start

@@ -39,7 +39,7 @@ from aqflow.models.fetch import ModelInputError, load_tokenizer, model_compute_d
 from aqflow.models.folder import tensor_headers
 from aqflow.stagekit.processes import die_with_parent
 from aqflow.pvtune.data import pv_windows
-from aqflow.pvtune.memory import PVMemoryError, require_fit, state_bytes
+from aqflow.pvtune.memory import PVMemoryError, require_fit, state_bytes, wait_for_free_memory
 from aqflow.pvtune.resume import Resumer, run_fingerprint
 from aqflow.pvtune.student import StudentError, load_student, load_teacher, pv_linears, save_student
 from aqflow.pvtune.train import PVSettings, settings_record, train, world
@@ -60,6 +60,8 @@ class PvtuneSettings:
     data_seed: int = 0
     training: PVSettings = field(default_factory=PVSettings)  # the loop (defaults: the paper / AQLM recipe)
     save_state_every: int = field(default=25, metadata=option("steps between saved states (0: never)"))
+    memory_wait_seconds: float = field(default=300, metadata=option(
+        "on a card that other processes fill, wait up to this long for the state's memory to be free before loading"))
     device: str = field(default_factory=stage_cli.default_device, metadata=option(
         "cpu, cuda or cuda:N (under torchrun: each process takes cuda:LOCAL_RANK)"))
     amp_dtype: str = field(default="auto", metadata=option(
@@ -97,6 +99,7 @@ def check_inputs(settings: PvtuneSettings, paths: PvtunePaths) -> None:
     _require(settings.num_samples >= 1 and settings.heldout_samples >= 1, "--num-samples and --heldout-samples must be >= 1")
     _require(settings.window_tokens >= 2, f"--window-tokens must be >= 2, got {settings.window_tokens}")
     _require(settings.save_state_every >= 0, f"--save-state-every must be >= 0, got {settings.save_state_every}")
+    _require(settings.memory_wait_seconds >= 0, f"--memory-wait-seconds must be >= 0, got {settings.memory_wait_seconds}")
     _require(not str(settings.device).startswith("cuda") or torch.cuda.is_available(),
              f"--device {settings.device}: CUDA is not available")
 
@@ -148,6 +151,22 @@ def run(settings: PvtuneSettings, paths: PvtunePaths) -> dict:
             torch.distributed.destroy_process_group()
 
 
+def wait_for_card(needed: int, device: torch.device, timeout_seconds: float, rank: int) -> None:
+    """Wait (at most `timeout_seconds`) until `device` has `needed` bytes free: on a node whose
+    jobs share cards, evaluations holding tens of GiB end within minutes, and loading beside them
+    would run out of memory. Each process waits for its own card."""
+    gib = 2.0**30
+    free_bytes = lambda: torch.cuda.mem_get_info(device)[0]  # noqa: E731
+    free = free_bytes()
+    if free >= needed or timeout_seconds <= 0:
+        return
+    print(f"memory (process {rank}): {free / gib:.1f} GiB free on {device}, other processes hold the rest; "
+          f"waiting up to {timeout_seconds:.0f} s for {needed / gib:.1f} GiB", flush=True)
+    free, waited = wait_for_free_memory(needed, free_bytes, timeout_seconds)
+    print(f"memory (process {rank}): {free / gib:.1f} GiB free after {waited:.0f} s"
+          + ("" if free >= needed else "; loading anyway"), flush=True)
+
+
 def pvtune(options: PvtuneSettings, paths: PvtunePaths) -> dict:
     """PV-tuning; the metrics record (outputs written by process 0)."""
     check_inputs(options, paths)
@@ -178,6 +197,7 @@ def pvtune(options: PvtuneSettings, paths: PvtunePaths) -> dict:
         say(f"memory: {sum(parts.values()) / 2**30:.1f} GiB of state before activations on a "
             f"{card_bytes / 2**30:.1f} GiB card", flush=True)
         require_fit(parts, card_bytes, str(device))
+        wait_for_card(sum(parts.values()), device, options.memory_wait_seconds, rank)
     teacher = load_teacher(paths.model_dir, device, teacher_dtype)
     student = load_student(paths.checkpoint_dir, device)
     initial_codes = {name: pack_codes(layer.codes, layer.nbits).cpu() for name, layer in pv_linears(student).items()}
