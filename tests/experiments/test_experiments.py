@@ -23,7 +23,8 @@ from aqflow.experiments.tables import markdown_table, mean_sd_text, seed_statist
 
 def grid(gap_of, seeds=(0, 1, 2), noise=0.02, rng_seed=0):
     """Synthetic eval rows for 2/3 bpp, beams 4/8/16, two geometries and two domains: greedy's
-    perplexity = OA-EM's x exp(gap_of(cell) + noise), OA-EM's = 20."""
+    perplexity = OA-EM's x exp(gap_of(cell) + noise), OA-EM's = 20; PV-tuning halved every run's
+    held-out KL."""
     rng = np.random.default_rng(rng_seed)
     rows = []
     cells = [(2, b, 100, "g8m2k256", 0.6) for b in (4, 8, 16)] + [(2, 8, 5, "g8m2k256", 0.6), (3, 8, 100, "g8m3k256", 0.002),
@@ -32,6 +33,7 @@ def grid(gap_of, seeds=(0, 1, 2), noise=0.02, rng_seed=0):
         for seed in seeds:
             cell = {"model": "m", "bpp": bpp, "beam": beam, "max_epochs": epochs, "geometry": geometry, "rho": rho, "seed": seed,
                     "nominal_bits": 3.0 if geometry == "g8m3k256" else 2.0,
+                    "pvtune_heldout_kl_before": 1.4, "pvtune_heldout_kl_after": 0.7,
                     "bit_rate_geometry": geometry in ("g8m2k256", "g8m3k256")}
             greedy = {"init": "greedy"}
             for column, domain_gap in (("wikitext2", 1.0), ("c4", 0.0)):
@@ -410,3 +412,26 @@ def test_cells_never_pv_tuned_count_before_pv_and_never_after(tmp_path):
     # one seed: its gap without a spread
     assert paper_tables.main([*map(str, paths[2:4]), "--out-dir", str(out)]) == 0
     assert "| big | 26.25 | 26.25 | 0.405 (1) | inconclusive (fewer than 3 seeds) |" in (out / "claims.md").read_text()
+
+
+def test_pv_tuning_lowers_the_heldout_kl_only_where_every_run_of_a_seed_lowered_it():
+    """The claim's per-seed effect is the smaller of the two inits' log KL ratios: one run of a seed
+    whose KL rose makes that seed's effect negative, and runs that kept their start say why."""
+    from aqflow.experiments.claims import heldout_kl_reduction
+    from aqflow.experiments.runs import at_bit_rate_geometry
+
+    frame = grid(lambda cell: 1.0, noise=0.01)
+    frame["pvtune_selected_step"] = 20
+    frame["pvtune_heldout_kl_before"] = 1.4
+    frame["pvtune_heldout_kl_after"] = np.where(frame["init"] == "greedy", 0.6, 0.7)
+    frame.loc[(frame["seed"] == 2) & (frame["init"] == "oaem") & (frame["beam"] == 8), "pvtune_heldout_kl_after"] = 1.5
+    at_b8 = at_bit_rate_geometry(frame)
+    per_seed = heldout_kl_reduction(at_b8, bpp=2, beam=8, max_epochs=100)
+    assert per_seed.to_dict() == pytest.approx({0: math.log(1.4 / 0.7), 1: math.log(1.4 / 0.7), 2: math.log(1.4 / 1.5)})
+    frame.loc[frame["seed"] == 2, "pvtune_heldout_kl_after"] = 0.7  # now every run lowered it
+    claims = claims_table(frame, paper_claims()).set_index("claim")
+    assert claims.loc["pv_lowers_heldout_kl", "verdict"] == "holds"
+    assert claims.loc["pv_lowers_heldout_kl", "mean"] == pytest.approx(math.log(1.4 / 0.7))
+    frame["pvtune_selected_step"], frame["pvtune_heldout_kl_after"] = 0, 1.4  # the start kept everywhere
+    untuned = claims_table(frame, paper_claims()).set_index("claim")
+    assert untuned.loc["pv_lowers_heldout_kl", "verdict"].startswith("inconclusive (PV-tuning kept its start")
