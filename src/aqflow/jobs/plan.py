@@ -245,7 +245,7 @@ class WorkflowPlan:
 
     def pvtune_settings(self) -> dict:
         """Every PV-tuning setting of the config but those of PVTUNE_NOT_SETTINGS; keys left out take
-        the stage's defaults (the paper's)."""
+        the stage's defaults (config.yaml's)."""
         return canonical({key: value for key, value in self.pvtune.items() if key not in PVTUNE_NOT_SETTINGS})
 
     def speed_settings(self) -> dict:

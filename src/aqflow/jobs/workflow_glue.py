@@ -138,8 +138,8 @@ def stitch(job) -> StageCall:
 
 def pvtune(job) -> StageCall:
     """`pvtune` as the plan passes it: its data keys (PVTUNE_DATA_KEYS) at the top, the loop's under
-    `training`, how often `execution` saves the state and how long it waits for a full card's memory. More than one GPU of the job: under
-    torchrun, data-parallel. Its progress bar (steps done and left) goes to the job's log."""
+    `training`, and `execution`'s pvtune options (how often it saves its state, how long it waits
+    for a full card's memory). More than one GPU of the job: under torchrun, data-parallel. Its progress bar (steps done and left) goes to the job's log."""
     section = job.params.settings
     settings = {key: section[key] for key in PVTUNE_DATA_KEYS if key in section}
     settings["training"] = {key: value for key, value in section.items() if key not in PVTUNE_DATA_KEYS}

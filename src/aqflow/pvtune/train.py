@@ -52,7 +52,8 @@ CODE_LR_SCALES = ("absolute", "weight_rms")
 
 @dataclass(frozen=True)
 class PVSettings:
-    """Every setting of the loop (defaults: the paper's and AQLM's PV-tuning recipe)."""
+    """Every setting of the loop (defaults: the paper's and AQLM's PV-tuning recipe, but the V-step's step
+    relative to each layer's weights)."""
 
     epochs: int = 5
     batch_size: int = 32  # windows per optimiser step, over all processes

@@ -58,7 +58,8 @@ class PvtuneSettings:
     window_tokens: int = 4096
     heldout_fraction: float = field(default=0.1, metadata=option("calibration documents held out for selection"))
     data_seed: int = 0
-    training: PVSettings = field(default_factory=PVSettings)  # the loop (defaults: the paper / AQLM recipe)
+    # the loop (defaults: the paper / AQLM recipe, but the V-step's step relative to each layer's weights)
+    training: PVSettings = field(default_factory=PVSettings)
     save_state_every: int = field(default=25, metadata=option("steps between saved states (0: never)"))
     memory_wait_seconds: float = field(default=300, metadata=option(
         "on a card that other processes fill, wait up to this long for the state's memory to be free before loading"))
