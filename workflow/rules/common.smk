@@ -37,9 +37,7 @@ def fetched_model(model):
 
 
 PLAN = WorkflowPlan(config, model_folder=fetched_model)
-# With PV-tuning on, eval.json is the PV-tuned model's evaluation (with the pre-PV one embedded)
-# and the stitched model's own evaluation is written beside it.
-PRE_PV_EVAL = "eval_pre_pv.json" if PLAN.pv_enabled else "eval.json"
+PRE_PV_EVAL = PLAN.pre_pv_eval_name
 
 
 # Every input of every job is checked while the DAG is built (aqflow.jobs.currency), by the main

@@ -385,10 +385,15 @@ class WorkflowPlan:
         """A variant's final eval.json (the PV-tuned model's when PV-tuning is on)."""
         return VARIANT_FOLDER.format(**variant) + "/eval.json"
 
+    @property
+    def pre_pv_eval_name(self) -> str:
+        """The stitched model's own evaluation: with PV-tuning on, eval.json is the PV-tuned model's
+        (the pre-PV one embedded) and this one is written beside it; else it is eval.json."""
+        return "eval_pre_pv.json" if self.pv_enabled else "eval.json"
+
     def pre_pv_eval(self, variant: Mapping) -> str:
-        """A variant's evaluation before PV-tuning: eval_pre_pv.json beside eval.json when PV-tuning
-        is on, else eval.json itself."""
-        return VARIANT_FOLDER.format(**variant) + ("/eval_pre_pv.json" if self.pv_enabled else "/eval.json")
+        """A variant's evaluation before PV-tuning (pre_pv_eval_name in its folder)."""
+        return VARIANT_FOLDER.format(**variant) + "/" + self.pre_pv_eval_name
 
     def target_models(self) -> list[str]:
         return sorted({target["model"] for target in self.config["targets"]})
