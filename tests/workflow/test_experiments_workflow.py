@@ -1,8 +1,6 @@
 """The experiment grid as a pipeline target: every cell an ordinary variant path, planned by a dry run."""
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
