@@ -268,6 +268,9 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
 
     import numba
 
+    if linears == "fast-gathers":  # before any FastQuantizedLinear asks whether the register kernel runs
+        os.environ["AQFLOW_REGISTER_KERNEL"] = "0"
+        linears = "fast"
     dtype = getattr(torch, dtype_name)
     numba.set_num_threads(threads)  # numba's pool first: starting it can reset torch's count
     torch.set_num_threads(threads)
@@ -315,6 +318,8 @@ DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears, bf16 line
     ("dense bf16", "bfloat16", "dense", False, None),
     ("dense bf16 (numba GEMV)", "bfloat16", "dense", True, None),
     ("2x8 fast (bf16 rest)", "bfloat16", "fast", True, None),
+    # the same without the AVX-512 register kernel (register_kernel): the numba gather kernels
+    ("2x8 fast (bf16 rest, gather kernel)", "bfloat16", "fast-gathers", True, None),
     ("2x8 fast (bf16 rest, torch 1 thread)", "bfloat16", "fast", True, 1),
     ("2x8 fast (bf16 rest, torch lm_head)", "bfloat16", "fast", False, None),
     ("2x8 fast (fp32 rest)", "float32", "fast", False, None),

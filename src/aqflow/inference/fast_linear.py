@@ -1,7 +1,9 @@
 """`FastQuantizedLinear`: an AQLM linear that stays in its stored form and picks its kernel by
 device and token count; `install_fast_linears` puts it in place of aqlm's `QuantizedLinear`.
 
-    CPU,  tokens <= LUT_MAX_TOKENS: cpu_kernels.lut_matmul (lookup tables, the decode path)
+    CPU,  tokens <= LUT_MAX_TOKENS: lookup tables, the decode path: register_kernel.register_product
+                                    for 8-bit codes on a CPU with AVX-512 (the tables in registers),
+                                    else cpu_kernels.lut_matmul (gathers)
     CPU,  more tokens:              cpu_kernels.dequantized_matmul (row chunks through BLAS)
     CUDA, tokens <= GPU_MAX_TOKENS: gpu_kernels.quantized_matmul (Triton, imported when first needed)
     CUDA, more tokens:              the weight dequantized for the call, one cuBLAS matmul
@@ -14,10 +16,11 @@ from __future__ import annotations
 
 import importlib.util
 
+import numba
 import torch
 from torch import nn
 
-from aqflow.inference import cpu_kernels
+from aqflow.inference import cpu_kernels, register_kernel
 from aqflow.inference.layout import QuantizedWeights, dense_weight, from_quantized_linear
 
 # Tokens up to which the CPU uses lookup tables. Per token the tables cost one indexed load per
@@ -35,9 +38,10 @@ GPU_MAX_TOKENS = 8
 class FastQuantizedLinear(nn.Module):
     """y = x W^T + b with W held as AQLM codes. forward(x [..., in]) -> [..., out] in x's dtype.
 
-    On the CPU the codes are held tiled for the CPU kernels (cpu_kernels.tile_codes: the same
-    bytes, reordered); on a GPU row-major [out, G, M] as QuantizedWeights has them. A move between
-    devices converts them, so there is always one copy."""
+    The codes are held in the layout of the device's kernels (the same bytes, reordered), named
+    by `layout`: "columns" on a CPU where the register kernel applies (register_kernel.column_tiles),
+    "tiles" on other CPUs (cpu_kernels.tile_codes), "rows" on a GPU (row-major [out, G, M] as
+    QuantizedWeights has them). A move between devices converts them, so there is always one copy."""
 
     def __init__(self, w: QuantizedWeights):
         super().__init__()
@@ -45,18 +49,34 @@ class FastQuantizedLinear(nn.Module):
         self.out_features = w.out_features
         self.nbits = w.nbits
         self.num_codebooks = w.num_codebooks
-        self.tiled = w.codes.device.type == "cpu"
-        self.register_buffer("codes", cpu_kernels.tile_codes(w.codes, w.nbits) if self.tiled else w.codes)
+        self.layout = self.device_layout(w.codes.device)
+        self.register_buffer("codes", self.to_layout(w.codes, self.layout))
         self.register_buffer("codebooks", w.codebooks)
         self.register_buffer("scales", w.scales)
         self.register_buffer("bias", w.bias)
         self._cpu_operands: cpu_kernels.CpuOperands | None = None
 
+    def device_layout(self, device: torch.device) -> str:
+        if device.type != "cpu":
+            return "rows"
+        return "columns" if register_kernel.applies(self.nbits, self.out_features) else "tiles"
+
+    def to_layout(self, row_codes: torch.Tensor, layout: str) -> torch.Tensor:
+        """Row-major codes [out, G, M] -> the codes as `layout` holds them."""
+        if layout == "columns":
+            return register_kernel.column_tiles(row_codes)
+        return cpu_kernels.tile_codes(row_codes, self.nbits) if layout == "tiles" else row_codes
+
+    def row_codes(self) -> torch.Tensor:
+        """The codes row-major [out, G, M] (a copy unless they are held so)."""
+        if self.layout == "columns":
+            return register_kernel.rows_from_column_tiles(self.codes, self.num_codebooks)
+        return cpu_kernels.untile_codes(self.codes, self.num_codebooks) if self.layout == "tiles" else self.codes
+
     @property
     def weights(self) -> QuantizedWeights:
-        """The layer as QuantizedWeights (row-major codes: a copy where they are held tiled)."""
-        codes = cpu_kernels.untile_codes(self.codes, self.num_codebooks) if self.tiled else self.codes
-        return QuantizedWeights(codes=codes, codebooks=self.codebooks, scales=self.scales, bias=self.bias,
+        """The layer as QuantizedWeights (row-major codes: a copy where they are held otherwise)."""
+        return QuantizedWeights(codes=self.row_codes(), codebooks=self.codebooks, scales=self.scales, bias=self.bias,
                                 nbits=self.nbits)
 
     def quantized_weights(self) -> QuantizedWeights:
@@ -66,28 +86,36 @@ class FastQuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"codebooks={self.num_codebooks}x{self.nbits}bit, group={self.codebooks.shape[-1]}, "
-                f"codes {'tiled' if self.tiled else 'row-major'}")
+                f"codes as {self.layout}")
 
     def _apply(self, fn, recurse=True):
         self._cpu_operands = None  # a move or cast replaces the buffers the operands view
         result = super()._apply(fn, recurse)
-        on_cpu = self.codes.device.type == "cpu"
-        if on_cpu != self.tiled:  # moved between the CPU and a GPU: the layout of the new device
-            self.codes = (cpu_kernels.tile_codes(self.codes, self.nbits) if on_cpu
-                          else cpu_kernels.untile_codes(self.codes, self.num_codebooks))
-            self.tiled = on_cpu
+        layout = self.device_layout(self.codes.device)
+        if layout != self.layout:  # moved between the CPU and a GPU: the layout of the new device
+            self.codes = self.to_layout(self.row_codes(), layout)
+            self.layout = layout
         return result
 
     def cpu_operands(self) -> cpu_kernels.CpuOperands:
+        """The numba kernels' view of the layer (codes tiled; a tiled copy where they are held as columns)."""
         if self._cpu_operands is None:
-            self._cpu_operands = cpu_kernels.operands_from_tiled(self.codes, self.codebooks, self.scales, self.bias,
+            tiled = self.codes if self.layout == "tiles" else cpu_kernels.tile_codes(self.row_codes(), self.nbits)
+            self._cpu_operands = cpu_kernels.operands_from_tiled(tiled, self.codebooks, self.scales, self.bias,
                                                                  self.nbits)
         return self._cpu_operands
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         tokens = flat.shape[0]
-        if flat.device.type == "cpu":
+        if flat.device.type == "cpu" and self.layout == "columns" and tokens <= LUT_MAX_TOKENS:
+            out = register_kernel.register_product(flat, self.codes, self.codebooks, self.scales, self.bias,
+                                                   1 if tokens * self.codes.numel() < cpu_kernels.PARALLEL_MIN_LOADS
+                                                   else numba.get_num_threads())
+        elif flat.device.type == "cpu" and self.layout == "columns":
+            # prefill: the dequantized path on a tiled copy of the codes, made for the call
+            out = cpu_kernels.dequantized_matmul(flat, self.weights)
+        elif flat.device.type == "cpu":
             operands = self._cpu_operands or self.cpu_operands()
             if tokens <= LUT_MAX_TOKENS and self.nbits <= LUT_MAX_NBITS:
                 out = cpu_kernels.lut_product(flat, operands)

@@ -1,0 +1,78 @@
+"""The AVX-512 table kernel: exact products, its layout, and the numba kernels where it cannot run."""
+
+import pytest
+import torch
+
+from aqflow.inference import register_kernel
+from aqflow.inference.cpu_kernels import lut_matmul
+from aqflow.inference.fast_linear import FastQuantizedLinear
+from aqflow.inference.layout import QuantizedWeights, dense_weight
+
+needs_kernel = pytest.mark.skipif(register_kernel.compiled_kernel() is None,
+                                  reason="no AVX-512 (F, BW) or no C compiler on this machine")
+
+
+def random_layer(out_features: int = 192, in_features: int = 96, seed: int = 0) -> QuantizedWeights:
+    generator = torch.Generator().manual_seed(seed)
+    return QuantizedWeights(
+        codes=torch.randint(0, 256, (out_features, in_features // 8, 2), dtype=torch.uint8, generator=generator),
+        codebooks=torch.randn(2, 256, 8, generator=generator), scales=torch.rand(out_features, generator=generator) + 0.5,
+        bias=torch.randn(out_features, generator=generator), nbits=8)
+
+
+def test_column_tiles_hold_every_code_once():
+    codes = random_layer().codes
+    tiles = register_kernel.column_tiles(codes)
+    assert tiles.shape == (3, 24, 64)
+    assert tiles[1, 5, 7] == codes[64 + 7, 2, 1]  # column 5 = group 2, codebook 1
+    assert torch.equal(register_kernel.rows_from_column_tiles(tiles, 2), codes)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_the_register_product_is_the_layer_within_float32_rounding(tokens):
+    w = random_layer()
+    x = torch.randn(tokens, w.in_features, generator=torch.Generator().manual_seed(1))
+    exact = x.double() @ dense_weight(w).double().T + w.bias.double()
+    for threads in (1, 2):
+        got = register_kernel.register_product(x, register_kernel.column_tiles(w.codes), w.codebooks, w.scales,
+                                               w.bias, threads)
+        assert got.dtype == torch.float32
+        assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    assert (got - lut_matmul(x, w)).abs().max() <= 1e-5 * exact.abs().max()
+
+
+@needs_kernel
+def test_a_fast_linear_holds_column_tiles_and_gives_the_gather_kernels_outputs(monkeypatch):
+    w = random_layer()
+    fast = FastQuantizedLinear(w)
+    assert fast.layout == "columns" and torch.equal(fast.weights.codes, w.codes)
+    # decode, a short prompt, and the dequantized path beyond LUT_MAX_TOKENS
+    inputs = [torch.randn(tokens, w.in_features, generator=torch.Generator().manual_seed(tokens)) for tokens in (1, 4, 16)]
+    outputs = [fast(x) for x in inputs]
+    monkeypatch.setenv("AQFLOW_REGISTER_KERNEL", "0")
+    register_kernel.compiled_kernel.cache_clear()
+    try:
+        gathers = FastQuantizedLinear(w)
+        assert gathers.layout == "tiles"
+        for x, got in zip(inputs, outputs):
+            expected = gathers(x)
+            assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    finally:
+        register_kernel.compiled_kernel.cache_clear()
+
+
+def test_without_avx512_or_a_compiler_the_numba_kernels_stay(monkeypatch, tmp_path):
+    monkeypatch.setattr(register_kernel, "cpu_flags", lambda: {"sse2", "avx2"})
+    register_kernel.compiled_kernel.cache_clear()
+    try:
+        assert register_kernel.compiled_kernel() is None
+        assert FastQuantizedLinear(random_layer()).layout == "tiles"
+        monkeypatch.setattr(register_kernel, "cpu_flags", lambda: {"avx512f", "avx512bw"})
+        monkeypatch.setattr(register_kernel.platform, "machine", lambda: "x86_64")
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+        register_kernel.compiled_kernel.cache_clear()
+        with pytest.warns(UserWarning, match="no C compiler"):
+            assert register_kernel.compiled_kernel() is None
+    finally:
+        register_kernel.compiled_kernel.cache_clear()
