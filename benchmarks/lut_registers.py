@@ -4,14 +4,16 @@ target needs (issue 27)? One token, one thread, 2x8 layers of the Llama-3.2-3B s
 
     python benchmarks/lut_registers.py --out benchmarks/results/lut_registers_2core.json
 
-Builds benchmarks/lut_registers/lut_registers.c with the system C compiler (-O3 -march=native)
-into a temporary folder and calls it through ctypes. For each layer shape: random codes and a
+Builds benchmarks/lut_registers/lut_registers.c and aqflow's own kernel (src/aqflow/inference/csrc/
+lut_cpu.c) with the system C compiler (-O3 -march=native) into a temporary folder and calls them
+through ctypes. For each layer shape: random codes and a
 random token, the tables built once (float32, and rounded to float16), then the best of --repeats
 calls of each kernel:
   - gathers (f32): the layout and loop of aqflow's numba kernels (tiles of 64 rows, slices of 32
     code columns whose table is L1-resident), written with AVX-512 gathers;
-  - registers (f32): codes laid out per code column, the column's 256-entry table in 16 registers,
-    16 rows per permute; exact (the same float32 entries);
+  - registers (f32): aqflow's register_kernel (since this benchmark, the CPU decode path): codes
+    laid out per code column, the column's 256-entry table in 16 registers, 16 rows per permute;
+    exact (the same float32 entries);
   - registers (f16): the table rounded to float16 in 8 registers, 32 rows per permute; not exact;
   - aqflow's numba kernel (`lut_product`, one thread), tables built in the call: the reference.
 Prints a table (codes per nanosecond) and the largest relative error of each kernel's output
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 SOURCE = Path(__file__).parent / "lut_registers" / "lut_registers.c"
+SHIPPED = Path(__file__).parents[1] / "src" / "aqflow" / "inference" / "csrc" / "lut_cpu.c"
 ROWS, SLICE_COLUMNS, K = 64, 32, 256
 # Llama-3.2-3B's block linears (out, in) at 2x8 (groups of 8, two codebooks: in / 4 code columns)
 SHAPES = {"q/o": (3072, 3072), "k/v": (1024, 3072), "gate/up": (8192, 3072), "down": (3072, 8192)}
@@ -40,10 +43,12 @@ SHAPES = {"q/o": (3072, 3072), "k/v": (1024, 3072), "gate/up": (8192, 3072), "do
 
 def build(folder: Path) -> ctypes.CDLL:
     library = folder / "lut_registers.so"
-    subprocess.run(["cc", "-O3", "-march=native", "-shared", "-fPIC", str(SOURCE), "-o", str(library)], check=True)
+    subprocess.run(["cc", "-O3", "-march=native", "-shared", "-fPIC", str(SOURCE), str(SHIPPED), "-o", str(library)],
+                   check=True)
     lib = ctypes.CDLL(str(library))
-    for name in ("sum_f32_registers", "sum_f16_registers", "sum_f32_gathers"):
+    for name in ("sum_f16_registers", "sum_f32_gathers"):
         getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.aqflow_register_sums.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
     return lib
 
 
@@ -88,7 +93,7 @@ def measure(lib: ctypes.CDLL, name: str, out_features: int, in_features: int, re
 
     seconds = {
         "gathers (f32)": best_seconds(call(lib.sum_f32_gathers, tables32, by_slice, "gathers"), repeats),
-        "registers (f32)": best_seconds(call(lib.sum_f32_registers, tables32, by_column, "f32"), repeats),
+        "registers (f32)": best_seconds(call(lib.aqflow_register_sums, tables32, by_column, "f32"), repeats),
         "registers (f16)": best_seconds(call(lib.sum_f16_registers, tables16.view(np.uint16), by_column, "f16"), repeats),
     }
     # aqflow's kernel on a real 2x8 layer of this shape (tables built in the call)

@@ -1,5 +1,6 @@
 // Table sums with the table in AVX-512 registers (the T-MAC idea for 8-bit codes), against gathers
-// from an L1-resident table: one token's y[o] = sum_c table[c][codes[o, c]] for 2x8 layers.
+// from an L1-resident table: one token's y[o] = sum_c table[c][codes[o, c]] for 2x8 layers. The
+// float16 variant and the gather baseline; the float32 variant is aqflow's own kernel.
 // Built by benchmarks/lut_registers.py with `cc -O3 -march=native -shared -fPIC`.
 //
 // Codes here are laid out [tiles][columns][64 rows] (for each code column, the tile's 64 rows
@@ -10,46 +11,8 @@
 
 #define ROWS 64
 
-// fp32 table (256 entries = 16 registers): eight 2-register permutes, then three levels of blends
-// on bits 5, 6, 7 of the code. Exact: the same float32 entries as the gather kernels add.
-void sum_f32_registers(const float *tables, const uint8_t *codes, int tiles, int columns, float *out) {
-    const __m512i b5 = _mm512_set1_epi32(32), b6 = _mm512_set1_epi32(64), b7 = _mm512_set1_epi32(128);
-    for (int tile = 0; tile < tiles; tile++) {
-        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-        const uint8_t *block = codes + (size_t)tile * columns * ROWS;
-        for (int c = 0; c < columns; c++) {
-            const float *t = tables + (size_t)c * 256;
-            __m512 t0 = _mm512_loadu_ps(t), t1 = _mm512_loadu_ps(t + 16), t2 = _mm512_loadu_ps(t + 32),
-                   t3 = _mm512_loadu_ps(t + 48), t4 = _mm512_loadu_ps(t + 64), t5 = _mm512_loadu_ps(t + 80),
-                   t6 = _mm512_loadu_ps(t + 96), t7 = _mm512_loadu_ps(t + 112), t8 = _mm512_loadu_ps(t + 128),
-                   t9 = _mm512_loadu_ps(t + 144), t10 = _mm512_loadu_ps(t + 160), t11 = _mm512_loadu_ps(t + 176),
-                   t12 = _mm512_loadu_ps(t + 192), t13 = _mm512_loadu_ps(t + 208), t14 = _mm512_loadu_ps(t + 224),
-                   t15 = _mm512_loadu_ps(t + 240);
-            const uint8_t *rows = block + (size_t)c * ROWS;
-#define LOOKUP(acc, u)                                                                                   \
-    {                                                                                                    \
-        __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(rows + 16 * (u))));         \
-        __mmask16 m5 = _mm512_test_epi32_mask(idx, b5), m6 = _mm512_test_epi32_mask(idx, b6),            \
-                  m7 = _mm512_test_epi32_mask(idx, b7);                                                  \
-        __m512 p0 = _mm512_mask_blend_ps(m5, _mm512_permutex2var_ps(t0, idx, t1),                        \
-                                         _mm512_permutex2var_ps(t2, idx, t3));                           \
-        __m512 p1 = _mm512_mask_blend_ps(m5, _mm512_permutex2var_ps(t4, idx, t5),                        \
-                                         _mm512_permutex2var_ps(t6, idx, t7));                           \
-        __m512 p2 = _mm512_mask_blend_ps(m5, _mm512_permutex2var_ps(t8, idx, t9),                        \
-                                         _mm512_permutex2var_ps(t10, idx, t11));                         \
-        __m512 p3 = _mm512_mask_blend_ps(m5, _mm512_permutex2var_ps(t12, idx, t13),                      \
-                                         _mm512_permutex2var_ps(t14, idx, t15));                         \
-        __m512 q0 = _mm512_mask_blend_ps(m6, p0, p1), q1 = _mm512_mask_blend_ps(m6, p2, p3);             \
-        acc = _mm512_add_ps(acc, _mm512_mask_blend_ps(m7, q0, q1));                                      \
-    }
-            LOOKUP(acc0, 0) LOOKUP(acc1, 1) LOOKUP(acc2, 2) LOOKUP(acc3, 3)
-#undef LOOKUP
-        }
-        float *o = out + (size_t)tile * ROWS;
-        _mm512_storeu_ps(o, acc0); _mm512_storeu_ps(o + 16, acc1);
-        _mm512_storeu_ps(o + 32, acc2); _mm512_storeu_ps(o + 48, acc3);
-    }
-}
+// The exact float32 version is the shipped kernel, src/aqflow/inference/csrc/lut_cpu.c
+// (aqflow_register_sums), compiled into the same library by benchmarks/lut_registers.py.
 
 // fp16 table (256 entries = 8 registers): four 2-register word permutes serve 32 rows at once,
 // two levels of blends on bits 6, 7, then widening to float32 for the sum. Not exact: each
