@@ -47,6 +47,9 @@ def test_a_fast_linear_holds_column_tiles_and_gives_the_gather_kernels_outputs(m
     w = random_layer()
     fast = FastQuantizedLinear(w)
     assert fast.layout == "columns" and torch.equal(fast.weights.codes, w.codes)
+    # codes held in int32 (a container of wider codebooks) are not bytes: the gather kernels read them
+    wide = QuantizedWeights(codes=w.codes.to(torch.int32), codebooks=w.codebooks, scales=w.scales, bias=w.bias, nbits=8)
+    assert FastQuantizedLinear(wide).layout == "tiles"
     # decode, a short prompt, and the dequantized path beyond LUT_MAX_TOKENS
     inputs = [torch.randn(tokens, w.in_features, generator=torch.Generator().manual_seed(tokens)) for tokens in (1, 4, 16)]
     outputs = [fast(x) for x in inputs]

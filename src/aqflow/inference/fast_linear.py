@@ -49,17 +49,19 @@ class FastQuantizedLinear(nn.Module):
         self.out_features = w.out_features
         self.nbits = w.nbits
         self.num_codebooks = w.num_codebooks
-        self.layout = self.device_layout(w.codes.device)
+        self.layout = self.device_layout(w.codes)
         self.register_buffer("codes", self.to_layout(w.codes, self.layout))
         self.register_buffer("codebooks", w.codebooks)
         self.register_buffer("scales", w.scales)
         self.register_buffer("bias", w.bias)
         self._cpu_operands: cpu_kernels.CpuOperands | None = None
 
-    def device_layout(self, device: torch.device) -> str:
-        if device.type != "cpu":
+    def device_layout(self, codes: torch.Tensor) -> str:
+        """The layout `codes` (in any layout) are held in on their device."""
+        if codes.device.type != "cpu":
             return "rows"
-        return "columns" if register_kernel.applies(self.nbits, self.out_features) else "tiles"
+        byte_codes = codes.dtype == torch.uint8  # the register kernel reads one byte a code
+        return "columns" if byte_codes and register_kernel.applies(self.nbits, self.out_features) else "tiles"
 
     def to_layout(self, row_codes: torch.Tensor, layout: str) -> torch.Tensor:
         """Row-major codes [out, G, M] -> the codes as `layout` holds them."""
@@ -91,7 +93,7 @@ class FastQuantizedLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         self._cpu_operands = None  # a move or cast replaces the buffers the operands view
         result = super()._apply(fn, recurse)
-        layout = self.device_layout(self.codes.device)
+        layout = self.device_layout(self.codes)
         if layout != self.layout:  # moved between the CPU and a GPU: the layout of the new device
             self.codes = self.to_layout(self.row_codes(), layout)
             self.layout = layout
