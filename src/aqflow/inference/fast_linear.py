@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import numba
 import torch
 from torch import nn
 
@@ -111,9 +110,7 @@ class FastQuantizedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         tokens = flat.shape[0]
         if flat.device.type == "cpu" and self.layout == "columns" and tokens <= LUT_MAX_TOKENS:
-            out = register_kernel.register_product(flat, self.codes, self.codebooks, self.scales, self.bias,
-                                                   1 if tokens * self.codes.numel() < cpu_kernels.PARALLEL_MIN_LOADS
-                                                   else numba.get_num_threads())
+            out = register_kernel.register_product(flat, self.codes, self.codebooks, self.scales, self.bias)
         elif flat.device.type == "cpu" and self.layout == "columns":
             # prefill: the dequantized path on a tiled copy of the codes, made for the call
             out = cpu_kernels.dequantized_matmul(flat, self.weights)

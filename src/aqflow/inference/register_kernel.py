@@ -27,9 +27,12 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import numba
 import numpy as np
 import torch
 from numba import njit, prange
+
+from aqflow.inference.cpu_kernels import PARALLEL_MIN_LOADS
 
 SOURCE = Path(__file__).parent / "csrc" / "lut_cpu.c"
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-shared", "-fPIC")
@@ -143,14 +146,17 @@ def _sums_parallel(kernel, tables, tiles, out, blocks):
 
 
 def register_product(x: torch.Tensor, tiles: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
-                     bias: torch.Tensor | None, threads: int) -> torch.Tensor:
+                     bias: torch.Tensor | None, threads: int | None = None) -> torch.Tensor:
     """x [T, in] -> [T, out] float32 through the register kernel: tables from x and the codebooks
     [M, K, g], summed per row from the column tiles [out/64, G*M, 64] (column_tiles), times scales
-    [out], plus bias [out]. threads: blocks of tiles run at once (1: the calling thread alone)."""
+    [out], plus bias [out]. threads: blocks of tiles run at once (None: numba's thread count, or the
+    calling thread alone for a product too small to wake the pool, as cpu_kernels decides)."""
     kernel = compiled_kernel()
     if kernel is None:
         raise RuntimeError("the AVX-512 table kernel is not available here (register_kernel.applies is False)")
     flat = x.detach().to(torch.float32).contiguous()
+    if threads is None:
+        threads = 1 if flat.shape[0] * tiles.numel() < PARALLEL_MIN_LOADS else numba.get_num_threads()
     tables = code_tables(flat, codebooks.detach().to(torch.float32)).numpy()
     codes = tiles.numpy()
     out = np.empty((flat.shape[0], codes.shape[0] * ROWS), dtype=np.float32)
