@@ -173,7 +173,7 @@ def test_published_grid_and_device_batches_are_the_config_grid(tmp_path):
     """results/published/paper/grid.json is what config.yaml's grid writes today, and the batch files
     that run it on the device machine (benchmarks/paper_batches_*.txt) name only its cells: the
     one-card SmolLM2 file every SmolLM2 cell, the node file the ones it lists after the seeds done, both
-    Gemma3-270M files its every cell, Qwen's two files its every cell."""
+    Gemma3-270M files its every cell, Qwen's three files its every cell."""
     import json
 
     result = snakemake(tmp_path, [REPO / "config.yaml"], "-c1", "results/paper/grid.json")
@@ -189,10 +189,12 @@ def test_published_grid_and_device_batches_are_the_config_grid(tmp_path):
 
     one_card, node, gemma, gemma_node, qwen = (targets(f"paper_batches_{name}.txt")
                                                for name in ("smollm2", "smollm2_node", "gemma3", "gemma3_node", "qwen"))
-    # Qwen's cells ran from its own batch file (all six before PV-tuning) and the last one (two of
-    # them PV-tuned): together they name every Qwen cell, and nothing but the grid's variants
+    # Qwen's cells ran from its own batch file (all six before PV-tuning), the last one (two of
+    # them PV-tuned) and the pair's (OA-EM seed 44 PV-tuned): together they name every Qwen cell,
+    # and nothing but the grid's variants
     qwen_cells = {cell for cell in cells if cell.startswith("results/qwen2.5-coder-1.5b/")}
-    qwen_targets = set(qwen) | {target for target in targets("paper_batches_last.txt") if target.startswith("results/qwen")}
+    qwen_targets = set(qwen) | set(targets("paper_batches_qwen_pair.txt")) | {
+        target for target in targets("paper_batches_last.txt") if target.startswith("results/qwen")}
     assert qwen_cells <= qwen_targets
     assert {str(Path(target).parent) for target in qwen_targets} == {str(Path(cell).parent) for cell in qwen_cells}
     for batch in (one_card, node, gemma, gemma_node):
