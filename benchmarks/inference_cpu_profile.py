@@ -62,6 +62,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch's intra-op threads (default: --threads; numba's are --threads)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--linears", default="fast", choices=("fast", "dense"))
     parser.add_argument("--prompt-tokens", type=int, default=8)
@@ -76,7 +78,9 @@ def main() -> int:
     from benchmarks.inference_cpu import LLAMA_3B, random_llama
 
     numba.set_num_threads(args.threads)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.torch_threads or args.threads)
+    print(f"numba threading layer {numba.threading_layer() if hasattr(numba, 'threading_layer') else '?'}; "
+          f"torch threads {torch.get_num_threads()}", flush=True)
     print(f"load average at start {os.getloadavg()}", flush=True)
     started = time.perf_counter()
     model = random_llama(LLAMA_3B, getattr(torch, args.dtype), args.linears)

@@ -12,8 +12,10 @@ calls of each kernel:
   - gathers (f32): the layout and loop of aqflow's numba kernels (tiles of 64 rows, slices of 32
     code columns whose table is L1-resident), written with AVX-512 gathers;
   - registers (f32): aqflow's register_kernel (since this benchmark, the CPU decode path): codes
-    laid out per code column, the column's 256-entry table in 16 registers, 16 rows per permute;
-    exact (the same float32 entries);
+    laid out per code column, the column's 256-entry table in 16 registers, 16 rows per permute,
+    each table loaded once for a group of 8 tiles (512 rows); exact (the same float32 entries);
+  - registers per tile (f32): the same with the table loaded again for every tile of 64 rows (the
+    shipped kernel's first form);
   - registers (f16): the table rounded to float16 in 8 registers, 32 rows per permute; not exact;
   - aqflow's numba kernel (`lut_product`, one thread), tables built in the call: the reference.
 Prints a table (codes per nanosecond) and the largest relative error of each kernel's output
@@ -46,9 +48,10 @@ def build(folder: Path) -> ctypes.CDLL:
     subprocess.run(["cc", "-O3", "-march=native", "-shared", "-fPIC", str(SOURCE), str(SHIPPED), "-o", str(library)],
                    check=True)
     lib = ctypes.CDLL(str(library))
-    for name in ("sum_f16_registers", "sum_f32_gathers"):
+    for name in ("sum_f16_registers", "sum_f32_gathers", "sum_f32_registers_per_tile"):
         getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    lib.aqflow_register_sums.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+    lib.aqflow_register_sums.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                                         ctypes.c_long, ctypes.c_void_p]
     return lib
 
 
@@ -86,14 +89,20 @@ def measure(lib: ctypes.CDLL, name: str, out_features: int, in_features: int, re
     exact = tables32.astype(np.float64)[np.arange(columns)[None, :], codes].sum(axis=1)
     tiles = out_features // ROWS
     by_column, by_slice = column_major_tiles(codes), slice_tiles(codes)
-    outputs = {kind: np.empty(out_features, dtype=np.float32) for kind in ("gathers", "f32", "f16")}
+    outputs = {kind: np.empty(out_features, dtype=np.float32) for kind in ("gathers", "f32", "f32 tile", "f16")}
 
     def call(function, table, layout, kind):
         return lambda: function(table.ctypes.data, layout.ctypes.data, tiles, columns, outputs[kind].ctypes.data)
 
+    def shipped():
+        lib.aqflow_register_sums(tables32.ctypes.data, by_column.ctypes.data, tiles, columns, 0, columns,
+                                 outputs["f32"].ctypes.data)
+
     seconds = {
         "gathers (f32)": best_seconds(call(lib.sum_f32_gathers, tables32, by_slice, "gathers"), repeats),
-        "registers (f32)": best_seconds(call(lib.aqflow_register_sums, tables32, by_column, "f32"), repeats),
+        "registers (f32)": best_seconds(shipped, repeats),
+        "registers per tile (f32)": best_seconds(call(lib.sum_f32_registers_per_tile, tables32, by_column, "f32 tile"),
+                                                 repeats),
         "registers (f16)": best_seconds(call(lib.sum_f16_registers, tables16.view(np.uint16), by_column, "f16"), repeats),
     }
     # aqflow's kernel on a real 2x8 layer of this shape (tables built in the call)
@@ -105,7 +114,8 @@ def measure(lib: ctypes.CDLL, name: str, out_features: int, in_features: int, re
     loads = out_features * columns
     scale = np.abs(exact).max()
     errors = {kind: float(np.abs(outputs[key].astype(np.float64) - exact).max() / scale)
-              for kind, key in (("gathers (f32)", "gathers"), ("registers (f32)", "f32"), ("registers (f16)", "f16"))}
+              for kind, key in (("gathers (f32)", "gathers"), ("registers (f32)", "f32"),
+                                ("registers per tile (f32)", "f32 tile"), ("registers (f16)", "f16"))}
     return {"layer": name, "out": out_features, "in": in_features, "code_columns": columns,
             "seconds": seconds, "codes_per_ns": {k: loads / s / 1e9 for k, s in seconds.items()},
             "max_relative_error": errors}

@@ -12,7 +12,33 @@
 #define ROWS 64
 
 // The exact float32 version is the shipped kernel, src/aqflow/inference/csrc/lut_cpu.c
-// (aqflow_register_sums), compiled into the same library by benchmarks/lut_registers.py.
+// (aqflow_register_sums: a column's table loaded once for a group of 8 tiles), compiled into the
+// same library by benchmarks/lut_registers.py. Below, its first form (shipped until 2026-11-29):
+// the tile's 64 sums in registers, so each column's 1 KiB table is loaded again for every tile.
+void sum_f32_registers_per_tile(const float *tables, const uint8_t *codes, int tiles, int columns, float *out) {
+    const __m512i bit5 = _mm512_set1_epi32(32), bit6 = _mm512_set1_epi32(64), bit7 = _mm512_set1_epi32(128);
+    for (int tile = 0; tile < tiles; tile++) {
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int c = 0; c < columns; c++) {
+            const float *t = tables + (size_t)c * 256;
+            __m512 tab[16];
+            for (int k = 0; k < 16; k++) tab[k] = _mm512_loadu_ps(t + 16 * k);
+            const uint8_t *rows = codes + ((size_t)tile * columns + c) * ROWS;
+            for (int u = 0; u < 4; u++) {
+                const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(rows + 16 * u)));
+                const __mmask16 m5 = _mm512_test_epi32_mask(idx, bit5), m6 = _mm512_test_epi32_mask(idx, bit6),
+                                m7 = _mm512_test_epi32_mask(idx, bit7);
+                __m512 p[4];
+                for (int k = 0; k < 4; k++)
+                    p[k] = _mm512_mask_blend_ps(m5, _mm512_permutex2var_ps(tab[4 * k], idx, tab[4 * k + 1]),
+                                                _mm512_permutex2var_ps(tab[4 * k + 2], idx, tab[4 * k + 3]));
+                const __m512 q0 = _mm512_mask_blend_ps(m6, p[0], p[1]), q1 = _mm512_mask_blend_ps(m6, p[2], p[3]);
+                acc[u] = _mm512_add_ps(acc[u], _mm512_mask_blend_ps(m7, q0, q1));
+            }
+        }
+        for (int u = 0; u < 4; u++) _mm512_storeu_ps(out + (size_t)tile * ROWS + 16 * u, acc[u]);
+    }
+}
 
 // fp16 table (256 entries = 8 registers): four 2-register word permutes serve 32 rows at once,
 // two levels of blends on bits 6, 7, then widening to float32 for the sum. Not exact: each

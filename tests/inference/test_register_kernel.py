@@ -31,10 +31,13 @@ def test_column_tiles_hold_every_code_once():
 @needs_kernel
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_the_register_product_is_the_layer_within_float32_rounding(tokens):
-    w = random_layer()
+    # 9 tiles of rows: a whole group of 8 sharing each column's table, and one left over; 128 code
+    # columns: one slice, two, and three unequal ones summed apart and added
+    w = random_layer(out_features=9 * 64, in_features=512)
     x = torch.randn(tokens, w.in_features, generator=torch.Generator().manual_seed(1))
     exact = x.double() @ dense_weight(w).double().T + w.bias.double()
-    for threads in (1, 2):
+    assert [register_kernel.column_blocks(128, threads) for threads in (1, 2, 3)] == [1, 2, 3]
+    for threads in (1, 2, 3):
         got = register_kernel.register_product(x, register_kernel.column_tiles(w.codes), w.codebooks, w.scales,
                                                w.bias, threads)
         assert got.dtype == torch.float32

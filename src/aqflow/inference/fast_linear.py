@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -54,6 +55,7 @@ class FastQuantizedLinear(nn.Module):
         self.register_buffer("scales", w.scales)
         self.register_buffer("bias", w.bias)
         self._cpu_operands: cpu_kernels.CpuOperands | None = None
+        self._register_operands: register_kernel.RegisterOperands | None = None
 
     def device_layout(self, codes: torch.Tensor) -> str:
         """The layout `codes` (in any layout) are held in on their device."""
@@ -90,7 +92,7 @@ class FastQuantizedLinear(nn.Module):
                 f"codes as {self.layout}")
 
     def _apply(self, fn, recurse=True):
-        self._cpu_operands = None  # a move or cast replaces the buffers the operands view
+        self._cpu_operands = self._register_operands = None  # a move or cast replaces the buffers they view
         result = super()._apply(fn, recurse)
         layout = self.device_layout(self.codes)
         if layout != self.layout:  # moved between the CPU and a GPU: the layout of the new device
@@ -106,11 +108,21 @@ class FastQuantizedLinear(nn.Module):
                                                                  self.nbits)
         return self._cpu_operands
 
+    def register_operands(self) -> register_kernel.RegisterOperands:
+        """The register kernel's view of the layer (the column tiles shared; codebooks, scales and
+        bias as float32 copies, made once rather than on every token)."""
+        if self._register_operands is None:
+            self._register_operands = register_kernel.register_operands(self.codes, self.codebooks, self.scales,
+                                                                        self.bias)
+        return self._register_operands
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         tokens = flat.shape[0]
         if flat.device.type == "cpu" and self.layout == "columns" and tokens <= LUT_MAX_TOKENS:
-            out = register_kernel.register_product(flat, self.codes, self.codebooks, self.scales, self.bias)
+            operands = self._register_operands or self.register_operands()
+            out = torch.from_numpy(register_kernel.register_matmul(
+                np.ascontiguousarray(flat.detach().to(torch.float32).numpy()), operands))
         elif flat.device.type == "cpu" and self.layout == "columns":
             # prefill: the dequantized path on a tiled copy of the codes, made for the call
             out = cpu_kernels.dequantized_matmul(flat, self.weights)

@@ -24,7 +24,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numba
@@ -36,7 +38,10 @@ from aqflow.inference.cpu_kernels import PARALLEL_MIN_LOADS
 
 SOURCE = Path(__file__).parent / "csrc" / "lut_cpu.c"
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-shared", "-fPIC")
-ROWS = 64  # rows per tile: the kernel's four 16-lane accumulators
+ROWS = 64  # rows per tile: four 16-lane lookups per code column
+# Code columns per thread at the least (a 64-row tile's column is 64 codes): a thread's slice of
+# fewer would cost more in its partial sums (one float per row) than in table lookups.
+MIN_BLOCK_COLUMNS = 32
 NEEDED_CPU_FLAGS = ("avx512f", "avx512bw")
 
 
@@ -80,8 +85,9 @@ def build_library(compiler: str, cache_dir: Path) -> Path:
 
 @functools.cache
 def compiled_kernel():
-    """The C function aqflow_register_sums(tables, codes, tiles, columns, out), or None where it
-    cannot run here (the reason is given once as a warning, except when switched off)."""
+    """The C function aqflow_register_product(x, codebooks, M, g, codes, tiles, columns,
+    first_column, last_column, tables, out), or None where it cannot run here (the reason is given
+    once as a warning, except when switched off)."""
     if os.environ.get("AQFLOW_REGISTER_KERNEL", "1") == "0":
         return None
     missing = [flag for flag in NEEDED_CPU_FLAGS if flag not in cpu_flags()]
@@ -91,13 +97,14 @@ def compiled_kernel():
     try:
         if compiler is None:
             raise OSError(f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH")
-        function = ctypes.CDLL(str(build_library(compiler, kernel_cache_dir()))).aqflow_register_sums
+        function = ctypes.CDLL(str(build_library(compiler, kernel_cache_dir()))).aqflow_register_product
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or error
         warnings.warn(f"aqflow: the AVX-512 table kernel is not available ({detail}); using the numba kernels",
                       stacklevel=2)
         return None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                         ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
     function.restype = None
     return function
 
@@ -120,49 +127,120 @@ def rows_from_column_tiles(tiles: torch.Tensor, num_codebooks: int) -> torch.Ten
     return tiles.permute(0, 2, 1).reshape(count * rows, columns // num_codebooks, num_codebooks).contiguous()
 
 
-def code_tables(x: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
-    """x [T, in] float32, codebooks [M, K, g] float32 -> tables [T, G*M, K] float32 with
-    tables[t, j*M + m, k] = sum_d x[t, j*g + d] * codebooks[m, k, d]."""
-    tokens = x.shape[0]
-    num_codebooks, codewords, group = codebooks.shape
-    groups = x.shape[1] // group
-    tables = torch.einsum("tjd,mkd->tjmk", x.reshape(tokens, groups, group), codebooks)
-    return tables.reshape(tokens, groups * num_codebooks, codewords).contiguous()
+@dataclass(frozen=True)
+class RegisterOperands:
+    """A layer as the kernel reads it: codes [out/64, G*M, 64] uint8 (column_tiles), codebooks
+    [M, g, 256] float32 (codeword index last), scales [out] and bias [out] float32 (zeros where the
+    layer has none)."""
+
+    codes: np.ndarray
+    codebooks: np.ndarray
+    scales: np.ndarray
+    bias: np.ndarray
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0] * ROWS
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] // self.codebooks.shape[0] * self.codebooks.shape[1]
+
+
+def register_operands(tiles: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
+                      bias: torch.Tensor | None) -> RegisterOperands:
+    """The kernel's view of a layer held as column tiles [out/64, G*M, 64] with codebooks [M, 256, g],
+    scales [out] and bias [out] (or None): the codes shared, the rest as float32 copies."""
+    out_features = tiles.shape[0] * ROWS
+    as_float = lambda tensor: np.ascontiguousarray(tensor.detach().to(torch.float32).reshape(-1).numpy())  # noqa: E731
+    return RegisterOperands(
+        codes=tiles.numpy(),
+        codebooks=np.ascontiguousarray(codebooks.detach().to(torch.float32).transpose(1, 2).numpy()),
+        scales=as_float(scales),
+        bias=np.zeros(out_features, dtype=np.float32) if bias is None else as_float(bias))
+
+
+def column_blocks(columns: int, threads: int) -> int:
+    """How many slices of the code columns a product is split into: one a thread, each at least
+    MIN_BLOCK_COLUMNS columns (fewer would make the partial sums cost more than the slice)."""
+    return max(1, min(threads, columns // MIN_BLOCK_COLUMNS))
 
 
 @njit(parallel=True, cache=True)
-def _sums_parallel(kernel, tables, tiles, out, blocks):
-    """out[t, :] = the table sums of token t, the tiles split into `blocks` blocks on numba's threads.
+def _product_parallel(kernel, x, codebooks, codes, scales, bias, tables, partial, out):
+    """out[t] = (the table sums of token t) * scales + bias: each of `blocks` = partial.shape[0]
+    threads builds the tables of a slice of the code columns into tables[block] and sums them into
+    partial[block, t] (the kernel); then the slices are added in block order, a chunk of rows a
+    thread.
 
-    tables [T, C, 256] f32, tiles [out/64, C, 64] u8, out [T, out] f32."""
-    count, columns = tiles.shape[0], tiles.shape[1]
-    for t in range(tables.shape[0]):
+    x [T, in] f32, codebooks [M, g, 256] f32, codes [out/64, C, 64] u8, scales and bias [out] f32,
+    tables [blocks, >= C/blocks + 1, 256] f32 (scratch), partial [blocks, T, out] f32, out [T, out] f32."""
+    count, columns = codes.shape[0], codes.shape[1]
+    num_codebooks, group = codebooks.shape[0], codebooks.shape[1]
+    blocks = partial.shape[0]
+    for t in range(x.shape[0]):
         for block in prange(blocks):
-            first = block * count // blocks
-            last = (block + 1) * count // blocks
-            if last > first:
-                kernel(tables[t].ctypes.data, tiles[first:].ctypes.data, last - first, columns,
-                       out[t, first * 64:].ctypes.data)
+            first = block * columns // blocks
+            last = (block + 1) * columns // blocks
+            kernel(x[t].ctypes.data, codebooks.ctypes.data, num_codebooks, group, codes.ctypes.data, count, columns,
+                   first, last, tables[block].ctypes.data, partial[block, t].ctypes.data)
+    rows = out.shape[1]
+    for chunk in prange(blocks):
+        start = chunk * rows // blocks
+        stop = (chunk + 1) * rows // blocks
+        for t in range(out.shape[0]):
+            for r in range(start, stop):
+                total = partial[0, t, r]
+                for block in range(1, blocks):
+                    total += partial[block, t, r]
+                out[t, r] = total * scales[r] + bias[r]
 
 
-def register_product(x: torch.Tensor, tiles: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
-                     bias: torch.Tensor | None, threads: int | None = None) -> torch.Tensor:
-    """x [T, in] -> [T, out] float32 through the register kernel: tables from x and the codebooks
-    [M, K, g], summed per row from the column tiles [out/64, G*M, 64] (column_tiles), times scales
-    [out], plus bias [out]. threads: blocks of tiles run at once (None: numba's thread count, or the
+# Scratch arrays by (thread, shape): a decode step calls the same few layer shapes again and again,
+# and fresh arrays of a few MiB cost page faults on every call.
+_scratch: dict[tuple, np.ndarray] = {}
+
+
+def scratch(shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 array of `shape` kept for this thread's next calls of the same shape (its contents
+    are whatever the last call left)."""
+    key = (threading.get_ident(), shape)
+    array = _scratch.get(key)
+    if array is None:
+        array = _scratch[key] = np.empty(shape, dtype=np.float32)
+    return array
+
+
+def register_matmul(x: np.ndarray, operands: RegisterOperands, threads: int | None = None) -> np.ndarray:
+    """x [T, in] float32 -> [T, out] float32 = x W^T (times scales, plus bias) through the register
+    kernel. threads: slices of the code columns summed at once (None: numba's thread count, or the
     calling thread alone for a product too small to wake the pool, as cpu_kernels decides)."""
     kernel = compiled_kernel()
     if kernel is None:
         raise RuntimeError("the AVX-512 table kernel is not available here (register_kernel.applies is False)")
-    flat = x.detach().to(torch.float32).contiguous()
+    tokens, columns = x.shape[0], operands.codes.shape[1]
     if threads is None:
-        threads = 1 if flat.shape[0] * tiles.numel() < PARALLEL_MIN_LOADS else numba.get_num_threads()
-    tables = code_tables(flat, codebooks.detach().to(torch.float32)).numpy()
-    codes = tiles.numpy()
-    out = np.empty((flat.shape[0], codes.shape[0] * ROWS), dtype=np.float32)
-    _sums_parallel(kernel, tables, codes, out, max(1, min(threads, codes.shape[0])))
-    result = torch.from_numpy(out)
-    result.mul_(scales.to(torch.float32))
-    if bias is not None:
-        result.add_(bias.to(torch.float32))
-    return result
+        threads = 1 if tokens * operands.codes.size < PARALLEL_MIN_LOADS else numba.get_num_threads()
+    out = np.empty((tokens, operands.out_features), dtype=np.float32)
+    blocks = column_blocks(columns, threads)
+    tables = scratch((blocks, -(-columns // blocks), 256))
+    if blocks == 1:  # one slice: the kernel writes the output itself, on the calling thread
+        for t in range(tokens):
+            kernel(x[t].ctypes.data, operands.codebooks.ctypes.data, operands.codebooks.shape[0],
+                   operands.codebooks.shape[1], operands.codes.ctypes.data, operands.codes.shape[0], columns, 0, columns,
+                   tables.ctypes.data, out[t].ctypes.data)
+        out *= operands.scales
+        out += operands.bias
+    else:
+        _product_parallel(kernel, x, operands.codebooks, operands.codes, operands.scales, operands.bias, tables,
+                          scratch((blocks, tokens, operands.out_features)), out)
+    return out
+
+
+def register_product(x: torch.Tensor, tiles: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
+                     bias: torch.Tensor | None, threads: int | None = None) -> torch.Tensor:
+    """x [T, in] -> [T, out] float32 through the register kernel, for a layer held as column tiles
+    [out/64, G*M, 64] (column_tiles) with codebooks [M, 256, g], scales [out] and bias [out] or None.
+    threads: as register_matmul. (FastQuantizedLinear keeps the operands between calls instead.)"""
+    flat = np.ascontiguousarray(x.detach().to(torch.float32).numpy())
+    return torch.from_numpy(register_matmul(flat, register_operands(tiles, codebooks, scales, bias), threads))
