@@ -3,9 +3,12 @@
 `cpu_kernels.lut_matmul` sums one table entry per code through gathers from an L1-resident table
 slice. Here the codes are laid out per code column (`column_tiles`: a tile's 64 rows of one column
 contiguous), so a 16-lane permute looks up 16 rows in the same 256-entry table held in 16
-registers (csrc/lut_cpu.c). The entries are the same float32 numbers, so the outputs equal the
-gather kernels' up to the order of the additions. On the 2-core EPYC box this is 1.4-1.7x aqflow's
-numba kernel over a Llama-3.2-3B block (benchmarks/results/README.md, "The table in registers").
+registers (csrc/lut_cpu.c), loaded once for 512 rows. The threads split a layer's code columns:
+each builds the tables of its slice and sums them over every row, then the slices are added. The
+outputs equal the gather kernels' up to float32 rounding (the order of the additions, the
+rounding of the table entries). On the 16 cores of the GPU host's Xeon a Llama-3.2-3B decode is
+1.4x the gathers' and 1.5x dense bf16's (benchmarks/results/README.md, "The register kernel on the
+GPU host's 16 cores").
 
 The C file is compiled on first use with the system C compiler (`$CC`, else `cc`) into
 `$AQFLOW_KERNEL_CACHE` (default `~/.cache/aqflow/kernels`), once per source and flags, and called
