@@ -46,6 +46,34 @@ def test_the_register_product_is_the_layer_within_float32_rounding(tokens):
 
 
 @needs_kernel
+def test_16_bit_activations_take_float16_tables_within_their_rounding_bound():
+    """bfloat16 activations: each table entry rounded to float16 (relative error <= 2^-11), so each
+    output is within 2^-11 of the sum of its entries' magnitudes of the exact product, and closer
+    to it than the dense bfloat16 layer; float32 activations keep the float32 tables."""
+    w = random_layer(out_features=9 * 64, in_features=512)
+    x = torch.randn(1, w.in_features, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    assert register_kernel.table_dtype_for(torch.bfloat16) == "float16"
+    assert register_kernel.table_dtype_for(torch.float32) == "float32"
+    xs = x.double().reshape(-1, 8)  # [G, g]
+    tables = torch.einsum("jd,mkd->jmk", xs, w.codebooks.double())  # [G, M, K]
+    groups = torch.arange(w.codes.shape[1])[None, :, None]
+    books = torch.arange(2)[None, None, :]
+    entries = tables[groups, books, w.codes.long()]  # [out, G, M]
+    exact = entries.sum(dim=(1, 2)) * w.scales.double() + w.bias.double()
+    bound = 2.0 ** -11 * entries.abs().sum(dim=(1, 2)) * w.scales.double() + 1e-5 * exact.abs().max()
+    tiles = register_kernel.column_tiles(w.codes)
+    for threads in (1, 3):
+        half = register_kernel.register_product(x, tiles, w.codebooks, w.scales, w.bias, threads)[0].double()
+        assert ((half - exact).abs() <= bound).all()
+        single = register_kernel.register_product(x.float(), tiles, w.codebooks, w.scales, w.bias, threads)[0].double()
+        assert (single - exact).abs().max() <= 1e-5 * exact.abs().max()
+    assert not torch.equal(half, single)  # the float16 tables were used
+    # closer to the exact product than the dense bfloat16 layer it stands for (~10x on this layer)
+    dense = torch.nn.functional.linear(x, dense_weight(w).to(torch.bfloat16), w.bias.to(torch.bfloat16))[0].double()
+    assert (half - exact).abs().max() <= (dense - exact).abs().max() / 4
+
+
+@needs_kernel
 def test_a_fast_linear_holds_column_tiles_and_gives_the_gather_kernels_outputs(monkeypatch):
     w = random_layer()
     fast = FastQuantizedLinear(w)

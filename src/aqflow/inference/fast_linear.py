@@ -122,7 +122,8 @@ class FastQuantizedLinear(nn.Module):
         if flat.device.type == "cpu" and self.layout == "columns" and tokens <= LUT_MAX_TOKENS:
             operands = self._register_operands or self.register_operands()
             out = torch.from_numpy(register_kernel.register_matmul(
-                np.ascontiguousarray(flat.detach().to(torch.float32).numpy()), operands))
+                np.ascontiguousarray(flat.detach().to(torch.float32).numpy()), operands, None,
+                register_kernel.table_dtype_for(flat.dtype)))
         elif flat.device.type == "cpu" and self.layout == "columns":
             # prefill: the dequantized path on a tiled copy of the codes, made for the call
             out = cpu_kernels.dequantized_matmul(flat, self.weights)

@@ -86,11 +86,20 @@ def build_library(compiler: str, cache_dir: Path) -> Path:
     return library
 
 
+@dataclass(frozen=True)
+class Kernels:
+    """The compiled products (ctypes functions of csrc/lut_cpu.c), with the arguments (x,
+    codebooks, M, g, codes, tiles, columns, first_column, last_column, tables, out): `float32`
+    tables (exact to float32 rounding) and `float16` ones (for 16-bit activations)."""
+
+    float32: object
+    float16: object
+
+
 @functools.cache
-def compiled_kernel():
-    """The C function aqflow_register_product(x, codebooks, M, g, codes, tiles, columns,
-    first_column, last_column, tables, out), or None where it cannot run here (the reason is given
-    once as a warning, except when switched off)."""
+def compiled_kernel() -> Kernels | None:
+    """The compiled products, or None where they cannot run here (the reason is given once as a
+    warning, except when switched off)."""
     if os.environ.get("AQFLOW_REGISTER_KERNEL", "1") == "0":
         return None
     missing = [flag for flag in NEEDED_CPU_FLAGS if flag not in cpu_flags()]
@@ -100,16 +109,19 @@ def compiled_kernel():
     try:
         if compiler is None:
             raise OSError(f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH")
-        function = ctypes.CDLL(str(build_library(compiler, kernel_cache_dir()))).aqflow_register_product
+        library = ctypes.CDLL(str(build_library(compiler, kernel_cache_dir())))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or error
         warnings.warn(f"aqflow: the AVX-512 table kernel is not available ({detail}); using the numba kernels",
                       stacklevel=2)
         return None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                         ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
-    function.restype = None
-    return function
+    functions = (library.aqflow_register_product, library.aqflow_register_product_f16)
+    for function in functions:
+        function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                             ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                             ctypes.c_void_p]
+        function.restype = None
+    return Kernels(*functions)
 
 
 def applies(nbits: int, out_features: int) -> bool:
@@ -177,7 +189,8 @@ def _product_parallel(kernel, x, codebooks, codes, scales, bias, tables, partial
     thread.
 
     x [T, in] f32, codebooks [M, g, 256] f32, codes [out/64, C, 64] u8, scales and bias [out] f32,
-    tables [blocks, >= C/blocks + 1, 256] f32 (scratch), partial [blocks, T, out] f32, out [T, out] f32."""
+    tables [blocks, >= C/blocks + 1, 256] f32 or f16 bits as u16 (the kernel's; scratch), partial
+    [blocks, T, out] f32, out [T, out] f32."""
     count, columns = codes.shape[0], codes.shape[1]
     num_codebooks, group = codebooks.shape[0], codebooks.shape[1]
     blocks = partial.shape[0]
@@ -204,29 +217,33 @@ def _product_parallel(kernel, x, codebooks, codes, scales, bias, tables, partial
 _scratch: dict[tuple, np.ndarray] = {}
 
 
-def scratch(shape: tuple[int, ...]) -> np.ndarray:
-    """A float32 array of `shape` kept for this thread's next calls of the same shape (its contents
-    are whatever the last call left)."""
-    key = (threading.get_ident(), shape)
+def scratch(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+    """An array of `shape` kept for this thread's next calls of the same shape and dtype (its
+    contents are whatever the last call left)."""
+    key = (threading.get_ident(), shape, np.dtype(dtype).str)
     array = _scratch.get(key)
     if array is None:
-        array = _scratch[key] = np.empty(shape, dtype=np.float32)
+        array = _scratch[key] = np.empty(shape, dtype=dtype)
     return array
 
 
-def register_matmul(x: np.ndarray, operands: RegisterOperands, threads: int | None = None) -> np.ndarray:
+def register_matmul(x: np.ndarray, operands: RegisterOperands, threads: int | None = None,
+                    table_dtype: str = "float32") -> np.ndarray:
     """x [T, in] float32 -> [T, out] float32 = x W^T (times scales, plus bias) through the register
     kernel. threads: slices of the code columns summed at once (None: numba's thread count, or the
-    calling thread alone for a product too small to wake the pool, as cpu_kernels decides)."""
-    kernel = compiled_kernel()
-    if kernel is None:
+    calling thread alone for a product too small to wake the pool, as cpu_kernels decides).
+    table_dtype: "float32" (exact to float32 rounding) or "float16" (each table entry rounded to
+    float16: for outputs that will be rounded to 16 bits anyway)."""
+    kernels = compiled_kernel()
+    if kernels is None:
         raise RuntimeError("the AVX-512 table kernel is not available here (register_kernel.applies is False)")
+    kernel = getattr(kernels, table_dtype)
     tokens, columns = x.shape[0], operands.codes.shape[1]
     if threads is None:
         threads = 1 if tokens * operands.codes.size < PARALLEL_MIN_LOADS else numba.get_num_threads()
     out = np.empty((tokens, operands.out_features), dtype=np.float32)
     blocks = column_blocks(columns, threads)
-    tables = scratch((blocks, -(-columns // blocks), 256))
+    tables = scratch((blocks, -(-columns // blocks), 256), np.float32 if table_dtype == "float32" else np.uint16)
     if blocks == 1:  # one slice: the kernel writes the output itself, on the calling thread
         for t in range(tokens):
             kernel(x[t].ctypes.data, operands.codebooks.ctypes.data, operands.codebooks.shape[0],
@@ -240,10 +257,18 @@ def register_matmul(x: np.ndarray, operands: RegisterOperands, threads: int | No
     return out
 
 
+def table_dtype_for(activations: torch.dtype) -> str:
+    """The tables' dtype for activations of this dtype: float16 tables for 16-bit activations (the
+    entries' rounding, <= 2^-11 relative, is below that of the 16-bit outputs), float32 otherwise."""
+    return "float16" if activations in (torch.bfloat16, torch.float16) else "float32"
+
+
 def register_product(x: torch.Tensor, tiles: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
                      bias: torch.Tensor | None, threads: int | None = None) -> torch.Tensor:
     """x [T, in] -> [T, out] float32 through the register kernel, for a layer held as column tiles
-    [out/64, G*M, 64] (column_tiles) with codebooks [M, 256, g], scales [out] and bias [out] or None.
-    threads: as register_matmul. (FastQuantizedLinear keeps the operands between calls instead.)"""
+    [out/64, G*M, 64] (column_tiles) with codebooks [M, 256, g], scales [out] and bias [out] or None;
+    tables of table_dtype_for(x.dtype). threads: as register_matmul. (FastQuantizedLinear keeps the
+    operands between calls instead.)"""
     flat = np.ascontiguousarray(x.detach().to(torch.float32).numpy())
-    return torch.from_numpy(register_matmul(flat, register_operands(tiles, codebooks, scales, bias), threads))
+    return torch.from_numpy(register_matmul(flat, register_operands(tiles, codebooks, scales, bias), threads,
+                                            table_dtype_for(x.dtype)))

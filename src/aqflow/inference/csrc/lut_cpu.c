@@ -85,3 +85,57 @@ void aqflow_register_product(const float *x, const float *codebooks, long num_co
     }
     sums(tables, codes, tiles, columns, first_column, last_column, out);
 }
+
+// The same product with float16 tables, for 16-bit activations (the caller rounds the outputs to
+// bfloat16 or float16): a table is 8 registers, and one word permute pair looks up 32 rows, half
+// the permutes per code of the float32 tables. Each entry is rounded to float16 (relative error
+// <= 2^-11), about an eighth of the bfloat16 output's own rounding; the sums are float32.
+static void sums16(const uint16_t *tables, const uint8_t *codes, long tiles, long columns, long first_column,
+                   long last_column, float *out) {
+    const __m512i bit6 = _mm512_set1_epi16(64), bit7 = _mm512_set1_epi16(128);
+    for (long group = 0; group < tiles; group += GROUP) {
+        const long count = tiles - group < GROUP ? tiles - group : GROUP;
+        for (long r = 0; r < count * ROWS; r += 16) _mm512_storeu_ps(out + group * ROWS + r, _mm512_setzero_ps());
+        for (long c = first_column; c < last_column; c++) {
+            const uint16_t *t = tables + (c - first_column) * 256;
+            const __m512i t0 = _mm512_loadu_si512(t), t1 = _mm512_loadu_si512(t + 32), t2 = _mm512_loadu_si512(t + 64),
+                          t3 = _mm512_loadu_si512(t + 96), t4 = _mm512_loadu_si512(t + 128),
+                          t5 = _mm512_loadu_si512(t + 160), t6 = _mm512_loadu_si512(t + 192),
+                          t7 = _mm512_loadu_si512(t + 224);
+            for (long tile = group; tile < group + count; tile++) {
+                const uint8_t *rows = codes + (tile * columns + c) * ROWS;
+                float *o = out + tile * ROWS;
+                for (int u = 0; u < 2; u++) {
+                    const __m512i idx = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(rows + 32 * u)));
+                    const __mmask32 m6 = _mm512_test_epi16_mask(idx, bit6), m7 = _mm512_test_epi16_mask(idx, bit7);
+                    const __m512i p0 = _mm512_mask_blend_epi16(m6, _mm512_permutex2var_epi16(t0, idx, t1),
+                                                               _mm512_permutex2var_epi16(t2, idx, t3));
+                    const __m512i p1 = _mm512_mask_blend_epi16(m6, _mm512_permutex2var_epi16(t4, idx, t5),
+                                                               _mm512_permutex2var_epi16(t6, idx, t7));
+                    const __m512i h = _mm512_mask_blend_epi16(m7, p0, p1);
+                    float *o32 = o + 32 * u;
+                    _mm512_storeu_ps(o32, _mm512_add_ps(_mm512_loadu_ps(o32), _mm512_cvtph_ps(_mm512_castsi512_si256(h))));
+                    _mm512_storeu_ps(o32 + 16, _mm512_add_ps(_mm512_loadu_ps(o32 + 16),
+                                                             _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1))));
+                }
+            }
+        }
+    }
+}
+
+void aqflow_register_product_f16(const float *x, const float *codebooks, long num_codebooks, long group,
+                                 const uint8_t *codes, long tiles, long columns, long first_column, long last_column,
+                                 uint16_t *tables, float *out) {
+    for (long c = first_column; c < last_column; c++) {
+        const float *xj = x + (c / num_codebooks) * group;
+        const float *book = codebooks + (c % num_codebooks) * group * 256;
+        uint16_t *t = tables + (c - first_column) * 256;
+        for (int i = 0; i < 16; i++) {
+            __m512 entry = _mm512_setzero_ps();
+            for (long d = 0; d < group; d++)
+                entry = _mm512_fmadd_ps(_mm512_set1_ps(xj[d]), _mm512_loadu_ps(book + d * 256 + 16 * i), entry);
+            _mm256_storeu_si256((__m256i *)(t + 16 * i), _mm512_cvtps_ph(entry, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+    }
+    sums16(tables, codes, tiles, columns, first_column, last_column, out);
+}
