@@ -4,9 +4,12 @@
 slice. Here the codes are laid out per code column (`column_tiles`: a tile's 64 rows of one column
 contiguous), so a 16-lane permute looks up 16 rows in the same 256-entry table held in 16
 registers (csrc/lut_cpu.c), loaded once for 512 rows. The threads split a layer's code columns:
-each builds the tables of its slice and sums them over every row, then the slices are added. The
-outputs equal the gather kernels' up to float32 rounding (the order of the additions, the
-rounding of the table entries). On the 16 cores of the GPU host's Xeon a Llama-3.2-3B decode is
+each builds the tables of its slice and sums them over every row, then the slices are added. For
+float32 activations the tables are float32 and the outputs equal the gather kernels' up to float32
+rounding (the order of the additions, the rounding of the table entries). For bfloat16/float16
+activations, whose outputs are rounded to 16 bits, the tables are float16 (8 registers, half the
+permutes per code): each entry rounded by at most 2^-11, far less than the dense 16-bit layer's
+own rounding (`table_dtype_for`). On the 16 cores of the GPU host's Xeon a Llama-3.2-3B decode is
 1.4x the gathers' and 1.5x dense bf16's (benchmarks/results/README.md, "The register kernel on the
 GPU host's 16 cores").
 
