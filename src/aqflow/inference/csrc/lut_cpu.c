@@ -69,20 +69,22 @@ void aqflow_register_sums(const float *tables, const uint8_t *codes, long tiles,
 // floats, the caller's scratch: a thread builds only its own slice's, which then stay in its
 // caches), then their sums. x [in] float32; codebooks [M][group][256] float32 (codeword index
 // last, so 16 codewords' entries are one fused multiply-add per input of the group).
+// Entries 16i..16i+15 of column c's table: <x's group j, codewords 16i.. of codebook m>, c = j*M + m.
+static inline __m512 entries16(const float *x, const float *codebooks, long num_codebooks, long group, long c, int i) {
+    const float *xj = x + (c / num_codebooks) * group;
+    const float *book = codebooks + (c % num_codebooks) * group * 256 + 16 * i;
+    __m512 entry = _mm512_setzero_ps();
+    for (long d = 0; d < group; d++) entry = _mm512_fmadd_ps(_mm512_set1_ps(xj[d]), _mm512_loadu_ps(book + d * 256), entry);
+    return entry;
+}
+
 void aqflow_register_product(const float *x, const float *codebooks, long num_codebooks, long group,
                              const uint8_t *codes, long tiles, long columns, long first_column, long last_column,
                              float *tables, float *out) {
-    for (long c = first_column; c < last_column; c++) {
-        const float *xj = x + (c / num_codebooks) * group;
-        const float *book = codebooks + (c % num_codebooks) * group * 256;
-        float *t = tables + (c - first_column) * 256;
-        for (int i = 0; i < 16; i++) {
-            __m512 entry = _mm512_setzero_ps();
-            for (long d = 0; d < group; d++)
-                entry = _mm512_fmadd_ps(_mm512_set1_ps(xj[d]), _mm512_loadu_ps(book + d * 256 + 16 * i), entry);
-            _mm512_storeu_ps(t + 16 * i, entry);
-        }
-    }
+    for (long c = first_column; c < last_column; c++)
+        for (int i = 0; i < 16; i++)
+            _mm512_storeu_ps(tables + (c - first_column) * 256 + 16 * i,
+                             entries16(x, codebooks, num_codebooks, group, c, i));
     sums(tables, codes, tiles, columns, first_column, last_column, out);
 }
 
@@ -126,16 +128,10 @@ static void sums16(const uint16_t *tables, const uint8_t *codes, long tiles, lon
 void aqflow_register_product_f16(const float *x, const float *codebooks, long num_codebooks, long group,
                                  const uint8_t *codes, long tiles, long columns, long first_column, long last_column,
                                  uint16_t *tables, float *out) {
-    for (long c = first_column; c < last_column; c++) {
-        const float *xj = x + (c / num_codebooks) * group;
-        const float *book = codebooks + (c % num_codebooks) * group * 256;
-        uint16_t *t = tables + (c - first_column) * 256;
-        for (int i = 0; i < 16; i++) {
-            __m512 entry = _mm512_setzero_ps();
-            for (long d = 0; d < group; d++)
-                entry = _mm512_fmadd_ps(_mm512_set1_ps(xj[d]), _mm512_loadu_ps(book + d * 256 + 16 * i), entry);
-            _mm256_storeu_si256((__m256i *)(t + 16 * i), _mm512_cvtps_ph(entry, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        }
-    }
+    for (long c = first_column; c < last_column; c++)
+        for (int i = 0; i < 16; i++)
+            _mm256_storeu_si256((__m256i *)(tables + (c - first_column) * 256 + 16 * i),
+                                _mm512_cvtps_ph(entries16(x, codebooks, num_codebooks, group, c, i),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     sums16(tables, codes, tiles, columns, first_column, last_column, out);
 }
