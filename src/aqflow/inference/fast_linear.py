@@ -1,7 +1,7 @@
 """`FastQuantizedLinear`: an AQLM linear that stays in its stored form and picks its kernel by
 device and token count; `install_fast_linears` puts it in place of aqlm's `QuantizedLinear`.
 
-    CPU,  tokens <= LUT_MAX_TOKENS: lookup tables, the decode path: register_kernel.register_product
+    CPU,  tokens <= LUT_MAX_TOKENS: lookup tables, the decode path: register_kernel.product_with_operands
                                     for 8-bit codes on a CPU with AVX-512 (the tables in registers),
                                     else cpu_kernels.lut_matmul (gathers)
     CPU,  more tokens:              cpu_kernels.dequantized_matmul (row chunks through BLAS)
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -120,10 +119,7 @@ class FastQuantizedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         tokens = flat.shape[0]
         if flat.device.type == "cpu" and self.layout == "columns" and tokens <= LUT_MAX_TOKENS:
-            operands = self._register_operands or self.register_operands()
-            out = torch.from_numpy(register_kernel.register_matmul(
-                np.ascontiguousarray(flat.detach().to(torch.float32).numpy()), operands, None,
-                register_kernel.table_dtype_for(flat.dtype)))
+            out = register_kernel.product_with_operands(flat, self._register_operands or self.register_operands())
         elif flat.device.type == "cpu" and self.layout == "columns":
             # prefill: the dequantized path on a tiled copy of the codes, made for the call
             out = cpu_kernels.dequantized_matmul(flat, self.weights)

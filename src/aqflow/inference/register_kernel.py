@@ -160,10 +160,6 @@ class RegisterOperands:
     def out_features(self) -> int:
         return self.codes.shape[0] * ROWS
 
-    @property
-    def in_features(self) -> int:
-        return self.codes.shape[1] // self.codebooks.shape[0] * self.codebooks.shape[1]
-
 
 def register_operands(tiles: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
                       bias: torch.Tensor | None) -> RegisterOperands:
@@ -266,12 +262,16 @@ def table_dtype_for(activations: torch.dtype) -> str:
     return "float16" if activations in (torch.bfloat16, torch.float16) else "float32"
 
 
+def product_with_operands(x: torch.Tensor, operands: RegisterOperands, threads: int | None = None) -> torch.Tensor:
+    """x [T, in] in any float dtype -> [T, out] float32 through the register kernel, with tables of
+    table_dtype_for(x.dtype). threads: as register_matmul."""
+    flat = np.ascontiguousarray(x.detach().to(torch.float32).numpy())
+    return torch.from_numpy(register_matmul(flat, operands, threads, table_dtype_for(x.dtype)))
+
+
 def register_product(x: torch.Tensor, tiles: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
                      bias: torch.Tensor | None, threads: int | None = None) -> torch.Tensor:
     """x [T, in] -> [T, out] float32 through the register kernel, for a layer held as column tiles
-    [out/64, G*M, 64] (column_tiles) with codebooks [M, 256, g], scales [out] and bias [out] or None;
-    tables of table_dtype_for(x.dtype). threads: as register_matmul. (FastQuantizedLinear keeps the
-    operands between calls instead.)"""
-    flat = np.ascontiguousarray(x.detach().to(torch.float32).numpy())
-    return torch.from_numpy(register_matmul(flat, register_operands(tiles, codebooks, scales, bias), threads,
-                                            table_dtype_for(x.dtype)))
+    [out/64, G*M, 64] (column_tiles) with codebooks [M, 256, g], scales [out] and bias [out] or None
+    (product_with_operands; FastQuantizedLinear keeps the operands between calls instead)."""
+    return product_with_operands(x, register_operands(tiles, codebooks, scales, bias), threads)
