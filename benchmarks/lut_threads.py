@@ -9,8 +9,10 @@ times one token's product (`cpu_kernels.lut_matmul_operands`, random 2x8 codes) 
 of a 3B block at each thread count, and a numba parallel region that does nothing (what waking
 the pool costs). A token's lookups in the block linears = 28 x the per-block sum. Each product is
 timed through the gathers (`gathers`) and, where it can run, through the AVX-512 register kernel
-(`registers`: register_kernel.register_product on the same codes laid out per column, the tables
-built in the call as the decode does). Prints a table, writes JSON. (Commit 2771e50 also timed a
+(`registers`: register_kernel.product_with_operands on the same codes laid out per column, its
+operands made once as FastQuantizedLinear keeps them, the tables built in the call as the decode
+does; until 2026-11-29 the operands' float32 copies were made in every call too, ~12 us on the
+2-core box). Prints a table, writes JSON. (Commit 2771e50 also timed a
 one-region "units" schedule here, which did not win.)
 """
 
@@ -43,14 +45,17 @@ def _empty_region(values):
         values[i] += 1.0
 
 
-def random_operands(out_features: int, in_features: int, seed: int = 0) -> tuple[cpu_kernels.CpuOperands, dict]:
+def random_operands(out_features: int, in_features: int,
+                    seed: int = 0) -> tuple[cpu_kernels.CpuOperands, register_kernel.RegisterOperands | None]:
     """A 2x8 layer (groups of 8) with random codes, codebooks and scales: tiled as the gathers read
-    it, and as register_product's arguments (codes per column)."""
+    it, and as the register kernel's operands (codes per column)."""
     generator = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 256, (out_features, in_features // 8, 2), dtype=torch.uint8, generator=generator)
     codebooks, scales = torch.randn(2, 256, 8, generator=generator), torch.rand(out_features, generator=generator) + 0.5
     operands = cpu_kernels.operands_from_tiled(cpu_kernels.tile_codes(codes, 8), codebooks, scales, None, 8)
-    return operands, {"tiles": register_kernel.column_tiles(codes), "codebooks": codebooks, "scales": scales, "bias": None}
+    registers = (register_kernel.register_operands(register_kernel.column_tiles(codes), codebooks, scales, None)
+                 if register_kernel.compiled_kernel() is not None else None)
+    return operands, registers
 
 
 def best_seconds(call, calls: int, rounds: int) -> float:
@@ -93,13 +98,13 @@ def main() -> int:
         region = best_seconds(lambda: _empty_region(flags), 200, args.rounds)
         for kernel in kernels:
             block_seconds = 0.0
-            for name, (operands, register_args, count) in layers.items():
+            for name, (operands, registers, count) in layers.items():
                 x = np.random.default_rng(0).standard_normal((1, operands.in_features), dtype=np.float32)
                 if kernel == "gathers":
                     call = lambda: cpu_kernels.lut_matmul_operands(x, operands)  # noqa: E731
                 else:
                     xt = torch.from_numpy(x)
-                    call = lambda: register_kernel.register_product(xt, **register_args)  # noqa: E731
+                    call = lambda: register_kernel.product_with_operands(xt, registers)  # noqa: E731
                 call()  # compile or load the cache
                 seconds = best_seconds(call, args.calls, args.rounds)
                 block_seconds += count * seconds
