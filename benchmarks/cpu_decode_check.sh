@@ -6,16 +6,16 @@
 # OMP_WAIT_POLICY=PASSIVE (threads that sleep as soon as a parallel region ends instead of spinning
 # on the cores the other thread pool needs). Run from the repository root:
 #   bash benchmarks/cpu_decode_check.sh OUT_DIR [THREADS]      # THREADS default: every core
-# Writes OUT_DIR/{lscpu.txt, lut_registers.json, lut_threads.json, decode_<policy>.json,
-# profile_<policy>.txt} and prints the decode table of each policy last.
+# Writes OUT_DIR/{lut_registers.json, lut_threads.json, decode_<policy>.json,
+# profile_<policy>.txt} (8 files: as many as a device call returns) and prints the processor and the
+# decode table of each policy last.
 set -uo pipefail
 out=${1:?OUT_DIR}
 threads=${2:-$(nproc)}
 mkdir -p "$out"
 export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/numba_cache} PYTHONPATH="src:.${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
-lscpu > "$out/lscpu.txt"
-grep -E "Model name|^CPU\(s\)|L2|L3" "$out/lscpu.txt"
+lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|L2|L3"
 "$PY" benchmarks/lut_registers.py --repeats 20 --out "$out/lut_registers.json" 2>&1 | tail -7
 "$PY" benchmarks/lut_threads.py --threads 1 "$threads" --calls 20 --rounds 3 --out "$out/lut_threads.json" 2>&1 | tail -22
 for policy in default PASSIVE; do
