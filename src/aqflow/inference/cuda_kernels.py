@@ -1,16 +1,20 @@
-"""The CUDA C++ lookup-table GEMV for 2x8 AQLM linears (csrc/lut_gemv.cu), built at first use.
+"""The CUDA C++ lookup-table GEMVs for 2x8 AQLM linears (csrc/lut_gemv*.cu), built at first use.
 
-A CTA builds the lookup tables of a chunk of input groups in shared memory (tensor-core products of the
+Split-K kernel (csrc/lut_gemv.cu, up to 4 tokens): a CTA builds the lookup tables of a chunk of input groups in shared memory (tensor-core products of the
 token with the codebooks, fp32 accumulation; fp32 or fp16 entries), then sweeps many rows of codes
 with one shared-memory read and one add per code; split-K sums meet in an fp32 workspace and the last
 CTA of each row block finishes them (scales, bias, cast) and leaves workspace and counters at zero,
-so a CUDA graph can replay the launch. Design, predictions and resource use: benchmarks/inference_gpu_notes.md.
+so a CUDA graph can replay the launch. Cluster kernel (csrc/lut_gemv_cluster.cu, one token): the CTAs
+splitting one row block's input groups form a thread-block cluster and add their sums through each
+other's shared memory, after requesting every code at once: one trip to device memory per launch where
+the split-K kernel makes four or five in a row. Design, predictions and resource use:
+benchmarks/inference_gpu_notes.md.
 
 The extension is compiled by `torch.utils.cpp_extension.load` from the package's .cu/.cpp files on first
 use (about a minute; cached in TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). `load` rather
 than `load_inline`: the inline form prepends torch's headers to the CUDA file, which makes nvcc compile
 them too. It runs inside the `aqflow::packed_matmul` custom op (gpu_kernels), as the variants
-`cuda_lut32` (fp32 tables) and `cuda_lut16` (fp16 tables); geometries other than 2x8 over groups of 8,
+`cuda_lut32` / `cuda_cluster32` (fp32 tables) and `cuda_lut16` / `cuda_cluster16` (fp16 tables); geometries other than 2x8 over groups of 8,
 and any failure to build, fall back to the Triton kernels. AQFLOW_CUDA_KERNELS=0 turns it off.
 """
 
@@ -28,9 +32,12 @@ if TYPE_CHECKING:  # gpu_kernels imports this module
     from aqflow.inference.packed import KernelConfig, PackedWeights
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("lut_gemv_binding.cpp", "lut_gemv.cu")
+SOURCES = ("lut_gemv_binding.cpp", "lut_gemv.cu", "lut_gemv_cluster.cu")
 EXTENSION_NAME = "aqflow_lut_gemv"
-VARIANT_ENTRY_BITS = {"cuda_lut32": 32, "cuda_lut16": 16}
+VARIANT_ENTRY_BITS = {"cuda_lut32": 32, "cuda_lut16": 16, "cuda_cluster32": 32, "cuda_cluster16": 16}
+CLUSTER_VARIANTS = ("cuda_cluster32", "cuda_cluster16")
+CLUSTER_MAX_CHUNKS = {256: 4, 128: 8}  # rows per CTA -> most chunks a CTA holds codes of (lut_gemv_cluster.cu)
+CLUSTER_MAX_RANKS = 16
 ROWS_PER_BATCH = 256  # rows a CTA sweeps at a time (8 warps x 4 rows x 8 row slots); rows_per_cta is a multiple
 GROUPS_PER_CHUNK = 16
 MAX_TOKENS = 4
@@ -114,6 +121,12 @@ def applies(packed: "PackedWeights", tokens: int) -> bool:
             and len(packed.out_sizes) <= 4)
 
 
+def cluster_takes(packed: "PackedWeights", tokens: int) -> bool:
+    """Whether the cluster kernel takes this shape (on top of `applies`): one token, at most 16 x 8 chunks
+    of 16 groups."""
+    return tokens == 1 and packed.num_groups <= CLUSTER_MAX_RANKS * max(CLUSTER_MAX_CHUNKS.values()) * GROUPS_PER_CHUNK
+
+
 def max_tokens_for(tokens: int) -> int:
     """The compiled token width a launch of `tokens` tokens uses (1 or 4)."""
     return 1 if tokens == 1 else MAX_TOKENS
@@ -171,8 +184,30 @@ def candidate_configs(packed: "PackedWeights", tokens: int, multiprocessors: int
                 ctas = row_blocks(packed, rows) * splits
                 if multiprocessors // 2 <= ctas <= 12 * multiprocessors:
                     configs.append(make_config(packed, variant, rows, chunks))
+    if cluster_takes(packed, tokens):
+        configs += cluster_candidate_configs(packed)
     default = default_config(packed, tokens, multiprocessors)
     return [default] + [c for c in configs if c != default]
+
+
+def cluster_candidate_configs(packed: "PackedWeights") -> list["KernelConfig"]:
+    """The cluster kernel's configurations: fp32 and fp16 tables, 256 or 128 rows per CTA, and for each
+    cluster size (<= 16 CTAs) the fewest chunks per CTA that give it (more would only idle)."""
+    from aqflow.inference.packed import KernelConfig
+
+    chunks_total = _cdiv(packed.num_groups, GROUPS_PER_CHUNK)
+    configs = []
+    for variant in CLUSTER_VARIANTS:
+        for rows, most_chunks in CLUSTER_MAX_CHUNKS.items():
+            seen_ranks = set()
+            for chunks in range(1, most_chunks + 1):
+                ranks = _cdiv(packed.num_groups, GROUPS_PER_CHUNK * chunks)
+                if ranks > CLUSTER_MAX_RANKS or ranks in seen_ranks:
+                    continue
+                seen_ranks.add(ranks)
+                chunks = _cdiv(chunks_total, ranks)  # the fewest chunks per CTA at this cluster size
+                configs.append(KernelConfig(variant, rows, GROUPS_PER_CHUNK * chunks, ranks, 8))
+    return configs
 
 
 def launch(x: torch.Tensor, packed: "PackedWeights", config: "KernelConfig", out: torch.Tensor,
@@ -184,19 +219,32 @@ def launch(x: torch.Tensor, packed: "PackedWeights", config: "KernelConfig", out
     if not applies(packed, x.shape[0]):
         raise ValueError("the CUDA LUT kernel takes 2 codebooks of 256 codewords over groups of 8 (uint8 codes, "
                          f"bf16/fp16, an even group count) and 1..{MAX_TOKENS} tokens")
-    if config.block_groups % GROUPS_PER_CHUNK or config.block_rows % ROWS_PER_BATCH:
-        raise ValueError(f"{config.label()}: groups per CTA must be a multiple of {GROUPS_PER_CHUNK}, rows of "
-                         f"{ROWS_PER_BATCH}")
+    rows_ok = (config.block_rows in CLUSTER_MAX_CHUNKS if config.variant in CLUSTER_VARIANTS
+               else config.block_rows % ROWS_PER_BATCH == 0)
+    if config.block_groups % GROUPS_PER_CHUNK or not rows_ok:
+        raise ValueError(f"{config.label()}: groups per CTA must be a multiple of {GROUPS_PER_CHUNK}, rows "
+                         f"{'128 or 256' if config.variant in CLUSTER_VARIANTS else f'a multiple of {ROWS_PER_BATCH}'}")
+    cluster = config.variant in CLUSTER_VARIANTS
+    if cluster and not cluster_takes(packed, x.shape[0]):
+        raise ValueError(f"{config.label()}: the cluster kernel takes one token and at most "
+                         f"{CLUSTER_MAX_RANKS * max(CLUSTER_MAX_CHUNKS.values()) * GROUPS_PER_CHUNK} groups")
     module = load_extension()
     if x.data_ptr() % 4:  # a view starting at an odd element: the kernel reads input pairs as 4-byte words
         x = x.clone()
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    args = (x, packed.codes, packed.codebooks, packed.scales, packed.bias, out, workspace, counters,
-            list(packed.out_sizes), config.block_rows, config.block_groups // GROUPS_PER_CHUNK,
-            VARIANT_ENTRY_BITS[config.variant], max_tokens_for(x.shape[0]), stream)
+    chunks = config.block_groups // GROUPS_PER_CHUNK
+    common = (x, packed.codes, packed.codebooks, packed.scales, packed.bias, out)
+    if cluster:
+        function = module.lut_gemv_2x8_cluster
+        args = (*common, list(packed.out_sizes), config.block_rows, chunks, VARIANT_ENTRY_BITS[config.variant],
+                stream)
+    else:
+        function = module.lut_gemv_2x8
+        args = (*common, workspace, counters, list(packed.out_sizes), config.block_rows, chunks,
+                VARIANT_ENTRY_BITS[config.variant], max_tokens_for(x.shape[0]), stream)
     if x.device.index is not None and x.device.index != torch.cuda.current_device():
         with torch.cuda.device(x.device):
-            module.lut_gemv_2x8(*args)
+            function(*args)
     else:
-        module.lut_gemv_2x8(*args)
+        function(*args)
     return out

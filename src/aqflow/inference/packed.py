@@ -114,7 +114,9 @@ def packed_dense_weight(packed: PackedWeights) -> torch.Tensor:
 class KernelConfig:
     """variant 'direct', 'direct16' or 'lut' (Triton): a program computes block_rows rows over 1/split of
     the input groups, block_groups groups per step; num_warps per program. 'cuda_lut32' / 'cuda_lut16'
-    (CUDA): a CTA of 8 warps takes block_rows rows and block_groups groups (split = the resulting depth)."""
+    (CUDA): a CTA of 8 warps takes block_rows rows and block_groups groups (split = the resulting depth).
+    'cuda_cluster32' / 'cuda_cluster16' (CUDA, one token): the same, with the split-K done inside a
+    cluster of `split` CTAs; block_rows 256 or 128."""
 
     variant: str = "direct"
     block_rows: int = 16
@@ -134,4 +136,4 @@ class KernelConfig:
         return KernelConfig(VARIANTS[variant], block_rows, block_groups, split, num_warps)
 
 
-VARIANTS = ("direct", "lut", "direct16", "cuda_lut32", "cuda_lut16")
+VARIANTS = ("direct", "lut", "direct16", "cuda_lut32", "cuda_lut16", "cuda_cluster32", "cuda_cluster16")

@@ -31,116 +31,29 @@
 
 #include "lut_gemv.h"
 
+#include "lut_gemv_common.cuh"
+
 namespace aqflow {
 namespace {
 
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
+using namespace lut_detail;
+
 constexpr int kRowSlots = 8;                          // rows per thread per batch
 constexpr int kRowsPerBatch = kRowSlots * kWarps * 4;  // 256: 4 rows per warp per slot
-constexpr int kGroupsPerChunk = 16;
-constexpr int kCodewords = 256;
-constexpr int kTableBytes = kCodewords * 32 * 4;       // one table unit: 256 lines x 32 banks x 4 bytes
-
-template <typename Scalar>
-struct ScalarOps;
-
-template <>
-struct ScalarOps<__nv_bfloat16> {
-  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-  // d = A(16x8) * B(8x8): a_lo holds row gid, a_hi row gid + 8 (inputs 2tq, 2tq+1); b inputs 2tq, 2tq+1 of column gid
-  static __device__ __forceinline__ void mma(float (&d)[4], uint32_t a_lo, uint32_t a_hi, uint32_t b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
-        "{%7, %7, %7, %7};\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a_lo), "r"(a_hi), "r"(b), "f"(0.0f));
-  }
-};
-
-template <>
-struct ScalarOps<__half> {
-  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-  static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-  static __device__ __forceinline__ void mma(float (&d)[4], uint32_t a_lo, uint32_t a_hi, uint32_t b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
-        "{%7, %7, %7, %7};\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a_lo), "r"(a_hi), "r"(b), "f"(0.0f));
-  }
-};
-
-// Inputs 2tq, 2tq+1 of group g for token t (zero past the CTA's groups or the tokens given).
-template <typename Scalar>
-__device__ __forceinline__ uint32_t input_pair(const LutGemvParams& p, int t, int g, int tq, int g_end) {
-  if (t >= p.tokens || g >= g_end) return 0u;
-  const Scalar* x = static_cast<const Scalar*>(p.x) + static_cast<size_t>(t) * p.x_stride + g * 8 + 2 * tq;
-  return *reinterpret_cast<const uint32_t*>(x);
-}
-
-__device__ __forceinline__ uint32_t pack_halves(float low, float high) {
-  __half2 h = __floats2half2_rn(low, high);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
 
 // Builds the tables of chunks [0, chunks) of this CTA for every token: units of kTableBytes, unit u of
 // token t at (u * kTokens + t) * kTableBytes; fp32 entries: unit u = chunk u; fp16: chunks 2u, 2u+1.
 template <typename Scalar, bool kHalfEntries, int kTokens>
 __device__ void build_tables(const LutGemvParams& p, const Scalar* codebooks, int g_begin, int g_end, int units,
                              unsigned char* smem) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int gid = lane >> 2, tq = lane & 3;
-  // B columns n = gid: codebook n & 1, codeword k0 + (n >> 1); each warp owns 8 quads of codewords
   uint32_t b[8];
-  const uint32_t* words = reinterpret_cast<const uint32_t*>(codebooks);
-#pragma unroll
-  for (int q = 0; q < 8; ++q) {
-    const int k = 4 * (warp + kWarps * q) + (gid >> 1);
-    b[q] = __ldg(words + (((gid & 1) * kCodewords + k) * 8 + 2 * tq) / 2);
-  }
+  load_codebook_fragments(codebooks, b);
   for (int u = 0; u < units; ++u) {
 #pragma unroll
     for (int t = 0; t < kTokens; ++t) {
-      // A rows gid and gid + 8 are groups 2gid and 2gid + 1 of the chunk, so that a lane's four results
-      // (groups 2gid, 2gid+1 x codebooks 0, 1 of one codeword) are four consecutive words of a line
-      unsigned char* unit = smem + (u * kTokens + t) * kTableBytes;
       const int g0 = g_begin + (kHalfEntries ? 2 : 1) * kGroupsPerChunk * u;
-      const uint32_t a0_lo = input_pair<Scalar>(p, t, g0 + 2 * gid, tq, g_end);
-      const uint32_t a0_hi = input_pair<Scalar>(p, t, g0 + 2 * gid + 1, tq, g_end);
-      uint32_t a1_lo = 0u, a1_hi = 0u;
-      if (kHalfEntries) {
-        a1_lo = input_pair<Scalar>(p, t, g0 + kGroupsPerChunk + 2 * gid, tq, g_end);
-        a1_hi = input_pair<Scalar>(p, t, g0 + kGroupsPerChunk + 2 * gid + 1, tq, g_end);
-      }
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const int line = 4 * (warp + kWarps * q) + tq;
-        float d0[4];
-        ScalarOps<Scalar>::mma(d0, a0_lo, a0_hi, b[q]);
-        uint32_t word[4];
-        if (kHalfEntries) {
-          float d1[4];
-          ScalarOps<Scalar>::mma(d1, a1_lo, a1_hi, b[q]);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) word[e] = pack_halves(d0[e], d1[e]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) word[e] = __float_as_uint(d0[e]);
-        }
-        // The four words go to banks 4gid..4gid+3 of line k0 + tq: stored as one 16-byte vector, the 4 lanes
-        // of a gid (4 lines, same banks) would conflict 4-way; as 4 word stores with the lane's words
-        // rotated by tq, each store covers the 32 banks once. word[(e + tq) & 3] through two select stages.
-        uint32_t rotated[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) rotated[e] = (tq & 1) ? word[(e + 1) & 3] : word[e];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) word[e] = (tq & 2) ? rotated[(e + 2) & 3] : rotated[e];
-        uint32_t* quad = reinterpret_cast<uint32_t*>(unit) + line * 32 + 4 * gid;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) quad[(e + tq) & 3] = word[e];
-      }
+      const InputFragments a = input_fragments<Scalar, kHalfEntries>(p, t, g0, g_end);
+      store_table_unit<Scalar, kHalfEntries>(b, a, smem + (u * kTokens + t) * kTableBytes);
     }
   }
 }
@@ -160,13 +73,6 @@ __device__ __forceinline__ void load_codes(const LutGemvParams& p, uint32_t (&wo
       words[n] = __ldcs(reinterpret_cast<const unsigned int*>(at));  // read once: stream past L1/L2
     }
   }
-}
-
-template <typename Scalar>
-__device__ __forceinline__ void store_output(const LutGemvParams& p, int t, int row, float sum) {
-  float y = sum * ScalarOps<Scalar>::to_float(static_cast<const Scalar*>(p.scales)[row]);
-  if (p.bias != nullptr) y += ScalarOps<Scalar>::to_float(static_cast<const Scalar*>(p.bias)[row]);
-  static_cast<Scalar*>(p.out)[static_cast<size_t>(t) * p.out_stride + row] = ScalarOps<Scalar>::from_float(y);
 }
 
 template <typename Scalar, bool kHalfEntries, int kTokens>
@@ -228,11 +134,7 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_kernel(const __grid_
           const unsigned char* entry = table + code * 128 + bank_offset[s];
 #pragma unroll
           for (int t = 0; t < kTokens; ++t) {
-            if (kHalfEntries) {
-              acc[n][t] += __half2float(*reinterpret_cast<const __half*>(entry + t * kTableBytes));
-            } else {
-              acc[n][t] += *reinterpret_cast<const float*>(entry + t * kTableBytes);
-            }
+            acc[n][t] += table_entry<kHalfEntries>(entry + t * kTableBytes);
           }
         }
       }

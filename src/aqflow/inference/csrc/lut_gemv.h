@@ -6,6 +6,8 @@
 namespace aqflow {
 
 constexpr int kLutMaxMatrices = 4;
+constexpr int kLutMaxClusterRanks = 16;  // a non-portable cluster size, allowed on Hopper
+constexpr int kLutGroupsPerChunk = 16;  // input groups per table chunk
 
 // y[t, row] = scales[row] * sum_j sum_m lut_t[j, m, codes[row, j, m]] (+ bias[row]) for the rows of up to
 // four matrices packed one after another (q/k/v, gate/up), each with its own codebooks.
@@ -37,5 +39,17 @@ int lut_gemv_2x8_launch(const LutGemvParams& params, int scalar_kind, int entry_
 
 // Dynamic shared memory a launch needs, in bytes.
 int lut_gemv_2x8_shared_bytes(int entry_bits, int max_tokens, int chunks_per_cta);
+
+// The cluster kernel (lut_gemv_cluster.cu): one token; rows_per_cta 256 (chunks_per_cta <= 4) or 128
+// (<= 8); grid (ranks, block_start[num_matrices]) with clusters of `ranks` CTAs (<= 16), rank r taking
+// input groups [16 * chunks_per_cta * r, ...); workspace and counters unused. Returns a cudaError_t.
+int lut_gemv_2x8_cluster_launch(const LutGemvParams& params, int scalar_kind, int entry_bits, int ranks,
+                                void* stream);
+
+// The most chunks per CTA the cluster kernel takes at rows_per_cta (0: not a size it takes).
+int lut_gemv_2x8_cluster_max_chunks(int rows_per_cta);
+
+// Dynamic shared memory of one CTA of the cluster kernel, in bytes (at most two table units).
+int lut_gemv_2x8_cluster_shared_bytes(int entry_bits, int chunks_per_cta);
 
 }  // namespace aqflow

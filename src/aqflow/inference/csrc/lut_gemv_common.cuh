@@ -1,0 +1,157 @@
+// Device pieces shared by the two 2x8 lookup-table GEMVs (lut_gemv.cu: split-K through a global
+// workspace; lut_gemv_cluster.cu: split-K inside a thread-block cluster): the tensor-core table build
+// and its bank-conflict-free layout, the inputs it needs, the output's epilogue.
+//
+// A table unit is 256 lines of 32 banks (kTableBytes). Chunk c's table (16 groups x 2 codebooks x 256
+// codewords) puts entry (j, m, k) in line k, bank 2j + m: a warp's 32 look-ups at 32 different (group,
+// codebook) pairs hit 32 different banks whatever the codes. fp32 entries: one chunk per unit; fp16
+// entries: two chunks per unit (low half: the even chunk, high half: the odd one).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "lut_gemv.h"
+
+namespace aqflow {
+namespace lut_detail {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kGroupsPerChunk = kLutGroupsPerChunk;
+constexpr int kCodewords = 256;
+constexpr int kTableBytes = kCodewords * 32 * 4;  // one table unit: 256 lines x 32 banks x 4 bytes
+
+template <typename Scalar>
+struct ScalarOps;
+
+template <>
+struct ScalarOps<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+  // d = A(16x8) * B(8x8): a_lo holds row gid, a_hi row gid + 8 (inputs 2tq, 2tq+1); b inputs 2tq, 2tq+1 of column gid
+  static __device__ __forceinline__ void mma(float (&d)[4], uint32_t a_lo, uint32_t a_hi, uint32_t b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+        "{%7, %7, %7, %7};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a_lo), "r"(a_hi), "r"(b), "f"(0.0f));
+  }
+};
+
+template <>
+struct ScalarOps<__half> {
+  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+  static __device__ __forceinline__ void mma(float (&d)[4], uint32_t a_lo, uint32_t a_hi, uint32_t b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+        "{%7, %7, %7, %7};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a_lo), "r"(a_hi), "r"(b), "f"(0.0f));
+  }
+};
+
+// Inputs 2tq, 2tq+1 of group g for token t (zero past the CTA's groups or the tokens given).
+template <typename Scalar>
+__device__ __forceinline__ uint32_t input_pair(const LutGemvParams& p, int t, int g, int tq, int g_end) {
+  if (t >= p.tokens || g >= g_end) return 0u;
+  const Scalar* x = static_cast<const Scalar*>(p.x) + static_cast<size_t>(t) * p.x_stride + g * 8 + 2 * tq;
+  return *reinterpret_cast<const uint32_t*>(x);
+}
+
+// The A fragments of one table unit's products: rows gid and gid + 8 of the m16n8k8 A tile are groups
+// 2gid and 2gid + 1 of a chunk, so that a lane's four results (groups 2gid, 2gid+1 x codebooks 0, 1 of
+// one codeword) are four consecutive words of a line. second_*: the unit's odd chunk (fp16 entries).
+struct InputFragments {
+  uint32_t first_lo, first_hi, second_lo, second_hi;
+};
+
+template <typename Scalar, bool kHalfEntries>
+__device__ __forceinline__ InputFragments input_fragments(const LutGemvParams& p, int t, int g0, int g_end) {
+  const int lane = threadIdx.x & 31;
+  const int gid = lane >> 2, tq = lane & 3;
+  InputFragments a{};
+  a.first_lo = input_pair<Scalar>(p, t, g0 + 2 * gid, tq, g_end);
+  a.first_hi = input_pair<Scalar>(p, t, g0 + 2 * gid + 1, tq, g_end);
+  if (kHalfEntries) {
+    a.second_lo = input_pair<Scalar>(p, t, g0 + kGroupsPerChunk + 2 * gid, tq, g_end);
+    a.second_hi = input_pair<Scalar>(p, t, g0 + kGroupsPerChunk + 2 * gid + 1, tq, g_end);
+  }
+  return a;
+}
+
+// The B fragments: columns n = gid are codebook n & 1, codeword k0 + (n >> 1); warp w owns the 8 quads
+// of codewords 4 (w + 8q) .. +3, q < 8. codebooks: [2, 256, 8] of one matrix.
+template <typename Scalar>
+__device__ __forceinline__ void load_codebook_fragments(const Scalar* codebooks, uint32_t (&b)[8]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gid = lane >> 2, tq = lane & 3;
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(codebooks);
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    const int k = 4 * (warp + kWarps * q) + (gid >> 1);
+    b[q] = __ldg(words + (((gid & 1) * kCodewords + k) * 8 + 2 * tq) / 2);
+  }
+}
+
+__device__ __forceinline__ uint32_t pack_halves(float low, float high) {
+  __half2 h = __floats2half2_rn(low, high);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// Writes one table unit (kTableBytes at `unit`) from the token's A fragments and the codebooks' B fragments.
+template <typename Scalar, bool kHalfEntries>
+__device__ __forceinline__ void store_table_unit(const uint32_t (&b)[8], const InputFragments& a, unsigned char* unit) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gid = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    const int line = 4 * (warp + kWarps * q) + tq;
+    float d0[4];
+    ScalarOps<Scalar>::mma(d0, a.first_lo, a.first_hi, b[q]);
+    uint32_t word[4];
+    if (kHalfEntries) {
+      float d1[4];
+      ScalarOps<Scalar>::mma(d1, a.second_lo, a.second_hi, b[q]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) word[e] = pack_halves(d0[e], d1[e]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) word[e] = __float_as_uint(d0[e]);
+    }
+    // The four words go to banks 4gid..4gid+3 of line k0 + tq: stored as one 16-byte vector, the 4 lanes
+    // of a gid (4 lines, same banks) would conflict 4-way; as 4 word stores with the lane's words
+    // rotated by tq, each store covers the 32 banks once. word[(e + tq) & 3] through two select stages.
+    uint32_t rotated[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) rotated[e] = (tq & 1) ? word[(e + 1) & 3] : word[e];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) word[e] = (tq & 2) ? rotated[(e + 2) & 3] : rotated[e];
+    uint32_t* quad = reinterpret_cast<uint32_t*>(unit) + line * 32 + 4 * gid;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) quad[(e + tq) & 3] = word[e];
+  }
+}
+
+// One table entry of a look-up: `entry` points at the word of (code, bank); fp16 units hold the even
+// chunk in the low half (offset 0) and the odd one in the high half (the caller adds 2 bytes).
+template <bool kHalfEntries>
+__device__ __forceinline__ float table_entry(const unsigned char* entry) {
+  if (kHalfEntries) return __half2float(*reinterpret_cast<const __half*>(entry));
+  return *reinterpret_cast<const float*>(entry);
+}
+
+// y = sum * scale (+ bias), cast to the output's type.
+template <typename Scalar>
+__device__ __forceinline__ void store_output(const LutGemvParams& p, int t, int row, float sum) {
+  float y = sum * ScalarOps<Scalar>::to_float(static_cast<const Scalar*>(p.scales)[row]);
+  if (p.bias != nullptr) y += ScalarOps<Scalar>::to_float(static_cast<const Scalar*>(p.bias)[row]);
+  static_cast<Scalar*>(p.out)[static_cast<size_t>(t) * p.out_stride + row] = ScalarOps<Scalar>::from_float(y);
+}
+
+}  // namespace lut_detail
+}  // namespace aqflow
