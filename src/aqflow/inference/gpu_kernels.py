@@ -504,15 +504,60 @@ def time_config(x: torch.Tensor, packed: PackedWeights, config: KernelConfig) ->
     return median_seconds(lambda: _launch(x, packed, config, out))
 
 
+def code_copies(packed: PackedWeights, copies: int) -> list[PackedWeights]:
+    """packed and copies - 1 others with their own code tensors (codebooks, scales shared): as many weight
+    sets as layers, so that a graph of launches reads codes from memory, not from L2."""
+    return [packed] + [replace(packed, codes=packed.codes.clone()) for _ in range(copies - 1)]
+
+
+def graph_seconds(x: torch.Tensor, packs: Sequence[PackedWeights], config: KernelConfig, replays: int = 10) -> float:
+    """Seconds per launch of a CUDA graph of one launch per weight set, back to back: the way a decode
+    step replays them (no host launch, no L2 flush between launches, the next weights not in L2)."""
+    outs = [torch.empty(x.shape[0], p.rows, dtype=x.dtype, device=x.device) for p in packs]
+    side = torch.cuda.Stream(x.device)
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side):  # warm-up off the capture: attributes, workspace, JIT
+        for p, out in zip(packs, outs):
+            _launch(x, p, config, out)
+    torch.cuda.current_stream(x.device).wait_stream(side)
+    torch.cuda.synchronize(x.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for p, out in zip(packs, outs):
+            _launch(x, p, config, out)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize(x.device)
+    return start.elapsed_time(end) / 1e3 / (replays * len(packs))
+
+
+def graph_copies(packed: PackedWeights, l2_bytes: int) -> int:
+    """How many weight sets a graph timing needs so that their codes are twice the L2 (2..28)."""
+    return max(2, min(28, math.ceil(2 * l2_bytes / max(packed.code_bytes(), 1))))
+
+
 def tune(packed: PackedWeights, tokens: int = 1, *, configs: Sequence[KernelConfig] | None = None,
          check: bool = True, rtol: float = 2e-2, log=None,
-         deadline: float | None = None) -> list[tuple[KernelConfig, float | None, str]]:
+         deadline: float | None = None, timing: str = "launch") -> list[tuple[KernelConfig, float | None, str]]:
     """Times each candidate configuration on random inputs (after checking it against the dense
     reference, when check) and records the fastest for this shape. Returns (config, seconds or None,
     note) for every candidate; a candidate that fails or is wrong is skipped, not fatal; past deadline
-    (a time.perf_counter() value) the remaining candidates are skipped."""
-
+    (a time.perf_counter() value) the remaining candidates are skipped. timing: 'launch' (do_bench of
+    one launch, L2 flushed) or 'graph' (graph_seconds over enough code copies to pass the L2: what a
+    decode step sees; CUDA only)."""
+    if timing not in ("launch", "graph"):
+        raise ValueError(f"timing must be 'launch' or 'graph', got {timing!r}")
     device = packed.codes.device
+    packs = None
+    if timing == "graph":
+        if device.type != "cuda":
+            raise ValueError("graph timing needs the weights on a CUDA device")
+        l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+        packs = code_copies(packed, graph_copies(packed, l2_bytes))
     generator = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, packed.in_features, device=device, dtype=packed.codebooks.dtype, generator=generator)
     reference = None
@@ -532,7 +577,7 @@ def tune(packed: PackedWeights, tokens: int = 1, *, configs: Sequence[KernelConf
                 if not error <= rtol:
                     results.append((config, None, f"rel. error {error:.2e} > {rtol}"))
                     continue
-            seconds = time_config(x, packed, config)
+            seconds = time_config(x, packed, config) if packs is None else graph_seconds(x, packs, config)
             results.append((config, seconds, ""))
         except Exception as failure:  # noqa: BLE001 - one bad candidate must not stop tuning
             results.append((config, None, f"{type(failure).__name__}: {str(failure)[:200]}"))
