@@ -13,13 +13,16 @@ Mistral, Qwen2) one matrix product each: fewer kernels per token, for dense and 
 
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Collection, Sequence
 
 import torch
 
 from aqflow.inference.layout import QuantizedWeights
+
+FAST_ATTENTION = "aqflow_decode"  # decode_attention.IMPLEMENTATION (that module needs Triton: imported on use)
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class DecodeTimings:
     # with profile=True: (kernel name, GPU microseconds) of one decode step as timed (a graph replay)
     step_kernels: tuple[tuple[str, float], ...] = ()
     compile_error: str | None = None
+    attention: str = "model's own"  # or FAST_ATTENTION: decode_attention's one-token kernels decoded
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -111,7 +115,7 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
                   graphs: bool | None = None, on_token: Callable[[int], None] | None = None,
                   compile: bool | None = None, fuse: bool | None = None,
                   stop_tokens: Collection[int] | None = None, warmup_steps: int = 2,
-                  profile: bool = False) -> tuple[torch.Tensor, DecodeTimings]:
+                  profile: bool = False, fast_attention: bool | None = None) -> tuple[torch.Tensor, DecodeTimings]:
     """Greedy decoding of new_tokens tokens after input_ids [1, P] with a static KV cache.
 
     graphs: capture the decode step as a CUDA graph (default: on CUDA). compile: torch.compile the
@@ -122,7 +126,28 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     first of these (also a sync per token). profile: record the kernels of one (untimed) graphed step in
     timings.step_kernels. Returns (tokens [n] int64 on the CPU, timings), n <= new_tokens. A CUDA graph
     capture that fails falls back to eager steps (timings.mode says which ran).
+    fast_attention: while decoding, a model on SDPA attends for the one new token through
+    `decode_attention` (two Triton kernels a layer instead of SDPA's five; default: on CUDA); its
+    prefill still goes through SDPA. timings.attention says which ran.
     """
+    device = model_device(model)
+    switch = contextlib.nullcontext(False)
+    if device.type == "cuda" if fast_attention is None else fast_attention:
+        from aqflow.inference.decode_attention import decode_attention_enabled  # Triton: imported where used
+
+        switch = decode_attention_enabled(model)
+    with switch as switched:
+        tokens, timings = _greedy_decode(model, input_ids, new_tokens, graphs=graphs, on_token=on_token,
+                                         compile=compile, fuse=fuse, stop_tokens=stop_tokens,
+                                         warmup_steps=warmup_steps, profile=profile)
+    return tokens, replace(timings, attention=FAST_ATTENTION if switched else "model's own")
+
+
+def _greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, *, graphs: bool | None,
+                   on_token: Callable[[int], None] | None, compile: bool | None, fuse: bool | None,
+                   stop_tokens: Collection[int] | None, warmup_steps: int,
+                   profile: bool) -> tuple[torch.Tensor, DecodeTimings]:
+    """greedy_decode with the model's attention as it is set."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids {tuple(input_ids.shape)}: expected [1, prompt_tokens] (batch 1)")
     if new_tokens < 1:

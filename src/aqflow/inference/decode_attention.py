@@ -1,0 +1,211 @@
+"""Attention for one new token on CUDA in two Triton kernels, for the decode harness (bf16 and 2-bit alike).
+
+Why: in a compiled, graphed Llama-3.2-3B decode step on an H200, transformers' SDPA path costs five
+kernels a layer (~13 us: cuDNN's flash kernel ~7.8 us plus four inductor kernels that expand the mask
+and repeat the key/value heads for grouped-query attention), about a fifth of the whole step. One new
+token against a static cache needs neither: each key/value head is read once for its group of query
+heads.
+
+- `decode_attention(query [H, D], key [Hkv, L, D], value [Hkv, L, D], valid [L] bool or None, scale)`
+  -> [H, D]: split-L ("flash decoding"): program (kv head, split) takes BLOCK_L cache positions and
+  all query heads of its group (scores and weighted values through tensor cores in tf32, fp32
+  accumulation: the bf16 products are exact, the probabilities rounded to 10 bits where flash attention
+  rounds them to bf16's 7), writing its running max, sum and partial output; a second kernel combines
+  the splits per query head.
+- `attention_forward`: a transformers attention function (the `AttentionInterface` signature) that
+  takes that path for one query token at batch 1 with a boolean mask (or none), and hands everything
+  else (prefill, dropout, soft-capping, sliding windows, other masks) to transformers' own SDPA path.
+- `decode_attention_enabled(model)`: a context manager that registers it (name IMPLEMENTATION, with
+  SDPA's mask) and switches the model to it while decoding, when the model uses SDPA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+import triton
+import triton.language as tl
+
+from aqflow.inference.decode import FAST_ATTENTION as IMPLEMENTATION  # the name decode's timings report
+
+BLOCK_L = 64  # cache positions per program
+
+
+@triton.jit
+def _attention_split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, max_ptr, sum_ptr, part_ptr,
+                  length, splits, scale, stride_qh, stride_kh, stride_kl, stride_vh, stride_vl,
+                  GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                  HAS_VALID: tl.constexpr):
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
+    g = tl.arange(0, GROUP_P)
+    d = tl.arange(0, D)
+    pos = split * BLOCK + tl.arange(0, BLOCK)
+    head_ok = g < GROUP
+    in_range = pos < length
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
+    k = tl.load(k_ptr + kv_head * stride_kh + pos[:, None] * stride_kl + d[None, :], mask=in_range[:, None],
+                other=0.0)
+    # fp32 operands: tf32 products of bf16/fp16 values are exact on tensor cores (and Triton's interpreter,
+    # which the CPU tests use, mis-multiplies bf16 operands)
+    scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale  # [GROUP_P, BLOCK]
+    valid = in_range
+    if HAS_VALID:
+        valid = valid & (tl.load(valid_ptr + pos, mask=in_range, other=0) != 0)
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    top = tl.max(scores, axis=1)  # [GROUP_P]; -inf where the split has no valid position
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    p = tl.exp(scores - top_safe[:, None])
+    total = tl.sum(p, axis=1)
+    v = tl.load(v_ptr + kv_head * stride_vh + pos[:, None] * stride_vl + d[None, :], mask=in_range[:, None],
+                other=0.0)
+    part = tl.dot(p, v.to(tl.float32))  # [GROUP_P, D]; p rounded to tf32 (10 bits) on tensor cores
+    slot = heads * splits + split
+    tl.store(max_ptr + slot, top, mask=head_ok)
+    tl.store(sum_ptr + slot, total, mask=head_ok)
+    tl.store(part_ptr + slot[:, None] * D + d[None, :], part, mask=head_ok[:, None])
+
+
+@triton.jit
+def _attention_combine_kernel(max_ptr, sum_ptr, part_ptr, out_ptr, splits, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    head = tl.program_id(0)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    ok = s < splits
+    tops = tl.load(max_ptr + head * splits + s, mask=ok, other=float("-inf"))
+    top = tl.max(tops, axis=0)
+    weight = tl.where(tops == float("-inf"), 0.0, tl.exp(tops - top))
+    total = tl.sum(weight * tl.load(sum_ptr + head * splits + s, mask=ok, other=0.0), axis=0)
+    parts = tl.load(part_ptr + (head * splits + s)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    out = tl.sum(weight[:, None] * parts, axis=0) / total
+    tl.store(out_ptr + head * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None) -> None:
+    heads, dim = query.shape
+    kv_heads, length, kv_dim = key.shape
+    if value.shape != key.shape or kv_dim != dim or heads % kv_heads:
+        raise ValueError(f"decode_attention: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                         f"{tuple(value.shape)}: expected [H, D], [Hkv, L, D] twice, H a multiple of Hkv")
+    if dim & (dim - 1) or dim < 16:
+        raise ValueError(f"decode_attention: head dim {dim} must be a power of two >= 16")
+    if valid is not None and (valid.dtype != torch.bool or valid.shape != (length,)):
+        raise ValueError(f"decode_attention: valid must be bool [{length}], got {valid.dtype} {tuple(valid.shape)}")
+
+
+@torch.library.custom_op("aqflow::decode_attention", mutates_args=())
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None,
+                     scale: float) -> torch.Tensor:
+    """query [H, D] (one token), key/value [Hkv, L, D] (unit stride along D), valid [L] bool or None
+    (every position) -> [H, D] in query's dtype: softmax(scale q k^T over valid positions) v per head,
+    query head h reading key/value head h // (H / Hkv)."""
+    _check(query, key, value, valid)
+    heads, dim = query.shape
+    kv_heads, length, _ = key.shape
+    group = heads // kv_heads
+    splits = triton.cdiv(length, BLOCK_L)
+    stats = torch.empty(2, heads * splits, dtype=torch.float32, device=query.device)
+    parts = torch.empty(heads * splits, dim, dtype=torch.float32, device=query.device)
+    out = torch.empty(heads, dim, dtype=query.dtype, device=query.device)
+    query = query if query.stride(1) == 1 else query.contiguous()
+    _attention_split_kernel[(kv_heads, splits)](
+        query, key, value, valid if valid is not None else stats, stats[0], stats[1], parts,
+        length, splits, scale, query.stride(0), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=dim, BLOCK=BLOCK_L,
+        HAS_VALID=valid is not None, num_warps=4)
+    _attention_combine_kernel[(heads,)](stats[0], stats[1], parts, out, splits, D=dim,
+                              BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4)
+    return out
+
+
+@decode_attention.register_fake
+def _(query, key, value, valid, scale):
+    return torch.empty_like(query)
+
+
+def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None,
+                        scale: float) -> torch.Tensor:
+    """decode_attention in float64 torch ops: [H, D]."""
+    group = query.shape[0] // key.shape[0]
+    k = key.double().repeat_interleave(group, dim=0)  # [H, L, D]
+    v = value.double().repeat_interleave(group, dim=0)
+    scores = torch.einsum("hd,hld->hl", query.double(), k) * scale
+    if valid is not None:
+        scores = scores.masked_fill(~valid[None, :], float("-inf"))
+    return torch.einsum("hl,hld->hd", scores.softmax(dim=-1), v)
+
+
+def _kernels_run_here(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _decodable(query, key, attention_mask, dropout, kwargs) -> bool:
+    """One query token, batch 1, where the kernels run, a bool [1, 1, 1, L] mask or none, and nothing the
+    kernels do not do (dropout, soft-capping, sliding windows, sinks)."""
+    if query.shape[0] != 1 or query.shape[2] != 1 or dropout or not _kernels_run_here(query):
+        return False
+    if any(kwargs.get(name) is not None for name in ("softcap", "sliding_window", "s_aux")):
+        return False
+    if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.shape[-1] != key.shape[2]
+                                       or attention_mask.numel() != key.shape[2]):
+        return False
+    head_dim = query.shape[-1]
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and query.shape[1] % key.shape[1] == 0
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query [B, H, q, D], key/value [B, Hkv, L, D] ->
+    ([B, q, H, D], None). One token at batch 1 goes through decode_attention, the rest through SDPA."""
+    if not _decodable(query, key, attention_mask, dropout, kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    valid = None if attention_mask is None else attention_mask.reshape(-1)
+    out = decode_attention(query[0, :, 0, :], key[0], value[0], valid, float(scale))
+    return out.view(1, 1, *out.shape), None
+
+
+def register() -> None:
+    """Registers IMPLEMENTATION with transformers (attention function, and SDPA's mask for it); idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(IMPLEMENTATION, attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, sdpa_mask)
+
+
+@contextlib.contextmanager
+def decode_attention_enabled(model: torch.nn.Module, enabled: bool = True) -> Iterator[bool]:
+    """Within the block the model (and its sub-configs) use IMPLEMENTATION instead of SDPA; yields whether
+    it switched (not for models on other attention implementations, or when not enabled)."""
+    configs = [c for c in _configs(model) if getattr(c, "_attn_implementation", None) == "sdpa"]
+    if not enabled or not configs:
+        yield False
+        return
+    register()
+    for config in configs:
+        config._attn_implementation = IMPLEMENTATION
+    try:
+        yield True
+    finally:
+        for config in configs:
+            config._attn_implementation = "sdpa"
+
+
+def _configs(model: torch.nn.Module) -> list:
+    """The model's config and every distinct config of its submodules (the attention layers read their own)."""
+    seen, configs = set(), []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in seen:
+            seen.add(id(config))
+            configs.append(config)
+    return configs

@@ -1,0 +1,73 @@
+"""The one-token attention kernels (run here by Triton's interpreter): equal to float64 attention with
+grouped heads, ragged splits and masked positions, and a decode through them gives SDPA's logits."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from aqflow.inference import decode_attention as decode_attention_module
+from aqflow.inference.decode import FAST_ATTENTION, greedy_decode, new_static_cache, step_logits
+from aqflow.inference.decode_attention import (BLOCK_L, decode_attention, decode_attention_enabled,
+                                               reference_attention)
+
+
+def test_decode_attention_equals_float64_reference():
+    """6 query heads on 2 key/value heads (groups of 3, padded to 16 in the kernel), 150 positions
+    (3 splits, the last ragged), a hole and an unfilled tail masked, and no mask at all."""
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, length, dim = 6, 2, 150, 32
+    assert length % BLOCK_L and length > 2 * BLOCK_L
+    query = torch.randn(heads, dim, generator=generator).to(torch.bfloat16)
+    key = torch.randn(kv_heads, length, dim, generator=generator).to(torch.bfloat16)
+    value = torch.randn(kv_heads, length, dim, generator=generator).to(torch.bfloat16)
+    valid = torch.ones(length, dtype=torch.bool)
+    valid[10:20] = False
+    valid[100:] = False
+    for mask in (valid, None):
+        out = decode_attention(query, key, value, mask, dim ** -0.5)
+        expected = reference_attention(query, key, value, mask, dim ** -0.5)
+        assert out.dtype == torch.bfloat16 and out.shape == (heads, dim)
+        # bf16 output rounding (2^-9 of the value) and tf32 probabilities (2^-11 of the weights)
+        assert ((out.double() - expected).abs() <= 2 ** -8 * expected.abs() + 2 ** -10).all()
+    # masked positions do not count: changing their keys and values changes nothing
+    before = decode_attention(query, key, value, valid, dim ** -0.5)
+    for position in (15, 120):
+        key[:, position] = 100.0
+        value[:, position] = 100.0
+    assert torch.equal(decode_attention(query, key, value, valid, dim ** -0.5), before)
+
+
+def llama_head_dim_16(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).eval()
+
+
+@torch.inference_mode()
+def test_decode_step_through_the_kernels_gives_sdpa_logits(monkeypatch):
+    """After the same prefill, one step's logits through decode_attention equal SDPA's (each layer's
+    attention went through the kernels); the switch is undone afterwards; greedy_decode with it makes
+    SDPA's tokens and says which attention ran."""
+    calls = []
+    kernels = decode_attention_module.decode_attention
+    monkeypatch.setattr(decode_attention_module, "decode_attention",
+                        lambda *args: calls.append(args[0].shape) or kernels(*args))
+    model = llama_head_dim_16()
+    prompt = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for fast in (False, True):
+        cache = new_static_cache(model, 80)  # 80 slots: one split of 64 full, one mostly unfilled
+        model(input_ids=prompt, position_ids=torch.arange(9)[None], past_key_values=cache, use_cache=True)
+        with decode_attention_enabled(model, fast) as switched:
+            assert switched == fast
+            logits.append(step_logits(model, cache, torch.tensor([[5]]), torch.tensor([[9]])))
+    assert model.config._attn_implementation == "sdpa"
+    assert calls == [(4, 16)] * 2  # one token, 4 heads of 16, in each of the 2 layers; none in the prefill
+    assert torch.allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+    plain, plain_timings = greedy_decode(model, prompt, 6, fast_attention=False)
+    fast, fast_timings = greedy_decode(model, prompt, 6, fast_attention=True)
+    assert torch.equal(plain, fast)
+    assert (plain_timings.attention, fast_timings.attention) == ("model's own", FAST_ATTENTION)
