@@ -17,8 +17,9 @@ whole models, on all cores.
     of --repeats decodes): dense
     float32, dense bfloat16 (torch's GEMV, and every linear through numba's bf16 GEMV,
     cpu_kernels.bf16_matmul), 2x8 through FastQuantizedLinear (unquantized parts in bfloat16 with
-    the tied lm_head through numba's bf16 GEMV as runtime's fast path has it (float16 tables for its bf16
-    activations; the same with float32 tables), the same with torch's
+    the tied lm_head through numba's bf16 GEMV as runtime's fast path has it (for its bf16 activations
+    the tables timed faster, register_kernel.tables_for_16bit; the same with float32 and with float16
+    tables), the same with torch's
     lm_head, and float32 parts), and aqlm's own numba kernel (one thread: it races with more;
     float32, its only dtype) unless --no-aqlm-kernel; --variants picks some. Each in a fresh process: weight bytes as held and the process's
     peak RSS are its own. `cpu_decode_speedup_3b` = decode tokens/s of 2x8 with bf16 unquantized
@@ -272,10 +273,10 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
     if linears == "fast-gathers":  # before any FastQuantizedLinear asks whether the register kernel runs
         os.environ["AQFLOW_REGISTER_KERNEL"] = "0"
         linears = "fast"
-    if linears == "fast-f32-tables":  # bf16 activations through the float32 tables (the float16 ones are the default)
+    if linears in ("fast-f32-tables", "fast-f16-tables"):  # one kind of tables for the bf16 activations
         from aqflow.inference import register_kernel
 
-        register_kernel.table_dtype_for = lambda activations: "float32"
+        os.environ[register_kernel.TABLES_ENV] = "float32" if linears == "fast-f32-tables" else "float16"
         linears = "fast"
     dtype = getattr(torch, dtype_name)
     numba.set_num_threads(threads)  # numba's pool first: starting it can reset torch's count
@@ -326,8 +327,9 @@ DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears, bf16 line
     ("2x8 fast (bf16 rest)", "bfloat16", "fast", True, None),
     # the same without the AVX-512 register kernel (register_kernel): the numba gather kernels
     ("2x8 fast (bf16 rest, gather kernel)", "bfloat16", "fast-gathers", True, None),
-    # the register kernel with float32 tables (bf16 activations take float16 tables by default)
+    # the register kernel with one kind of tables (by default bf16 activations take whichever timed faster)
     ("2x8 fast (bf16 rest, float32 tables)", "bfloat16", "fast-f32-tables", True, None),
+    ("2x8 fast (bf16 rest, float16 tables)", "bfloat16", "fast-f16-tables", True, None),
     ("2x8 fast (bf16 rest, torch 1 thread)", "bfloat16", "fast", True, 1),
     ("2x8 fast (bf16 rest, torch lm_head)", "bfloat16", "fast", False, None),
     ("2x8 fast (fp32 rest)", "float32", "fast", False, None),

@@ -58,7 +58,7 @@ def test_decode_step_through_the_kernels_gives_sdpa_logits(monkeypatch):
     prompt = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(1))
     logits = []
     for fast in (False, True):
-        cache = new_static_cache(model, 80)  # 80 slots: one split of 64 full, one mostly unfilled
+        cache = new_static_cache(model, 80)  # 80 slots: the 9 filled in the first split, two splits unfilled
         model(input_ids=prompt, position_ids=torch.arange(9)[None], past_key_values=cache, use_cache=True)
         with decode_attention_enabled(model, fast) as switched:
             assert switched == fast

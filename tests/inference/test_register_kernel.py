@@ -46,10 +46,11 @@ def test_the_register_product_is_the_layer_within_float32_rounding(tokens):
 
 
 @needs_kernel
-def test_16_bit_activations_take_float16_tables_within_their_rounding_bound():
-    """bfloat16 activations: each table entry rounded to float16 (relative error <= 2^-11), so each
-    output is within 2^-11 of the sum of its entries' magnitudes of the exact product, and closer
-    to it than the dense bfloat16 layer; float32 activations keep the float32 tables."""
+def test_16_bit_activations_take_float16_tables_within_their_rounding_bound(monkeypatch):
+    """bfloat16 activations with float16 tables: each table entry rounded to float16 (relative error
+    <= 2^-11), so each output is within 2^-11 of the sum of its entries' magnitudes of the exact
+    product, and closer to it than the dense bfloat16 layer; float32 activations keep the float32 tables."""
+    monkeypatch.setenv(register_kernel.TABLES_ENV, "float16")
     w = random_layer(out_features=9 * 64, in_features=512)
     x = torch.randn(1, w.in_features, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     assert register_kernel.table_dtype_for(torch.bfloat16) == "float16"
@@ -71,6 +72,35 @@ def test_16_bit_activations_take_float16_tables_within_their_rounding_bound():
     # closer to the exact product than the dense bfloat16 layer it stands for (~10x on this layer)
     dense = torch.nn.functional.linear(x, dense_weight(w).to(torch.bfloat16), w.bias.to(torch.bfloat16))[0].double()
     assert (half - exact).abs().max() <= (dense - exact).abs().max() / 4
+
+
+@needs_kernel
+def test_16_bit_activations_take_the_tables_timed_faster_or_the_ones_asked_for(monkeypatch):
+    """AQFLOW_CPU_TABLES=auto: the first product at a thread count times both kinds and keeps the faster
+    for every later one (the outputs are that kind's); float16 / float32 force one; anything else is an
+    error naming the variable. float32 activations never consult it."""
+    w = random_layer(out_features=9 * 64, in_features=512)
+    x = torch.randn(1, w.in_features, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    operands = register_kernel.register_operands(register_kernel.column_tiles(w.codes), w.codebooks, w.scales, w.bias)
+    flat = x.float().numpy()
+    by_kind = {kind: torch.from_numpy(register_kernel.register_matmul(flat, operands, 2, kind))
+               for kind in ("float16", "float32")}
+    assert not torch.equal(by_kind["float16"], by_kind["float32"])
+    monkeypatch.setattr(register_kernel, "_fastest_tables", {})
+    monkeypatch.setenv(register_kernel.TABLES_ENV, "auto")
+    first = register_kernel.product_with_operands(x, operands, threads=2)
+    chosen = register_kernel._fastest_tables[2]
+    assert torch.equal(first, by_kind[chosen])
+    register_kernel._fastest_tables[2] = "float32" if chosen == "float16" else "float16"  # kept, not re-timed
+    assert torch.equal(register_kernel.product_with_operands(x, operands, threads=2),
+                       by_kind[register_kernel._fastest_tables[2]])
+    for kind in ("float16", "float32"):
+        monkeypatch.setenv(register_kernel.TABLES_ENV, kind)
+        assert torch.equal(register_kernel.product_with_operands(x, operands, threads=2), by_kind[kind])
+    monkeypatch.setenv(register_kernel.TABLES_ENV, "float8")
+    with pytest.raises(ValueError, match="AQFLOW_CPU_TABLES"):
+        register_kernel.product_with_operands(x, operands, threads=2)
+    register_kernel.product_with_operands(x.float(), operands, threads=2)  # float32 tables, no question asked
 
 
 @needs_kernel

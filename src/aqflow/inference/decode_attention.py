@@ -31,7 +31,7 @@ import triton.language as tl
 
 from aqflow.inference.decode import FAST_ATTENTION as IMPLEMENTATION  # the name decode's timings report
 
-BLOCK_L = 64  # cache positions per program
+BLOCK_L = 32  # cache positions per program: more programs, each one short round trip
 
 
 @triton.jit
@@ -50,6 +50,9 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, max_ptr, sum_ptr, pa
     q = tl.load(q_ptr + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
     k = tl.load(k_ptr + kv_head * stride_kh + pos[:, None] * stride_kl + d[None, :], mask=in_range[:, None],
                 other=0.0)
+    # requested before the scores need k: both loads in flight at once (a program is one round trip)
+    v = tl.load(v_ptr + kv_head * stride_vh + pos[:, None] * stride_vl + d[None, :], mask=in_range[:, None],
+                other=0.0)
     # fp32 operands: tf32 products of bf16/fp16 values are exact on tensor cores (and Triton's interpreter,
     # which the CPU tests use, mis-multiplies bf16 operands)
     scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale  # [GROUP_P, BLOCK]
@@ -61,8 +64,6 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, max_ptr, sum_ptr, pa
     top_safe = tl.where(top == float("-inf"), 0.0, top)
     p = tl.exp(scores - top_safe[:, None])
     total = tl.sum(p, axis=1)
-    v = tl.load(v_ptr + kv_head * stride_vh + pos[:, None] * stride_vl + d[None, :], mask=in_range[:, None],
-                other=0.0)
     part = tl.dot(p, v.to(tl.float32))  # [GROUP_P, D]; p rounded to tf32 (10 bits) on tensor cores
     slot = heads * splits + split
     tl.store(max_ptr + slot, top, mask=head_ok)

@@ -9,7 +9,8 @@ float32 activations the tables are float32 and the outputs equal the gather kern
 rounding (the order of the additions, the rounding of the table entries). For bfloat16/float16
 activations, whose outputs are rounded to 16 bits, the tables are float16 (8 registers, half the
 permutes per code): each entry rounded by at most 2^-11, far less than the dense 16-bit layer's
-own rounding (`table_dtype_for`). On the 16 cores of the GPU host's Xeon a Llama-3.2-3B decode is
+own rounding (`table_dtype_for`), unless float32 tables time faster on the machine
+(`tables_for_16bit`, AQFLOW_CPU_TABLES). On the 16 cores of the GPU host's Xeon a Llama-3.2-3B decode is
 1.4x the gathers' and 1.5x dense bf16's (benchmarks/results/README.md, "The register kernel on the
 GPU host's 16 cores").
 
@@ -31,6 +32,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -257,16 +259,50 @@ def register_matmul(x: np.ndarray, operands: RegisterOperands, threads: int | No
 
 
 def table_dtype_for(activations: torch.dtype) -> str:
-    """The tables' dtype for activations of this dtype: float16 tables for 16-bit activations (the
+    """The tables' dtype activations of this dtype may take: float16 for 16-bit activations (the
     entries' rounding, <= 2^-11 relative, is below that of the 16-bit outputs), float32 otherwise."""
     return "float16" if activations in (torch.bfloat16, torch.float16) else "float32"
 
 
+TABLES_ENV = "AQFLOW_CPU_TABLES"  # for 16-bit activations: auto (default), float16 or float32
+_fastest_tables: dict[int, str] = {}  # thread count -> the table dtype timed fastest in this process
+
+
+def tables_for_16bit(x: np.ndarray, operands: RegisterOperands, threads: int | None) -> str:
+    """The tables for a product whose activations are 16-bit, where both kinds are accurate enough:
+    $AQFLOW_CPU_TABLES if it names one, else ('auto') whichever was faster on the first such product at
+    this thread count (each kind warmed once, then the best of three calls). Why measure: float16
+    tables halve the permutes and won on a 2-core EPYC (2.24x against 1.67-1.81x dense bf16's speed),
+    while on a 16-core Xeon float32 ones decoded faster (17.4 against 16.1 tokens/s)."""
+    wanted = os.environ.get(TABLES_ENV, "auto")
+    if wanted in ("float16", "float32"):
+        return wanted
+    if wanted != "auto":
+        raise ValueError(f"{TABLES_ENV}={wanted!r}: expected auto, float16 or float32")
+    key = threads if threads is not None else numba.get_num_threads()
+    if key not in _fastest_tables:
+        seconds = {}
+        for dtype in ("float16", "float32"):
+            register_matmul(x, operands, threads, dtype)  # warm: scratch, caches
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                register_matmul(x, operands, threads, dtype)
+                times.append(time.perf_counter() - start)
+            seconds[dtype] = min(times)
+        _fastest_tables[key] = min(seconds, key=seconds.get)
+    return _fastest_tables[key]
+
+
 def product_with_operands(x: torch.Tensor, operands: RegisterOperands, threads: int | None = None) -> torch.Tensor:
-    """x [T, in] in any float dtype -> [T, out] float32 through the register kernel, with tables of
-    table_dtype_for(x.dtype). threads: as register_matmul."""
+    """x [T, in] in any float dtype -> [T, out] float32 through the register kernel, with float32 tables
+    for float32 activations and tables_for_16bit's for 16-bit ones (table_dtype_for says which may
+    take float16). threads: as register_matmul."""
     flat = np.ascontiguousarray(x.detach().to(torch.float32).numpy())
-    return torch.from_numpy(register_matmul(flat, operands, threads, table_dtype_for(x.dtype)))
+    dtype = table_dtype_for(x.dtype)
+    if dtype == "float16":
+        dtype = tables_for_16bit(flat, operands, threads)
+    return torch.from_numpy(register_matmul(flat, operands, threads, dtype))
 
 
 def register_product(x: torch.Tensor, tiles: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
