@@ -11,8 +11,7 @@ activations, whose outputs are rounded to 16 bits, the tables are float16 (8 reg
 permutes per code): each entry rounded by at most 2^-11, far less than the dense 16-bit layer's
 own rounding (`table_dtype_for`), unless float32 tables time faster on the machine
 (`tables_for_16bit`, AQFLOW_CPU_TABLES). On the 16 cores of the GPU host's Xeon a Llama-3.2-3B decode is
-1.4x the gathers' and 1.5x dense bf16's (benchmarks/results/README.md, "The register kernel on the
-GPU host's 16 cores").
+1.44-1.90x dense bf16's (benchmarks/results/README.md, "Float16 tables on the GPU host's 16 cores").
 
 The C file is compiled on first use with the system C compiler (`$CC`, else `cc`) into
 `$AQFLOW_KERNEL_CACHE` (default `~/.cache/aqflow/kernels`), once per source and flags, and called

@@ -60,11 +60,12 @@ def load_for_decoding(model_dir: str | os.PathLike, device: str, dtype: str = "a
 
 def decode_options(path: str) -> dict:
     """greedy_decode's keyword arguments for decoding through `path`. fast: the device's defaults (on
-    CUDA fused projections, the step compiled and replayed as a CUDA graph); plain: eager steps and
-    the projections as transformers loaded them (greedy_decode would fuse them on CUDA otherwise)."""
+    CUDA fused projections, one-token attention kernels, the step compiled and replayed as a CUDA
+    graph); plain: eager steps, the projections and the attention as transformers loaded them
+    (greedy_decode would change both on CUDA otherwise)."""
     if path not in PATHS:
         raise ValueError(f"path {path!r}: expected one of {PATHS}")
-    return {} if path == "fast" else {"graphs": False, "fuse": False}
+    return {} if path == "fast" else {"graphs": False, "fuse": False, "fast_attention": False}
 
 
 def decoding_context(model_dir: str | os.PathLike, device: str, path: str) -> ContextManager:
