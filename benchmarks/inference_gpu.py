@@ -219,20 +219,12 @@ def dense_graph_seconds(x: torch.Tensor, dense: torch.Tensor, replays: int = 10)
     l2_bytes = torch.cuda.get_device_properties(x.device).L2_cache_size
     copies = max(2, min(28, -(-2 * l2_bytes // (dense.numel() * dense.element_size()))))
     weights = [dense] + [dense.clone() for _ in range(copies - 1)]
-    torch.nn.functional.linear(x, dense)
-    torch.cuda.synchronize(x.device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def launch_all() -> None:
         for w in weights:
             torch.nn.functional.linear(x, w)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize(x.device)
-    return start.elapsed_time(end) / 1e3 / (replays * copies)
+
+    return gk.graph_replay_seconds(launch_all, copies, x.device, replays)
 
 
 def kernel_error(packed: gk.PackedWeights, x: torch.Tensor, config: gk.KernelConfig) -> float:

@@ -53,57 +53,20 @@ def packed_copies(outs: list[int], in_features: int, copies: int, generator) -> 
             for _ in range(copies)]
 
 
-def graph_microseconds(x: torch.Tensor, packs: list[gk.PackedWeights], config: KernelConfig, replays: int) -> float:
-    """Microseconds per launch of a CUDA graph holding one launch per weight copy, back to back."""
-    outs = [torch.empty(1, p.rows, dtype=x.dtype, device=x.device) for p in packs]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for p, out in zip(packs, outs):  # warm: attributes, workspace
-            gk._launch(x, p, config, out)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for p, out in zip(packs, outs):
-            gk._launch(x, p, config, out)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(packs))
-
-
-def bf16_graph_microseconds(x: torch.Tensor, rows: int, copies: int, replays: int) -> float:
-    weights = [torch.randn(rows, x.shape[1], device=x.device, dtype=x.dtype) * 0.02 for _ in range(copies)]
-    graph = torch.cuda.CUDAGraph()
-    torch.nn.functional.linear(x, weights[0])
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            torch.nn.functional.linear(x, w)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * copies)
-
-
 def profile_shape(name: str, args, generator) -> dict:
     outs, in_features = linear_shapes(SHAPES[args.shape])[name]
     packs = packed_copies(outs, in_features, args.copies, generator)
     x = torch.randn(1, in_features, device="cuda", generator=generator).to(torch.bfloat16)
     reference = x.double() @ gk.packed_dense_weight(packs[0]).double().T
+    weights = [torch.randn(sum(outs), in_features, device="cuda", dtype=x.dtype) * 0.02 for _ in range(args.copies)]
+
+    def dense_all() -> None:
+        for w in weights:
+            torch.nn.functional.linear(x, w)
+
     row = {"out": sum(outs), "in": in_features, "code_bytes": packs[0].code_bytes(),
-           "bf16_graph_us": bf16_graph_microseconds(x, sum(outs), args.copies, args.replays), "candidates": []}
+           "bf16_graph_us": gk.graph_replay_seconds(dense_all, args.copies, x.device, args.replays) * 1e6,
+           "candidates": []}
     candidates = [c for c in cuda_kernels.candidate_configs(packs[0], 1, torch.cuda.get_device_properties(0).multi_processor_count)]
     for config in candidates:
         entry = {"config": config.label()}
@@ -114,7 +77,7 @@ def profile_shape(name: str, args, generator) -> dict:
             if not entry["rel_error"] <= 1e-2:
                 entry["note"] = "wrong"
             else:
-                entry["graph_us"] = graph_microseconds(x, packs, config, args.replays)
+                entry["graph_us"] = gk.graph_seconds(x, packs, config, args.replays) * 1e6
                 entry["do_bench_us"] = gk.time_config(x, packs[0], config) * 1e6
         except Exception as failure:  # noqa: BLE001 - one failing candidate is reported, not fatal
             entry["note"] = f"{type(failure).__name__}: {str(failure)[:160]}"

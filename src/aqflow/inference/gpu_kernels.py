@@ -34,7 +34,7 @@ import math
 import os
 import time
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import triton
@@ -510,29 +510,40 @@ def code_copies(packed: PackedWeights, copies: int) -> list[PackedWeights]:
     return [packed] + [replace(packed, codes=packed.codes.clone()) for _ in range(copies - 1)]
 
 
-def graph_seconds(x: torch.Tensor, packs: Sequence[PackedWeights], config: KernelConfig, replays: int = 10) -> float:
-    """Seconds per launch of a CUDA graph of one launch per weight set, back to back: the way a decode
-    step replays them (no host launch, no L2 flush between launches, the next weights not in L2)."""
-    outs = [torch.empty(x.shape[0], p.rows, dtype=x.dtype, device=x.device) for p in packs]
-    side = torch.cuda.Stream(x.device)
-    side.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(side):  # warm-up off the capture: attributes, workspace, JIT
-        for p, out in zip(packs, outs):
-            _launch(x, p, config, out)
-    torch.cuda.current_stream(x.device).wait_stream(side)
-    torch.cuda.synchronize(x.device)
+def graph_replay_seconds(launch_all: Callable[[], None], launches: int, device: torch.device,
+                         replays: int = 10) -> float:
+    """Seconds per launch of a CUDA graph recording launch_all() (which makes `launches` launches), replayed
+    `replays` times: launch_all runs once on a side stream first (warm-up off the capture: attributes,
+    workspaces, JIT)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        launch_all()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for p, out in zip(packs, outs):
-            _launch(x, p, config, out)
+        launch_all()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
         graph.replay()
     end.record()
-    torch.cuda.synchronize(x.device)
-    return start.elapsed_time(end) / 1e3 / (replays * len(packs))
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1e3 / (replays * launches)
+
+
+def graph_seconds(x: torch.Tensor, packs: Sequence[PackedWeights], config: KernelConfig, replays: int = 10) -> float:
+    """Seconds per launch of a CUDA graph of one launch per weight set, back to back: the way a decode
+    step replays them (no host launch, no L2 flush between launches, the next weights not in L2)."""
+    outs = [torch.empty(x.shape[0], p.rows, dtype=x.dtype, device=x.device) for p in packs]
+
+    def launch_all() -> None:
+        for p, out in zip(packs, outs):
+            _launch(x, p, config, out)
+
+    return graph_replay_seconds(launch_all, len(packs), x.device, replays)
 
 
 def graph_copies(packed: PackedWeights, l2_bytes: int) -> int:

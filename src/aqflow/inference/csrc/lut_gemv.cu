@@ -92,14 +92,7 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_kernel(const __grid_
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row_in_warp = lane >> 3, i = lane & 7;
-  // step s reads code byte (s + row_in_warp) mod 4 of a row's 4 bytes, i.e. bank 4i + that byte
-  uint32_t selector[4], bank_offset[4];
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const int byte = (s + row_in_warp) & 3;
-    selector[s] = 0x4440u | byte;  // __byte_perm: that byte, zero-extended
-    bank_offset[s] = (4 * i + byte) * 4;
-  }
+  const LookupSteps steps = lookup_steps(row_in_warp, i);
 
   uint32_t codes[kRowSlots];
   if (row_begin < row_end) load_codes(p, codes, row_begin, row_end, 0, g_begin, g_end);  // in flight during the build
@@ -130,8 +123,8 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_kernel(const __grid_
       for (int n = 0; n < kRowSlots; ++n) {
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
-          const uint32_t code = __byte_perm(codes[n], 0u, selector[s]);
-          const unsigned char* entry = table + code * 128 + bank_offset[s];
+          const uint32_t code = __byte_perm(codes[n], 0u, steps.selector[s]);
+          const unsigned char* entry = table + code * 128 + steps.bank_offset[s];
 #pragma unroll
           for (int t = 0; t < kTokens; ++t) {
             acc[n][t] += table_entry<kHalfEntries>(entry + t * kTableBytes);

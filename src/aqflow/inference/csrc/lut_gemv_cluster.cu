@@ -120,14 +120,7 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_cluster_kernel(const
     if (u < units) a[u] = input_fragments<Scalar, kHalfEntries>(p, 0, g_begin + kUnitChunks * kGroupsPerChunk * u, g_end);
   }
 
-  // step s reads code byte (s + row_in_warp) mod 4 of a row's 4 bytes, i.e. bank 4i + that byte
-  uint32_t selector[4], bank_offset[4];
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const int byte = (s + row_in_warp) & 3;
-    selector[s] = 0x4440u | byte;  // __byte_perm: that byte, zero-extended
-    bank_offset[s] = (4 * i + byte) * 4;
-  }
+  const LookupSteps steps = lookup_steps(row_in_warp, i);
 
   // 2. per unit: build its table (the other buffer may still be read by slower warps), barrier, look up
   float sums[kSlots];
@@ -147,8 +140,8 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_cluster_kernel(const
           for (int n = 0; n < kSlots; ++n) {
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
-              const uint32_t code = __byte_perm(codes[c][n], 0u, selector[s]);
-              sums[n] += table_entry<kHalfEntries>(table + 2 * h + code * 128 + bank_offset[s]);
+              const uint32_t code = __byte_perm(codes[c][n], 0u, steps.selector[s]);
+              sums[n] += table_entry<kHalfEntries>(table + 2 * h + code * 128 + steps.bank_offset[s]);
             }
           }
         }

@@ -137,6 +137,25 @@ __device__ __forceinline__ void store_table_unit(const uint32_t (&b)[8], const I
   }
 }
 
+// A lane's four look-up steps over its 4 code bytes (groups 2i, 2i+1 x codebooks 0, 1 of its row): step s
+// reads byte (s + row_in_warp) mod 4, so the 4 rows of a warp hit 4 different banks of each group's
+// pair of banks. selector: __byte_perm's selector extracting that byte, zero-extended; bank_offset: the
+// byte offset of its bank (4i + byte) within a table line.
+struct LookupSteps {
+  uint32_t selector[4], bank_offset[4];
+};
+
+__device__ __forceinline__ LookupSteps lookup_steps(int row_in_warp, int i) {
+  LookupSteps steps;
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const int byte = (s + row_in_warp) & 3;
+    steps.selector[s] = 0x4440u | byte;
+    steps.bank_offset[s] = (4 * i + byte) * 4;
+  }
+  return steps;
+}
+
 // One table entry of a look-up: `entry` points at the word of (code, bank); fp16 units hold the even
 // chunk in the low half (offset 0) and the odd one in the high half (the caller adds 2 bytes).
 template <bool kHalfEntries>
