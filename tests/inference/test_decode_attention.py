@@ -1,6 +1,7 @@
 """The one-token attention kernels (run here by Triton's interpreter): equal to float64 attention with
 grouped heads, ragged splits and masked positions, and a decode through them gives SDPA's logits."""
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -71,3 +72,13 @@ def test_decode_step_through_the_kernels_gives_sdpa_logits(monkeypatch):
     fast, fast_timings = greedy_decode(model, prompt, 6, fast_attention=True)
     assert torch.equal(plain, fast)
     assert (plain_timings.attention, fast_timings.attention) == ("model's own", FAST_ATTENTION)
+
+
+def test_asking_for_the_kernels_where_they_cannot_run_is_an_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = llama_head_dim_16()
+    prompt = torch.randint(0, 97, (1, 4), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match="fast_attention=True.*cpu"):
+        greedy_decode(model, prompt, 2, fast_attention=True)
+    _, timings = greedy_decode(model, prompt, 2)  # the default on a CPU: the model's own attention
+    assert timings.attention == "model's own"

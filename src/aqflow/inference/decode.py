@@ -14,6 +14,7 @@ Mistral, Qwen2) one matrix product each: fewer kernels per token, for dense and 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Collection, Sequence
@@ -127,10 +128,15 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     timings.step_kernels. Returns (tokens [n] int64 on the CPU, timings), n <= new_tokens. A CUDA graph
     capture that fails falls back to eager steps (timings.mode says which ran).
     fast_attention: while decoding, a model on SDPA attends for the one new token through
-    `decode_attention` (two Triton kernels a layer instead of SDPA's five; default: on CUDA); its
-    prefill still goes through SDPA. timings.attention says which ran.
+    `decode_attention` (two Triton kernels a layer instead of SDPA's five; default: on CUDA; True
+    elsewhere only under Triton's interpreter, for tests); its prefill still goes through SDPA.
+    timings.attention says which ran.
     """
     device = model_device(model)
+    kernels_run_here = device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if fast_attention and not kernels_run_here:
+        raise ValueError(f"fast_attention=True: the one-token attention kernels run on CUDA (or under "
+                         f"TRITON_INTERPRET=1), the model is on {device}")
     switch = contextlib.nullcontext(False)
     if device.type == "cuda" if fast_attention is None else fast_attention:
         from aqflow.inference.decode_attention import decode_attention_enabled  # Triton: imported where used
