@@ -6,9 +6,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from aqflow.inference import decode_attention as decode_attention_module
-from aqflow.inference.decode import FAST_ATTENTION, greedy_decode, new_static_cache, step_logits
-from aqflow.inference.decode_attention import (BLOCK_L, decode_attention, decode_attention_enabled,
-                                               reference_attention)
+from aqflow.inference.decode import greedy_decode, new_static_cache, step_logits
+from aqflow.inference.decode_attention import (BLOCK_L, IMPLEMENTATION, decode_attention,
+                                               decode_attention_enabled, reference_attention)
 
 
 def test_decode_attention_equals_float64_reference():
@@ -61,8 +61,8 @@ def test_decode_step_through_the_kernels_gives_sdpa_logits(monkeypatch):
     for fast in (False, True):
         cache = new_static_cache(model, 80)  # 80 slots: the 9 filled in the first split, two splits unfilled
         model(input_ids=prompt, position_ids=torch.arange(9)[None], past_key_values=cache, use_cache=True)
-        with decode_attention_enabled(model, fast) as switched:
-            assert switched == fast
+        with decode_attention_enabled(model, fast) as implementation:
+            assert implementation == (IMPLEMENTATION if fast else None)
             logits.append(step_logits(model, cache, torch.tensor([[5]]), torch.tensor([[9]])))
     assert model.config._attn_implementation == "sdpa"
     assert calls == [(4, 16)] * 2  # one token, 4 heads of 16, in each of the 2 layers; none in the prefill
@@ -71,7 +71,7 @@ def test_decode_step_through_the_kernels_gives_sdpa_logits(monkeypatch):
     plain, plain_timings = greedy_decode(model, prompt, 6, fast_attention=False)
     fast, fast_timings = greedy_decode(model, prompt, 6, fast_attention=True)
     assert torch.equal(plain, fast)
-    assert (plain_timings.attention, fast_timings.attention) == ("model's own", FAST_ATTENTION)
+    assert (plain_timings.attention, fast_timings.attention) == ("model's own", IMPLEMENTATION)
 
 
 def test_asking_for_the_kernels_where_they_cannot_run_is_an_error(monkeypatch):

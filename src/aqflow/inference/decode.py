@@ -23,8 +23,6 @@ import torch
 
 from aqflow.inference.layout import QuantizedWeights
 
-FAST_ATTENTION = "aqflow_decode"  # decode_attention.IMPLEMENTATION (that module needs Triton: imported on use)
-
 
 @dataclass(frozen=True)
 class DecodeTimings:
@@ -42,7 +40,7 @@ class DecodeTimings:
     # with profile=True: (kernel name, GPU microseconds) of one decode step as timed (a graph replay)
     step_kernels: tuple[tuple[str, float], ...] = ()
     compile_error: str | None = None
-    attention: str = "model's own"  # or FAST_ATTENTION: decode_attention's one-token kernels decoded
+    attention: str = "model's own"  # or decode_attention.IMPLEMENTATION: its one-token kernels decoded
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -137,16 +135,16 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     if fast_attention and not kernels_run_here:
         raise ValueError(f"fast_attention=True: the one-token attention kernels run on CUDA (or under "
                          f"TRITON_INTERPRET=1), the model is on {device}")
-    switch = contextlib.nullcontext(False)
+    switch = contextlib.nullcontext(None)
     if device.type == "cuda" if fast_attention is None else fast_attention:
         from aqflow.inference.decode_attention import decode_attention_enabled  # Triton: imported where used
 
         switch = decode_attention_enabled(model)
-    with switch as switched:
+    with switch as implementation:
         tokens, timings = _greedy_decode(model, input_ids, new_tokens, graphs=graphs, on_token=on_token,
                                          compile=compile, fuse=fuse, stop_tokens=stop_tokens,
                                          warmup_steps=warmup_steps, profile=profile)
-    return tokens, replace(timings, attention=FAST_ATTENTION if switched else "model's own")
+    return tokens, replace(timings, attention=implementation or "model's own")
 
 
 def _greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, *, graphs: bool | None,

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from aqflow.inference.decode import FAST_ATTENTION as IMPLEMENTATION  # the name decode's timings report
+IMPLEMENTATION = "aqflow_decode"  # the attention implementation's name, in configs and in decode timings
 
 BLOCK_L = 32  # cache positions per program: more programs, each one short round trip
 
@@ -184,18 +184,18 @@ def register() -> None:
 
 
 @contextlib.contextmanager
-def decode_attention_enabled(model: torch.nn.Module, enabled: bool = True) -> Iterator[bool]:
-    """Within the block the model (and its sub-configs) use IMPLEMENTATION instead of SDPA; yields whether
-    it switched (not for models on other attention implementations, or when not enabled)."""
+def decode_attention_enabled(model: torch.nn.Module, enabled: bool = True) -> Iterator[str | None]:
+    """Within the block the model (and its sub-configs) use IMPLEMENTATION instead of SDPA; yields
+    IMPLEMENTATION if it switched, None if not (models on other attention implementations, or not enabled)."""
     configs = [c for c in _configs(model) if getattr(c, "_attn_implementation", None) == "sdpa"]
     if not enabled or not configs:
-        yield False
+        yield None
         return
     register()
     for config in configs:
         config._attn_implementation = IMPLEMENTATION
     try:
-        yield True
+        yield IMPLEMENTATION
     finally:
         for config in configs:
             config._attn_implementation = "sdpa"
