@@ -168,7 +168,7 @@ def bench_kernels(shape_name: str, args, device, dtype, names, with_aqlm: bool) 
         packed = gk.pack_weights(ws)
         x = torch.randn(1, in_features, device=device, generator=generator).to(dtype)
         dense = torch.randn(sum(outs), in_features, device=device, generator=generator).to(dtype) * 0.02
-        bf16_seconds = gk.median_seconds(lambda: torch.nn.functional.linear(x, dense))
+        bf16_seconds = gk.median_seconds(lambda weight=dense: torch.nn.functional.linear(x, weight))
         row["bf16_us"] = bf16_seconds * 1e6
         row["bf16_GBps"] = dense.numel() * dense.element_size() / bf16_seconds / 1e9
         if device.type == "cuda":  # as a decode step runs it: back to back in a graph, weights past the L2
@@ -216,8 +216,7 @@ def bench_kernels(shape_name: str, args, device, dtype, names, with_aqlm: bool) 
 def dense_graph_seconds(x: torch.Tensor, dense: torch.Tensor, replays: int = 10) -> float:
     """Seconds per cuBLAS GEMV in a CUDA graph of launches over enough weight copies to pass the L2
     (the same measure `gk.tune(timing="graph")` gives our kernels)."""
-    l2_bytes = torch.cuda.get_device_properties(x.device).L2_cache_size
-    copies = max(2, min(28, -(-2 * l2_bytes // (dense.numel() * dense.element_size()))))
+    copies = gk.graph_copies(dense.numel() * dense.element_size(), x.device)
     weights = [dense] + [dense.clone() for _ in range(copies - 1)]
 
     def launch_all() -> None:

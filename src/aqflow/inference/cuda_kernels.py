@@ -40,6 +40,7 @@ CLUSTER_MAX_CHUNKS = {256: 4, 128: 8}  # rows per CTA -> most chunks a CTA holds
 CLUSTER_MAX_RANKS = 16
 ROWS_PER_BATCH = 256  # rows a CTA sweeps at a time (8 warps x 4 rows x 8 row slots); rows_per_cta is a multiple
 GROUPS_PER_CHUNK = 16
+CLUSTER_MAX_GROUPS = CLUSTER_MAX_RANKS * max(CLUSTER_MAX_CHUNKS.values()) * GROUPS_PER_CHUNK  # 16 CTAs x 8 chunks
 MAX_TOKENS = 4
 MAX_SHARED_BYTES = 200 * 1024  # leave room under the 227 KB a CTA may have
 TABLE_UNIT_BYTES = 256 * 32 * 4
@@ -122,9 +123,9 @@ def applies(packed: "PackedWeights", tokens: int) -> bool:
 
 
 def cluster_takes(packed: "PackedWeights", tokens: int) -> bool:
-    """Whether the cluster kernel takes this shape (on top of `applies`): one token, at most 16 x 8 chunks
-    of 16 groups."""
-    return tokens == 1 and packed.num_groups <= CLUSTER_MAX_RANKS * max(CLUSTER_MAX_CHUNKS.values()) * GROUPS_PER_CHUNK
+    """Whether the cluster kernel takes this shape (on top of `applies`): one token, at most
+    CLUSTER_MAX_GROUPS input groups."""
+    return tokens == 1 and packed.num_groups <= CLUSTER_MAX_GROUPS
 
 
 def max_tokens_for(tokens: int) -> int:
@@ -219,15 +220,13 @@ def launch(x: torch.Tensor, packed: "PackedWeights", config: "KernelConfig", out
     if not applies(packed, x.shape[0]):
         raise ValueError("the CUDA LUT kernel takes 2 codebooks of 256 codewords over groups of 8 (uint8 codes, "
                          f"bf16/fp16, an even group count) and 1..{MAX_TOKENS} tokens")
-    rows_ok = (config.block_rows in CLUSTER_MAX_CHUNKS if config.variant in CLUSTER_VARIANTS
-               else config.block_rows % ROWS_PER_BATCH == 0)
+    cluster = config.variant in CLUSTER_VARIANTS
+    rows_ok = config.block_rows in CLUSTER_MAX_CHUNKS if cluster else config.block_rows % ROWS_PER_BATCH == 0
     if config.block_groups % GROUPS_PER_CHUNK or not rows_ok:
         raise ValueError(f"{config.label()}: groups per CTA must be a multiple of {GROUPS_PER_CHUNK}, rows "
-                         f"{'128 or 256' if config.variant in CLUSTER_VARIANTS else f'a multiple of {ROWS_PER_BATCH}'}")
-    cluster = config.variant in CLUSTER_VARIANTS
+                         f"{'128 or 256' if cluster else f'a multiple of {ROWS_PER_BATCH}'}")
     if cluster and not cluster_takes(packed, x.shape[0]):
-        raise ValueError(f"{config.label()}: the cluster kernel takes one token and at most "
-                         f"{CLUSTER_MAX_RANKS * max(CLUSTER_MAX_CHUNKS.values()) * GROUPS_PER_CHUNK} groups")
+        raise ValueError(f"{config.label()}: the cluster kernel takes one token and at most {CLUSTER_MAX_GROUPS} groups")
     module = load_extension()
     if x.data_ptr() % 4:  # a view starting at an odd element: the kernel reads input pairs as 4-byte words
         x = x.clone()

@@ -546,9 +546,11 @@ def graph_seconds(x: torch.Tensor, packs: Sequence[PackedWeights], config: Kerne
     return graph_replay_seconds(launch_all, len(packs), x.device, replays)
 
 
-def graph_copies(packed: PackedWeights, l2_bytes: int) -> int:
-    """How many weight sets a graph timing needs so that their codes are twice the L2 (2..28)."""
-    return max(2, min(28, math.ceil(2 * l2_bytes / max(packed.code_bytes(), 1))))
+def graph_copies(weight_bytes: int, device: torch.device) -> int:
+    """How many weight sets of weight_bytes a graph timing needs so that together they are twice the
+    device's L2 (2..28, 28 being a 3B model's layers)."""
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(2, min(28, math.ceil(2 * l2_bytes / max(weight_bytes, 1))))
 
 
 def tune(packed: PackedWeights, tokens: int = 1, *, configs: Sequence[KernelConfig] | None = None,
@@ -567,8 +569,7 @@ def tune(packed: PackedWeights, tokens: int = 1, *, configs: Sequence[KernelConf
     if timing == "graph":
         if device.type != "cuda":
             raise ValueError("graph timing needs the weights on a CUDA device")
-        l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
-        packs = code_copies(packed, graph_copies(packed, l2_bytes))
+        packs = code_copies(packed, graph_copies(packed.code_bytes(), device))
     generator = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, packed.in_features, device=device, dtype=packed.codebooks.dtype, generator=generator)
     reference = None
