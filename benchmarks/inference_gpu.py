@@ -301,18 +301,20 @@ def resident_bytes(model) -> int:
 
 
 def decode_run(model, args, device, *, graphs: bool, compile: bool = False, new_tokens: int | None = None,
-               fast_attention: bool | None = None) -> dict:
+               fast_attention: bool | None = None, dependent_launch: bool | None = None) -> dict:
     """One greedy decode through aqflow.inference.decode (projections already fused); with graphs, the
     kernels of one graphed step are profiled (an untimed step). fast_attention: greedy_decode's (default:
-    its one-token attention kernels on CUDA; False: transformers' SDPA)."""
+    its one-token attention kernels on CUDA; False: transformers' SDPA). dependent_launch: greedy_decode's
+    (default: programmatic dependent launch on Hopper and later)."""
     generator = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens), generator=generator)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     tokens, timings = greedy_decode(model, prompt, new_tokens or args.new_tokens, graphs=graphs, compile=compile,
-                                    fuse=False, profile=graphs, fast_attention=fast_attention)
+                                    fuse=False, profile=graphs, fast_attention=fast_attention,
+                                    dependent_launch=dependent_launch)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    result = {"mode": timings.mode, "attention": timings.attention,
+    result = {"mode": timings.mode, "attention": timings.attention, "dependent_launch": timings.dependent_launch,
               "decode_tokens_per_second": timings.decode_tokens_per_second,
               "ms_per_token": 1e3 / timings.decode_tokens_per_second, "timed_steps": timings.timed_steps,
               "capture_seconds": timings.capture_seconds, "peak_bytes": peak, "first_tokens": tokens[:8].tolist()}
@@ -320,7 +322,8 @@ def decode_run(model, args, device, *, graphs: bool, compile: bool = False, new_
         result["compile_error"] = timings.compile_error
     if timings.step_kernels:
         result["profile"] = summarize_kernels(timings.step_kernels)
-    log(f"  decode {result['mode']:14s} ({timings.attention}) {result['decode_tokens_per_second']:8.1f} tokens/s "
+    log(f"  decode {result['mode']:14s} ({timings.attention}{', PDL' if timings.dependent_launch else ''}) "
+        f"{result['decode_tokens_per_second']:8.1f} tokens/s "
         f"({result['ms_per_token']:.2f} ms/token; setup {timings.capture_seconds:.1f} s)"
         + (f"; one step: {profile_line(result['profile'])}" if "profile" in result else ""))
     return result
@@ -397,6 +400,9 @@ def bench_model(shape_name: str, args, device, dtype, kernels: dict, build_threa
             if args.sdpa_too and shape_name == "3b":
                 guarded(bf16, "compile+graph, sdpa", decode_run, model, args, device, graphs=True, compile=True,
                         fast_attention=False)
+            if args.pdl_off_too and shape_name in args.pdl_off_too.split(","):
+                guarded(bf16, "compile+graph, no PDL", decode_run, model, args, device, graphs=True, compile=True,
+                        dependent_launch=False)
     if not args.quick and remaining(args) > 90:
         guarded(bf16, "prefill", prefill_run, model, args, device)
     if cuda:
@@ -423,6 +429,9 @@ def bench_model(shape_name: str, args, device, dtype, kernels: dict, build_threa
             if args.sdpa_too and shape_name == "3b":
                 guarded(ours, "compile+graph, sdpa", decode_run, model, args, device, graphs=True, compile=True,
                         fast_attention=False)
+            if args.pdl_off_too and shape_name in args.pdl_off_too.split(","):
+                guarded(ours, "compile+graph, no PDL", decode_run, model, args, device, graphs=True, compile=True,
+                        dependent_launch=False)
     else:
         guarded(ours, "eager", decode_run, model, args, device, graphs=False, new_tokens=min(args.new_tokens, 16))
     if not args.quick and remaining(args) > 45:
@@ -632,6 +641,8 @@ def main() -> None:
                         help="optional parts (compile, prefill, aqlm, checkpoints) are skipped past this")
     parser.add_argument("--sdpa-too", action="store_true",
                         help="at 3B also decode compile+graph through transformers' SDPA (both kinds)")
+    parser.add_argument("--pdl-off-too", default="",
+                        help="models (e.g. 3b,8b) also decoded compile+graph without programmatic dependent launch")
     parser.add_argument("--aqlm", action="store_true", help="also decode through aqlm's kernel (builds at first use)")
     parser.add_argument("--verbose", action="store_true", help="print every candidate configuration's time, the build")
     args = parser.parse_args()

@@ -7,7 +7,9 @@ CTA of each row block finishes them (scales, bias, cast) and leaves workspace an
 so a CUDA graph can replay the launch. Cluster kernel (csrc/lut_gemv_cluster.cu, one token): the CTAs
 splitting one row block's input groups form a thread-block cluster and add their sums through each
 other's shared memory, after requesting every code at once: one trip to device memory per launch where
-the split-K kernel makes four or five in a row. Design, predictions and resource use:
+the split-K kernel makes four or five in a row. Both are launched with programmatic dependent launch
+inside `dependent_launch.enabled()` (the decode step's default on Hopper): their codes are requested
+before they wait for the kernel before them. Design, predictions and resource use:
 benchmarks/inference_gpu_notes.md.
 
 The extension is compiled by `torch.utils.cpp_extension.load` from the package's .cu/.cpp files on first
@@ -27,6 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from aqflow.inference import dependent_launch
 
 if TYPE_CHECKING:  # gpu_kernels imports this module
     from aqflow.inference.packed import KernelConfig, PackedWeights
@@ -233,14 +237,15 @@ def launch(x: torch.Tensor, packed: "PackedWeights", config: "KernelConfig", out
     stream = torch.cuda.current_stream(x.device).cuda_stream
     chunks = config.block_groups // GROUPS_PER_CHUNK
     common = (x, packed.codes, packed.codebooks, packed.scales, packed.bias, out)
+    pdl = dependent_launch.active()
     if cluster:
         function = module.lut_gemv_2x8_cluster
         args = (*common, list(packed.out_sizes), config.block_rows, chunks, VARIANT_ENTRY_BITS[config.variant],
-                stream)
+                pdl, stream)
     else:
         function = module.lut_gemv_2x8
         args = (*common, workspace, counters, list(packed.out_sizes), config.block_rows, chunks,
-                VARIANT_ENTRY_BITS[config.variant], max_tokens_for(x.shape[0]), stream)
+                VARIANT_ENTRY_BITS[config.variant], max_tokens_for(x.shape[0]), pdl, stream)
     if x.device.index is not None and x.device.index != torch.cuda.current_device():
         with torch.cuda.device(x.device):
             function(*args)

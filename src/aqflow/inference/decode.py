@@ -21,6 +21,8 @@ from typing import Callable, Collection, Sequence
 
 import torch
 
+from aqflow.inference.dependent_launch import enabled as dependent_launch_enabled
+from aqflow.inference.dependent_launch import supported as dependent_launch_supported
 from aqflow.inference.layout import QuantizedWeights
 
 
@@ -41,6 +43,7 @@ class DecodeTimings:
     step_kernels: tuple[tuple[str, float], ...] = ()
     compile_error: str | None = None
     attention: str = "model's own"  # or decode_attention.IMPLEMENTATION: its one-token kernels decoded
+    dependent_launch: bool = False  # kernels launched with programmatic dependent launch
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -114,7 +117,8 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
                   graphs: bool | None = None, on_token: Callable[[int], None] | None = None,
                   compile: bool | None = None, fuse: bool | None = None,
                   stop_tokens: Collection[int] | None = None, warmup_steps: int = 2,
-                  profile: bool = False, fast_attention: bool | None = None) -> tuple[torch.Tensor, DecodeTimings]:
+                  profile: bool = False, fast_attention: bool | None = None,
+                  dependent_launch: bool | None = None) -> tuple[torch.Tensor, DecodeTimings]:
     """Greedy decoding of new_tokens tokens after input_ids [1, P] with a static KV cache.
 
     graphs: capture the decode step as a CUDA graph (default: on CUDA). compile: torch.compile the
@@ -129,22 +133,31 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     `decode_attention` (two Triton kernels a layer instead of SDPA's five; default: on CUDA; True
     elsewhere only under Triton's interpreter, for tests); its prefill still goes through SDPA.
     timings.attention says which ran.
+    dependent_launch: launch the step's kernels (aqflow's GEMVs and attention, torch.compile's Triton
+    kernels) with programmatic dependent launch, so each may start while the one before finishes
+    (`aqflow.inference.dependent_launch`; default: on CUDA devices of compute capability >= 9.0, where
+    alone it exists).
     """
     device = model_device(model)
     kernels_run_here = device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
     if fast_attention and not kernels_run_here:
         raise ValueError(f"fast_attention=True: the one-token attention kernels run on CUDA (or under "
                          f"TRITON_INTERPRET=1), the model is on {device}")
+    pdl_here = dependent_launch_supported(device)
+    if dependent_launch and not pdl_here:
+        raise ValueError(f"dependent_launch=True needs a CUDA device of compute capability >= 9.0, the model is "
+                         f"on {device}")
+    dependent_launch = pdl_here if dependent_launch is None else dependent_launch
     switch = contextlib.nullcontext(None)
     if device.type == "cuda" if fast_attention is None else fast_attention:
         from aqflow.inference.decode_attention import decode_attention_enabled  # Triton: imported where used
 
         switch = decode_attention_enabled(model)
-    with switch as implementation:
+    with switch as implementation, dependent_launch_enabled(dependent_launch):
         tokens, timings = _greedy_decode(model, input_ids, new_tokens, graphs=graphs, on_token=on_token,
                                          compile=compile, fuse=fuse, stop_tokens=stop_tokens,
                                          warmup_steps=warmup_steps, profile=profile)
-    return tokens, replace(timings, attention=implementation or "model's own")
+    return tokens, replace(timings, attention=implementation or "model's own", dependent_launch=dependent_launch)
 
 
 def _greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, *, graphs: bool | None,

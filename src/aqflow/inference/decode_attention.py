@@ -15,6 +15,8 @@ heads.
 - `attention_forward`: a transformers attention function (the `AttentionInterface` signature) that
   takes that path for one query token at batch 1 with a boolean mask (or none), and hands everything
   else (prefill, dropout, soft-capping, sliding windows, other masks) to transformers' own SDPA path.
+- Inside `dependent_launch.enabled()` both kernels are launched with programmatic dependent launch and
+  wait for the kernels before them before reading.
 - `decode_attention_enabled(model)`: a context manager that registers it (name IMPLEMENTATION, with
   SDPA's mask) and switches the model to it while decoding, when the model uses SDPA.
 """
@@ -29,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from aqflow.inference import dependent_launch
+
 IMPLEMENTATION = "aqflow_decode"  # the attention implementation's name, in configs and in decode timings
 
 BLOCK_L = 32  # cache positions per program: more programs, each one short round trip
@@ -38,7 +42,7 @@ BLOCK_L = 32  # cache positions per program: more programs, each one short round
 def _attention_split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, max_ptr, sum_ptr, part_ptr,
                   length, splits, scale, stride_qh, stride_kh, stride_kl, stride_vh, stride_vl,
                   GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                  HAS_VALID: tl.constexpr):
+                  HAS_VALID: tl.constexpr, PDL: tl.constexpr):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     g = tl.arange(0, GROUP_P)
@@ -47,6 +51,8 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, max_ptr, sum_ptr, pa
     head_ok = g < GROUP
     in_range = pos < length
     heads = kv_head * GROUP + g
+    if PDL:  # everything below reads what the kernels before wrote (the query, the cache)
+        tl.extra.cuda.gdc_wait()
     q = tl.load(q_ptr + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
     k = tl.load(k_ptr + kv_head * stride_kh + pos[:, None] * stride_kl + d[None, :], mask=in_range[:, None],
                 other=0.0)
@@ -60,6 +66,8 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, max_ptr, sum_ptr, pa
     if HAS_VALID:
         valid = valid & (tl.load(valid_ptr + pos, mask=in_range, other=0) != 0)
     scores = tl.where(valid[None, :], scores, float("-inf"))
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     top = tl.max(scores, axis=1)  # [GROUP_P]; -inf where the split has no valid position
     top_safe = tl.where(top == float("-inf"), 0.0, top)
     p = tl.exp(scores - top_safe[:, None])
@@ -72,16 +80,21 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, max_ptr, sum_ptr, pa
 
 
 @triton.jit
-def _attention_combine_kernel(max_ptr, sum_ptr, part_ptr, out_ptr, splits, D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _attention_combine_kernel(max_ptr, sum_ptr, part_ptr, out_ptr, splits, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                              PDL: tl.constexpr):
     head = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
     ok = s < splits
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     tops = tl.load(max_ptr + head * splits + s, mask=ok, other=float("-inf"))
     top = tl.max(tops, axis=0)
     weight = tl.where(tops == float("-inf"), 0.0, tl.exp(tops - top))
     total = tl.sum(weight * tl.load(sum_ptr + head * splits + s, mask=ok, other=0.0), axis=0)
     parts = tl.load(part_ptr + (head * splits + s)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     out = tl.sum(weight[:, None] * parts, axis=0) / total
     tl.store(out_ptr + head * D + d, out.to(out_ptr.dtype.element_ty))
 
@@ -113,13 +126,15 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     parts = torch.empty(heads * splits, dim, dtype=torch.float32, device=query.device)
     out = torch.empty(heads, dim, dtype=query.dtype, device=query.device)
     query = query if query.stride(1) == 1 else query.contiguous()
+    pdl = dependent_launch.active() and query.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    launch = {"launch_pdl": True} if pdl else {}  # Triton's interpreter takes no such option
     _attention_split_kernel[(kv_heads, splits)](
         query, key, value, valid if valid is not None else stats, stats[0], stats[1], parts,
         length, splits, scale, query.stride(0), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=dim, BLOCK=BLOCK_L,
-        HAS_VALID=valid is not None, num_warps=4)
+        HAS_VALID=valid is not None, PDL=pdl, num_warps=4, **launch)
     _attention_combine_kernel[(heads,)](stats[0], stats[1], parts, out, splits, D=dim,
-                              BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4)
+                              BLOCK_S=max(2, triton.next_power_of_2(splits)), PDL=pdl, num_warps=4, **launch)
     return out
 
 

@@ -43,11 +43,10 @@ constexpr int kRowsPerBatch = kRowSlots * kWarps * 4;  // 256: 4 rows per warp p
 
 // Builds the tables of chunks [0, chunks) of this CTA for every token: units of kTableBytes, unit u of
 // token t at (u * kTokens + t) * kTableBytes; fp32 entries: unit u = chunk u; fp16: chunks 2u, 2u+1.
+// b: the codebooks' B fragments (load_codebook_fragments).
 template <typename Scalar, bool kHalfEntries, int kTokens>
-__device__ void build_tables(const LutGemvParams& p, const Scalar* codebooks, int g_begin, int g_end, int units,
+__device__ void build_tables(const LutGemvParams& p, const uint32_t (&b)[8], int g_begin, int g_end, int units,
                              unsigned char* smem) {
-  uint32_t b[8];
-  load_codebook_fragments(codebooks, b);
   for (int u = 0; u < units; ++u) {
 #pragma unroll
     for (int t = 0; t < kTokens; ++t) {
@@ -96,7 +95,10 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_kernel(const __grid_
 
   uint32_t codes[kRowSlots];
   if (row_begin < row_end) load_codes(p, codes, row_begin, row_end, 0, g_begin, g_end);  // in flight during the build
-  build_tables<Scalar, kHalfEntries, kTokens>(p, codebooks, g_begin, g_end, units, smem);
+  uint32_t b[8];
+  load_codebook_fragments(codebooks, b);
+  wait_for_prior_kernel();  // x and the workspace may come from the kernel before this one
+  build_tables<Scalar, kHalfEntries, kTokens>(p, b, g_begin, g_end, units, smem);
   __syncthreads();
 
   const bool split_k = gridDim.y > 1;
@@ -173,6 +175,7 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_kernel(const __grid_
     }
   }
 
+  allow_next_kernel();
   if (split_k) {
     __threadfence();  // this thread's additions are visible before the block says it is done
     __syncthreads();
@@ -194,7 +197,7 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_kernel(const __grid_
 }
 
 template <typename Scalar, bool kHalfEntries, int kTokens>
-cudaError_t launch(const LutGemvParams& params, int splits, cudaStream_t stream) {
+cudaError_t launch(const LutGemvParams& params, int splits, bool dependent_launch, cudaStream_t stream) {
   auto kernel = lut_gemv_2x8_kernel<Scalar, kHalfEntries, kTokens>;
   const int bytes = lut_gemv_2x8_shared_bytes(kHalfEntries ? 16 : 32, kTokens, params.chunks_per_cta);
   // the opt-in shared-memory limit, raised per device and instantiation when a launch first needs more
@@ -209,8 +212,16 @@ cudaError_t launch(const LutGemvParams& params, int splits, cudaStream_t stream)
     if (status != cudaSuccess) return status;
     if (device < kDevices) bytes_allowed[device] = bytes;
   }
-  const dim3 grid(params.block_start[params.num_matrices], splits);
-  kernel<<<grid, kThreads, bytes, stream>>>(params);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(params.block_start[params.num_matrices], splits, 1);
+  config.blockDim = dim3(kThreads, 1, 1);
+  config.dynamicSmemBytes = bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1] = {dependent_launch_attribute()};
+  config.attrs = attribute;
+  config.numAttrs = dependent_launch ? 1 : 0;
+  status = cudaLaunchKernelEx(&config, kernel, params);
+  if (status != cudaSuccess) return status;
   return cudaGetLastError();
 }
 
@@ -222,7 +233,7 @@ int lut_gemv_2x8_shared_bytes(int entry_bits, int max_tokens, int chunks_per_cta
 }
 
 int lut_gemv_2x8_launch(const LutGemvParams& params, int scalar_kind, int entry_bits, int max_tokens, int splits,
-                        void* stream_handle) {
+                        bool dependent_launch, void* stream_handle) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   if (params.rows_per_cta % kRowsPerBatch != 0 || params.chunks_per_cta < 1 || params.num_matrices < 1 ||
       params.num_matrices > kLutMaxMatrices || params.groups % 2 != 0 || params.tokens < 1 ||
@@ -233,19 +244,19 @@ int lut_gemv_2x8_launch(const LutGemvParams& params, int scalar_kind, int entry_
   cudaError_t status = cudaErrorInvalidValue;
   if (scalar_kind == 0) {
     if (max_tokens == 1) {
-      status = half_entries ? launch<__nv_bfloat16, true, 1>(params, splits, stream)
-                            : launch<__nv_bfloat16, false, 1>(params, splits, stream);
+      status = half_entries ? launch<__nv_bfloat16, true, 1>(params, splits, dependent_launch, stream)
+                            : launch<__nv_bfloat16, false, 1>(params, splits, dependent_launch, stream);
     } else if (max_tokens == 4) {
-      status = half_entries ? launch<__nv_bfloat16, true, 4>(params, splits, stream)
-                            : launch<__nv_bfloat16, false, 4>(params, splits, stream);
+      status = half_entries ? launch<__nv_bfloat16, true, 4>(params, splits, dependent_launch, stream)
+                            : launch<__nv_bfloat16, false, 4>(params, splits, dependent_launch, stream);
     }
   } else if (scalar_kind == 1) {
     if (max_tokens == 1) {
-      status = half_entries ? launch<__half, true, 1>(params, splits, stream)
-                            : launch<__half, false, 1>(params, splits, stream);
+      status = half_entries ? launch<__half, true, 1>(params, splits, dependent_launch, stream)
+                            : launch<__half, false, 1>(params, splits, dependent_launch, stream);
     } else if (max_tokens == 4) {
-      status = half_entries ? launch<__half, true, 4>(params, splits, stream)
-                            : launch<__half, false, 4>(params, splits, stream);
+      status = half_entries ? launch<__half, true, 4>(params, splits, dependent_launch, stream)
+                            : launch<__half, false, 4>(params, splits, dependent_launch, stream);
     }
   }
   return static_cast<int>(status);

@@ -33,9 +33,11 @@ struct LutGemvParams {
 };
 
 // scalar_kind: 0 bfloat16, 1 float16; entry_bits: 32 (fp32 table) or 16 (fp16 table); max_tokens: 1 or 4.
-// Grid: (block_start[num_matrices], splits) CTAs of 256 threads. Returns a cudaError_t.
+// Grid: (block_start[num_matrices], splits) CTAs of 256 threads. dependent_launch: launched with
+// programmatic dependent launch (sm_90+: it may start while the kernel before it finishes; it waits for
+// that kernel before reading x). Returns a cudaError_t.
 int lut_gemv_2x8_launch(const LutGemvParams& params, int scalar_kind, int entry_bits, int max_tokens, int splits,
-                        void* stream);
+                        bool dependent_launch, void* stream);
 
 // Dynamic shared memory a launch needs, in bytes.
 int lut_gemv_2x8_shared_bytes(int entry_bits, int max_tokens, int chunks_per_cta);
@@ -44,7 +46,7 @@ int lut_gemv_2x8_shared_bytes(int entry_bits, int max_tokens, int chunks_per_cta
 // (<= 8); grid (ranks, block_start[num_matrices]) with clusters of `ranks` CTAs (<= 16), rank r taking
 // input groups [16 * chunks_per_cta * r, ...); workspace and counters unused. Returns a cudaError_t.
 int lut_gemv_2x8_cluster_launch(const LutGemvParams& params, int scalar_kind, int entry_bits, int ranks,
-                                void* stream);
+                                bool dependent_launch, void* stream);
 
 // The most chunks per CTA the cluster kernel takes at rows_per_cta (0: not a size it takes).
 int lut_gemv_2x8_cluster_max_chunks(int rows_per_cta);

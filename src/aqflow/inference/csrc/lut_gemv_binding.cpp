@@ -98,13 +98,13 @@ int64_t splits_of(int64_t groups, int64_t chunks_per_cta) {
 }  // namespace
 
 // The split-K kernel (lut_gemv.cu), up to 4 tokens. workspace: fp32, >= T * rows elements, zero;
-// counters: int32, >= row blocks, zero (both left zero); stream: a cudaStream_t as an integer; the
-// caller makes x's device current.
+// counters: int32, >= row blocks, zero (both left zero); dependent_launch: programmatic dependent launch
+// (sm_90+); stream: a cudaStream_t as an integer; the caller makes x's device current.
 void lut_gemv_2x8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& codebooks, const at::Tensor& scales,
                   const c10::optional<at::Tensor>& bias, const at::Tensor& out, const at::Tensor& workspace,
                   const at::Tensor& counters,
                   const std::vector<int64_t>& out_sizes, int64_t rows_per_cta, int64_t chunks_per_cta,
-                  int64_t entry_bits, int64_t max_tokens, int64_t stream) {
+                  int64_t entry_bits, int64_t max_tokens, bool dependent_launch, int64_t stream) {
   aqflow::LutGemvParams params = checked_params("lut_gemv_2x8", x, codes, codebooks, scales, bias, out, out_sizes,
                                                 rows_per_cta, chunks_per_cta, entry_bits, max_tokens);
   TORCH_CHECK(rows_per_cta % 256 == 0, "rows_per_cta must be a positive multiple of 256");
@@ -121,7 +121,7 @@ void lut_gemv_2x8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   const int splits = static_cast<int>(splits_of(params.groups, chunks_per_cta));
   const int status = aqflow::lut_gemv_2x8_launch(params, x.scalar_type() == at::kBFloat16 ? 0 : 1,
                                                  static_cast<int>(entry_bits), static_cast<int>(max_tokens), splits,
-                                                 reinterpret_cast<void*>(stream));
+                                                 dependent_launch, reinterpret_cast<void*>(stream));
   TORCH_CHECK(status == 0, "lut_gemv_2x8 launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(status)));
 }
 
@@ -130,7 +130,7 @@ void lut_gemv_2x8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
 void lut_gemv_2x8_cluster(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& codebooks,
                           const at::Tensor& scales, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
                           const std::vector<int64_t>& out_sizes, int64_t rows_per_cta, int64_t chunks_per_cta,
-                          int64_t entry_bits, int64_t stream) {
+                          int64_t entry_bits, bool dependent_launch, int64_t stream) {
   aqflow::LutGemvParams params = checked_params("lut_gemv_2x8_cluster", x, codes, codebooks, scales, bias, out,
                                                 out_sizes, rows_per_cta, chunks_per_cta, entry_bits, 1);
   const int max_chunks = aqflow::lut_gemv_2x8_cluster_max_chunks(static_cast<int>(rows_per_cta));
@@ -142,7 +142,7 @@ void lut_gemv_2x8_cluster(const at::Tensor& x, const at::Tensor& codes, const at
               chunks_per_cta, " need ", ranks, " CTAs per cluster, at most ", aqflow::kLutMaxClusterRanks);
   const int status = aqflow::lut_gemv_2x8_cluster_launch(params, x.scalar_type() == at::kBFloat16 ? 0 : 1,
                                                          static_cast<int>(entry_bits), static_cast<int>(ranks),
-                                                         reinterpret_cast<void*>(stream));
+                                                         dependent_launch, reinterpret_cast<void*>(stream));
   TORCH_CHECK(status == 0, "lut_gemv_2x8_cluster launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(status)));
 }
 

@@ -113,6 +113,7 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_cluster_kernel(const
   }
   uint32_t b[8];
   load_codebook_fragments(codebooks, b);
+  wait_for_prior_kernel();  // x may come from the kernel before this one; the weights above may not
   InputFragments a[kMaxUnits];
 #pragma unroll
   for (int u = 0; u < kMaxUnits; ++u) {
@@ -149,6 +150,7 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_cluster_kernel(const
     }
   }
 
+  allow_next_kernel();
   // 3. whole rows: across the 8 lanes of a row group, then across the cluster's ranks
   reduce_row_group<kSlots>(sums, i);
   if (ranks == 1) {
@@ -169,7 +171,7 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_cluster_kernel(const
 }
 
 template <typename Scalar, bool kHalfEntries, int kSlots, int kMaxChunks>
-cudaError_t launch(const LutGemvParams& params, int ranks, cudaStream_t stream) {
+cudaError_t launch(const LutGemvParams& params, int ranks, bool dependent_launch, cudaStream_t stream) {
   auto kernel = lut_gemv_2x8_cluster_kernel<Scalar, kHalfEntries, kSlots, kMaxChunks>;
   const int bytes = lut_gemv_2x8_cluster_shared_bytes(kHalfEntries ? 16 : 32, params.chunks_per_cta);
   // attributes set once per device and instantiation, in the warm-up before a CUDA graph capture
@@ -189,22 +191,23 @@ cudaError_t launch(const LutGemvParams& params, int ranks, cudaStream_t stream) 
   config.blockDim = dim3(kThreads, 1, 1);
   config.dynamicSmemBytes = bytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
+  cudaLaunchAttribute attribute[2];
   attribute[0].id = cudaLaunchAttributeClusterDimension;
   attribute[0].val.clusterDim.x = ranks;
   attribute[0].val.clusterDim.y = 1;
   attribute[0].val.clusterDim.z = 1;
+  attribute[1] = dependent_launch_attribute();
   config.attrs = attribute;
-  config.numAttrs = 1;
+  config.numAttrs = dependent_launch ? 2 : 1;
   status = cudaLaunchKernelEx(&config, kernel, params);
   if (status != cudaSuccess) return status;
   return cudaGetLastError();
 }
 
 template <typename Scalar, bool kHalfEntries>
-cudaError_t launch_slots(const LutGemvParams& params, int ranks, cudaStream_t stream) {
-  if (params.rows_per_cta == 256) return launch<Scalar, kHalfEntries, 8, 4>(params, ranks, stream);
-  return launch<Scalar, kHalfEntries, 4, 8>(params, ranks, stream);
+cudaError_t launch_slots(const LutGemvParams& params, int ranks, bool dependent_launch, cudaStream_t stream) {
+  if (params.rows_per_cta == 256) return launch<Scalar, kHalfEntries, 8, 4>(params, ranks, dependent_launch, stream);
+  return launch<Scalar, kHalfEntries, 4, 8>(params, ranks, dependent_launch, stream);
 }
 
 }  // namespace
@@ -221,7 +224,7 @@ int lut_gemv_2x8_cluster_shared_bytes(int entry_bits, int chunks_per_cta) {
 }
 
 int lut_gemv_2x8_cluster_launch(const LutGemvParams& params, int scalar_kind, int entry_bits, int ranks,
-                                void* stream_handle) {
+                                bool dependent_launch, void* stream_handle) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   const int max_chunks = lut_gemv_2x8_cluster_max_chunks(params.rows_per_cta);
   if (max_chunks == 0 || params.chunks_per_cta < 1 || params.chunks_per_cta > max_chunks || ranks < 1 ||
@@ -232,11 +235,11 @@ int lut_gemv_2x8_cluster_launch(const LutGemvParams& params, int scalar_kind, in
   const bool half_entries = entry_bits == 16;
   cudaError_t status = cudaErrorInvalidValue;
   if (scalar_kind == 0) {
-    status = half_entries ? launch_slots<__nv_bfloat16, true>(params, ranks, stream)
-                          : launch_slots<__nv_bfloat16, false>(params, ranks, stream);
+    status = half_entries ? launch_slots<__nv_bfloat16, true>(params, ranks, dependent_launch, stream)
+                          : launch_slots<__nv_bfloat16, false>(params, ranks, dependent_launch, stream);
   } else if (scalar_kind == 1) {
-    status = half_entries ? launch_slots<__half, true>(params, ranks, stream)
-                          : launch_slots<__half, false>(params, ranks, stream);
+    status = half_entries ? launch_slots<__half, true>(params, ranks, dependent_launch, stream)
+                          : launch_slots<__half, false>(params, ranks, dependent_launch, stream);
   }
   return static_cast<int>(status);
 }

@@ -164,6 +164,32 @@ __device__ __forceinline__ float table_entry(const unsigned char* entry) {
   return *reinterpret_cast<const float*>(entry);
 }
 
+// Programmatic dependent launch (sm_90 and later). A launch with it may start while the kernel before it
+// in the stream is finishing: a CTA requests the weights (which no kernel writes), then waits here until
+// that kernel has finished and its writes are visible, and only then reads its input or touches the
+// split-K workspace. Without such a launch the wait returns at once.
+__device__ __forceinline__ void wait_for_prior_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets a kernel launched after this one with programmatic dependent launch be scheduled (it still waits for
+// this one to finish before reading anything this one writes).
+__device__ __forceinline__ void allow_next_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+// The launch attribute asking for programmatic dependent launch (host side).
+inline cudaLaunchAttribute dependent_launch_attribute() {
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  return attribute;
+}
+
 // y = sum * scale (+ bias), cast to the output's type.
 template <typename Scalar>
 __device__ __forceinline__ void store_output(const LutGemvParams& p, int t, int row, float sum) {
