@@ -97,7 +97,7 @@ def main() -> None:
             sources.append(f"# ---- {name} ({path.name})\n{text}")
     (out / "inductor_kernels.py").write_text("\n\n".join(sources))
     lines.append(f"{len(sources)} inductor kernel sources saved (silu or rotary)")
-    (out / "step_kernel_detail.json").write_text(json.dumps(TRACES, indent=1))
+    (out / "step_kernel_detail.json").write_text(json.dumps(TRACES, separators=(",", ":")) + "\n")
     (out / "step_kernel_detail.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
