@@ -53,6 +53,28 @@ def test_asking_for_it_on_a_cpu_is_an_error():
     assert timings.dependent_launch is False
 
 
+def test_a_compiled_step_is_not_reused_under_the_other_setting(monkeypatch):
+    """greedy_decode compiles its step per launch setting: with and without PDL, then with it again, are
+    two compiles (a new closure of the same code is otherwise reused, inductor's kernels and all)."""
+    import aqflow.inference.decode as decode_module
+
+    compiles = []
+
+    def counting_backend(graph_module, example_inputs):
+        compiles.append(len(graph_module.graph.nodes))
+        return graph_module.forward
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, backend=counting_backend, **kwargs))
+    monkeypatch.setattr(decode_module, "dependent_launch_supported", lambda device: True)
+    model = tiny_llama()
+    prompt = torch.randint(0, 97, (1, 4), generator=torch.Generator().manual_seed(3))
+    runs = [greedy_decode(model, prompt, 3, compile=True, dependent_launch=flag) for flag in (True, False, True)]
+    assert [r[1].dependent_launch for r in runs] == [True, False, True]
+    assert runs[0][0].tolist() == runs[1][0].tolist() == runs[2][0].tolist()
+    assert len(compiles) == 2
+
+
 @hopper
 @pytest.mark.parametrize("variants", [("cuda_lut32", "cuda_lut16"), ("cuda_cluster32", "cuda_cluster16")])
 def test_chained_gemvs_read_what_the_kernel_before_wrote(variants):

@@ -21,6 +21,7 @@ from typing import Callable, Collection, Sequence
 
 import torch
 
+from aqflow.inference.dependent_launch import active as dependent_launch_active
 from aqflow.inference.dependent_launch import enabled as dependent_launch_enabled
 from aqflow.inference.dependent_launch import supported as dependent_launch_supported
 from aqflow.inference.layout import QuantizedWeights
@@ -197,6 +198,12 @@ def _greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: 
     token = first.view(1, 1).clone()
     position = torch.full((1, 1), prompt_tokens, dtype=torch.long, device=device)
     def forward(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        # Branching on the launch setting makes torch.compile guard on it. A step compiled with programmatic
+        # dependent launch (which decides how inductor writes and launches its kernels) is then not reused
+        # without it, or the other way round; a new closure of the same code would be. Both branches compute
+        # the same.
+        if dependent_launch_active():
+            return step_logits(model, cache, token, position)
         return step_logits(model, cache, token, position)
 
     plain_forward = forward
