@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device call (issue 27): inductor's small kernels take 2-3 us longer after the CUDA GEMVs than after
-# cuBLAS or the Triton GEMVs (benchmarks/results/step_kernel_detail_h200/). Two guesses, each tried on a
-# patched copy of src with benchmarks/step_kernel_detail.py: the GEMVs asking for the largest shared-memory
-# carveout, and the GEMVs reading codes with __ldg instead of __ldcs (evict-first).
+# One device call (issue 27): inductor's small kernels seemed 2-3 us longer after the CUDA GEMVs than
+# after cuBLAS or the Triton GEMVs (benchmarks/results/step_kernel_detail_h200/). Two guesses, each tried
+# on a patched copy of src with benchmarks/step_kernel_detail.py: the GEMVs asking for the largest
+# shared-memory carveout, and the GEMVs reading codes with __ldg instead of __ldcs (evict-first). Neither
+# changed it: it is the wait of programmatic dependent launch counted in the kernel's time (notes, round 4).
 # Run from the repository root with OUT set.
 set -uo pipefail
 export PYTHONUNBUFFERED=1

@@ -1,11 +1,13 @@
-"""Why do torch.compile's small kernels take longer in the 2-bit decode step than in bf16's (issue 27)?
+"""One decode step's kernels with their launch grids and blocks, for bf16 and 2 bpp (issue 27).
 
-In the 3B compile+graph step (benchmarks/results/inference_gpu_h200_pdl.json), inductor's kernel for
-silu(gate) * up takes 3.5 us in the 2-bit model and the rotary/cache kernel 2.8 us, against ~1.2 and
-1.4 us for their counterparts in bf16. This runs both models (3B shape, random weights, the 2-bit one on
-default kernel configurations, no tuning) through greedy_decode with compile+graph, records one step's
-kernels with their launch grids and blocks (torch.profiler's trace), and saves the Triton source inductor
-generated for the 2-bit step. Prints, per model, the non-GEMV kernels with grid, block and microseconds.
+Written to ask why torch.compile's small kernels seemed slower in the 2 bpp step than in bf16's
+(silu(gate) * up 3.5-4.3 us against ~1.1). The answer (benchmarks/inference_gpu_notes.md, round 4):
+under programmatic dependent launch a kernel's profiled time includes its wait for the kernel before
+it, and the CUDA GEMVs let the next kernel launch before they end. Runs both models (3B shape, random
+weights, the 2-bit one on default kernel configurations, no tuning) through greedy_decode with
+compile+graph, records one step's kernels (torch.profiler's trace), saves the Triton sources inductor
+generated for silu and rotary kernels, and prints, per model, the non-GEMV kernels with grid, block
+and microseconds.
 
     PYTHONPATH=src:. python3 benchmarks/step_kernel_detail.py --out OUT_DIR
 """
