@@ -137,28 +137,14 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_kernel(const __grid_
       for (int n = 0; n < kRowSlots; ++n) codes[n] = next[n];
     }
 
-    // The 8 lanes of a row group hold partial sums of the same 8 rows: a transposing reduction leaves lane i
-    // with the whole sum of row slot i (7 shuffles for 8 rows).
+    // lane i of a row group ends with the whole sum of row slot i, for each token
 #pragma unroll
     for (int t = 0; t < kTokens; ++t) {
+      float sums[kRowSlots];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const bool upper = i & 4;
-        const float send = upper ? acc[k][t] : acc[k + 4][t];
-        const float keep = upper ? acc[k + 4][t] : acc[k][t];
-        acc[k][t] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
-      }
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const bool upper = i & 2;
-        const float send = upper ? acc[k][t] : acc[k + 2][t];
-        const float keep = upper ? acc[k + 2][t] : acc[k][t];
-        acc[k][t] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
-      }
-      const bool upper = i & 1;
-      const float send = upper ? acc[0][t] : acc[1][t];
-      const float keep = upper ? acc[1][t] : acc[0][t];
-      acc[0][t] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
+      for (int n = 0; n < kRowSlots; ++n) sums[n] = acc[n][t];
+      reduce_row_group<kRowSlots>(sums, i);
+      acc[0][t] = sums[0];
     }
     const int row = batch_row + (i * kWarps + warp) * 4 + row_in_warp;
     if (row < row_end) {

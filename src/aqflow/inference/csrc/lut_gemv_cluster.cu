@@ -34,37 +34,6 @@ namespace {
 using namespace lut_detail;
 namespace cg = cooperative_groups;
 
-// The lanes i = 0..7 of a row group hold partial sums (over their own groups) of the same kSlots rows.
-// Afterwards lane i holds the whole sum of row slot i % kSlots in sums[0].
-template <int kSlots>
-__device__ __forceinline__ void reduce_row_group(float (&sums)[kSlots], int i) {
-  static_assert(kSlots == 8 || kSlots == 4, "8 or 4 row slots");
-  if (kSlots == 8) {
-    // transposing: each step halves the slots a lane keeps and sums pairs of lanes
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const bool upper = i & 4;
-      const float send = upper ? sums[k] : sums[k + 4];
-      const float keep = upper ? sums[k + 4] : sums[k];
-      sums[k] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) sums[k] += __shfl_xor_sync(0xffffffffu, sums[k], 4);
-  }
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const bool upper = i & 2;
-    const float send = upper ? sums[k] : sums[k + 2];
-    const float keep = upper ? sums[k + 2] : sums[k];
-    sums[k] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
-  }
-  const bool upper = i & 1;
-  const float send = upper ? sums[0] : sums[1];
-  const float keep = upper ? sums[1] : sums[0];
-  sums[0] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
-}
-
 template <typename Scalar, bool kHalfEntries, int kSlots, int kMaxChunks>
 __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_cluster_kernel(const __grid_constant__ LutGemvParams p) {
   constexpr int kRows = kSlots * kWarps * 4;  // 4 rows per warp per slot

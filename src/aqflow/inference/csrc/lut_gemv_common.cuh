@@ -1,6 +1,7 @@
 // Device pieces shared by the two 2x8 lookup-table GEMVs (lut_gemv.cu: split-K through a global
 // workspace; lut_gemv_cluster.cu: split-K inside a thread-block cluster): the tensor-core table build
-// and its bank-conflict-free layout, the inputs it needs, the output's epilogue.
+// and its bank-conflict-free layout, the inputs it needs, the sum across a row group's lanes, the output's
+// epilogue, and programmatic dependent launch.
 //
 // A table unit is 256 lines of 32 banks (kTableBytes). Chunk c's table (16 groups x 2 codebooks x 256
 // codewords) puts entry (j, m, k) in line k, bank 2j + m: a warp's 32 look-ups at 32 different (group,
@@ -154,6 +155,37 @@ __device__ __forceinline__ LookupSteps lookup_steps(int row_in_warp, int i) {
     steps.bank_offset[s] = (4 * i + byte) * 4;
   }
   return steps;
+}
+
+// The lanes i = 0..7 of a row group hold partial sums (over their own groups) of the same kSlots rows.
+// Afterwards lane i holds the whole sum of row slot i % kSlots in sums[0].
+template <int kSlots>
+__device__ __forceinline__ void reduce_row_group(float (&sums)[kSlots], int i) {
+  static_assert(kSlots == 8 || kSlots == 4, "8 or 4 row slots");
+  if (kSlots == 8) {
+    // transposing: each step halves the slots a lane keeps and sums pairs of lanes
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const bool upper = i & 4;
+      const float send = upper ? sums[k] : sums[k + 4];
+      const float keep = upper ? sums[k + 4] : sums[k];
+      sums[k] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) sums[k] += __shfl_xor_sync(0xffffffffu, sums[k], 4);
+  }
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const bool upper = i & 2;
+    const float send = upper ? sums[k] : sums[k + 2];
+    const float keep = upper ? sums[k + 2] : sums[k];
+    sums[k] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
+  }
+  const bool upper = i & 1;
+  const float send = upper ? sums[0] : sums[1];
+  const float keep = upper ? sums[1] : sums[0];
+  sums[0] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
 }
 
 // One table entry of a look-up: `entry` points at the word of (code, bank); fp16 units hold the even
