@@ -379,6 +379,19 @@ def note_compile_seconds(run: dict) -> None:
         COMPILE_SECONDS["estimate"] = max(COMPILE_SECONDS["estimate"] * 0.5, run["capture_seconds"] * 1.15)
 
 
+def compiled_runs(record: dict, model, args, device, shape_name: str) -> None:
+    """compile+graph decodes into record: the default, then through SDPA (--sdpa-too, 3B) and without
+    programmatic dependent launch (--pdl-off-too) where asked."""
+    note_compile_seconds(guarded(record, "compile+graph", decode_run, model, args, device, graphs=True,
+                                 compile=True))
+    if args.sdpa_too and shape_name == "3b":
+        guarded(record, "compile+graph, sdpa", decode_run, model, args, device, graphs=True, compile=True,
+                fast_attention=False)
+    if args.pdl_off_too and shape_name in args.pdl_off_too.split(","):
+        guarded(record, "compile+graph, no PDL", decode_run, model, args, device, graphs=True, compile=True,
+                dependent_launch=False)
+
+
 def bench_model(shape_name: str, args, device, dtype, kernels: dict, build_thread) -> dict:
     """bf16 decode (eager, graph, compile+graph), the kernels of this shape tuned, then the same model with
     random 2x8 codes through them (graph, compile+graph), aqlm's kernel last if asked."""
@@ -395,14 +408,7 @@ def bench_model(shape_name: str, args, device, dtype, kernels: dict, build_threa
     if cuda:
         guarded(bf16, "graph", decode_run, model, args, device, graphs=True)
         if compiled:
-            note_compile_seconds(guarded(bf16, "compile+graph", decode_run, model, args, device, graphs=True,
-                                         compile=True))
-            if args.sdpa_too and shape_name == "3b":
-                guarded(bf16, "compile+graph, sdpa", decode_run, model, args, device, graphs=True, compile=True,
-                        fast_attention=False)
-            if args.pdl_off_too and shape_name in args.pdl_off_too.split(","):
-                guarded(bf16, "compile+graph, no PDL", decode_run, model, args, device, graphs=True, compile=True,
-                        dependent_launch=False)
+            compiled_runs(bf16, model, args, device, shape_name)
     if not args.quick and remaining(args) > 90:
         guarded(bf16, "prefill", prefill_run, model, args, device)
     if cuda:
@@ -424,14 +430,7 @@ def bench_model(shape_name: str, args, device, dtype, kernels: dict, build_threa
     if cuda:
         guarded(ours, "graph", decode_run, model, args, device, graphs=True)
         if compiled:
-            note_compile_seconds(guarded(ours, "compile+graph", decode_run, model, args, device, graphs=True,
-                                         compile=True))
-            if args.sdpa_too and shape_name == "3b":
-                guarded(ours, "compile+graph, sdpa", decode_run, model, args, device, graphs=True, compile=True,
-                        fast_attention=False)
-            if args.pdl_off_too and shape_name in args.pdl_off_too.split(","):
-                guarded(ours, "compile+graph, no PDL", decode_run, model, args, device, graphs=True, compile=True,
-                        dependent_launch=False)
+            compiled_runs(ours, model, args, device, shape_name)
     else:
         guarded(ours, "eager", decode_run, model, args, device, graphs=False, new_tokens=min(args.new_tokens, 16))
     if not args.quick and remaining(args) > 45:

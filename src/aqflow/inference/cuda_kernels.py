@@ -1,23 +1,25 @@
 """The CUDA C++ lookup-table GEMVs for 2x8 AQLM linears (csrc/lut_gemv*.cu), built at first use.
 
-Split-K kernel (csrc/lut_gemv.cu, up to 4 tokens): a CTA builds the lookup tables of a chunk of input groups in shared memory (tensor-core products of the
-token with the codebooks, fp32 accumulation; fp32 or fp16 entries), then sweeps many rows of codes
-with one shared-memory read and one add per code; split-K sums meet in an fp32 workspace and the last
-CTA of each row block finishes them (scales, bias, cast) and leaves workspace and counters at zero,
-so a CUDA graph can replay the launch. Cluster kernel (csrc/lut_gemv_cluster.cu, one token): the CTAs
-splitting one row block's input groups form a thread-block cluster and add their sums through each
-other's shared memory, after requesting every code at once: one trip to device memory per launch where
-the split-K kernel makes four or five in a row. Both are launched with programmatic dependent launch
-inside `dependent_launch.enabled()` (the decode step's default on Hopper): their codes are requested
-before they wait for the kernel before them. Design, predictions and resource use:
+Split-K kernel (csrc/lut_gemv.cu, up to 4 tokens): a CTA builds the lookup tables of a chunk of input
+groups in shared memory (tensor-core products of the token with the codebooks, fp32 accumulation;
+fp32 or fp16 entries), then sweeps many rows of codes with one shared-memory read and one add per
+code; split-K sums meet in an fp32 workspace and the last CTA of each row block finishes them
+(scales, bias, cast) and leaves workspace and counters at zero, so a CUDA graph can replay the
+launch. Cluster kernel (csrc/lut_gemv_cluster.cu, one token): the CTAs splitting one row block's
+input groups form a thread-block cluster and add their sums through each other's shared memory,
+after requesting every code at once: one trip to device memory per launch where the split-K kernel
+makes four or five in a row. Both are launched with programmatic dependent launch inside
+`dependent_launch.enabled()` (the decode step's default on Hopper): their codes are requested before
+they wait for the kernel before them. Design, predictions and resource use:
 benchmarks/inference_gpu_notes.md.
 
 The extension is compiled by `torch.utils.cpp_extension.load` from the package's .cu/.cpp files on first
 use (about a minute; cached in TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). `load` rather
 than `load_inline`: the inline form prepends torch's headers to the CUDA file, which makes nvcc compile
 them too. It runs inside the `aqflow::packed_matmul` custom op (gpu_kernels), as the variants
-`cuda_lut32` / `cuda_cluster32` (fp32 tables) and `cuda_lut16` / `cuda_cluster16` (fp16 tables); geometries other than 2x8 over groups of 8,
-and any failure to build, fall back to the Triton kernels. AQFLOW_CUDA_KERNELS=0 turns it off.
+`cuda_lut32` / `cuda_cluster32` (fp32 tables) and `cuda_lut16` / `cuda_cluster16` (fp16 tables);
+geometries other than 2x8 over groups of 8, and any failure to build, fall back to the Triton
+kernels. AQFLOW_CUDA_KERNELS=0 turns it off.
 """
 
 from __future__ import annotations
