@@ -49,7 +49,7 @@ GROUPS_PER_CHUNK = 16
 CLUSTER_MAX_GROUPS = CLUSTER_MAX_RANKS * max(CLUSTER_MAX_CHUNKS.values()) * GROUPS_PER_CHUNK  # 16 CTAs x 8 chunks
 MAX_TOKENS = 4
 MAX_SHARED_BYTES = 200 * 1024  # leave room under the 227 KB a CTA may have
-TABLE_UNIT_BYTES = 256 * 32 * 4
+UNIT_PAIR_BYTES = 256 * 256  # two table units interleaved in 256-byte lines (csrc/lut_gemv_common.cuh)
 
 _state: dict = {"module": None, "error": None, "seconds": None}
 _lock = threading.Lock()
@@ -141,7 +141,7 @@ def max_tokens_for(tokens: int) -> int:
 
 def shared_bytes(entry_bits: int, tokens: int, chunks_per_cta: int) -> int:
     units = (chunks_per_cta + 1) // 2 if entry_bits == 16 else chunks_per_cta
-    return units * max_tokens_for(tokens) * TABLE_UNIT_BYTES
+    return _cdiv(units * max_tokens_for(tokens), 2) * UNIT_PAIR_BYTES
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -162,7 +162,7 @@ def make_config(packed: "PackedWeights", variant: str, rows_per_cta: int, chunks
 
 
 def default_config(packed: "PackedWeights", tokens: int, multiprocessors: int) -> "KernelConfig":
-    """fp32 tables of 2 chunks (64 KB at one token, two CTAs per SM by registers; 1 chunk for more tokens)
+    """fp32 tables of 2 chunks (64 KB at one token, up to three CTAs per SM; 1 chunk for more tokens)
     and rows per CTA giving about two CTAs per SM in all, at least 512 rows (the table build is paid once
     per CTA)."""
     chunks = min(2 if max_tokens_for(tokens) == 1 else 1, _cdiv(packed.num_groups, GROUPS_PER_CHUNK))

@@ -17,7 +17,9 @@
 // 2j + m. In a warp, 8 lanes read the 8 x 4 code bytes of one row's chunk (lane i: groups 2i, 2i+1), four
 // rows per warp; at look-up step s, the lane of row p reads byte (s + p) mod 4, so the 32 lanes read 32
 // different (group, codebook) pairs: 32 banks, one wavefront per 32 random look-ups. With fp16 entries two
-// chunks share a word (low half: even chunk, high half: odd chunk).
+// chunks share a word (low half: even chunk, high half: odd chunk). Two such tables interleave line by line
+// in 256-byte lines, so that one byte permute turns a code byte into its entry's address (three
+// instructions a look-up: permute, load, add; lut_gemv_common.cuh).
 //
 // Split-K: CTAs of one row block add their per-row sums into an fp32 workspace (red.global.add); the last
 // to arrive (a counter per row block) applies scales and bias, writes the output and zeroes workspace and
@@ -41,41 +43,58 @@ using namespace lut_detail;
 constexpr int kRowSlots = 8;                          // rows per thread per batch
 constexpr int kRowsPerBatch = kRowSlots * kWarps * 4;  // 256: 4 rows per warp per slot
 
-// Builds the tables of chunks [0, chunks) of this CTA for every token: units of kTableBytes, unit u of
-// token t at (u * kTokens + t) * kTableBytes; fp32 entries: unit u = chunk u; fp16: chunks 2u, 2u+1.
+// The offset of token t's table unit from token 0's: a unit's tokens take consecutive slots from an even
+// one (kTokens even) or it has one token.
+__device__ __forceinline__ constexpr int token_slot_offset(int t) { return unit_slot_offset(t); }
+
+// Builds the tables of chunks [0, chunks) of this CTA for every token: unit u of token t in slot
+// u * kTokens + t (unit_slot_offset); fp32 entries: unit u = chunk u; fp16: chunks 2u, 2u+1.
 // b: the codebooks' B fragments (load_codebook_fragments).
 template <typename Scalar, bool kHalfEntries, int kTokens>
 __device__ void build_tables(const LutGemvParams& p, const uint32_t (&b)[8], int g_begin, int g_end, int units,
                              unsigned char* smem) {
+  static_assert(kTokens == 1 || kTokens % 2 == 0, "a unit's token slots start at an even slot");
   for (int u = 0; u < units; ++u) {
 #pragma unroll
     for (int t = 0; t < kTokens; ++t) {
       const int g0 = g_begin + (kHalfEntries ? 2 : 1) * kGroupsPerChunk * u;
       const InputFragments a = input_fragments<Scalar, kHalfEntries>(p, t, g0, g_end);
-      store_table_unit<Scalar, kHalfEntries>(b, a, smem + (u * kTokens + t) * kTableBytes);
+      store_table_unit<Scalar, kHalfEntries>(b, a, smem + unit_slot_offset(u * kTokens + t));
     }
   }
 }
 
 // Code bytes of the 8 row slots of a batch for chunk c: 4 bytes (groups 2i, 2i+1 x codebooks 0, 1) per row.
+// A whole batch of a whole chunk (the CTA's usual case) loads without bounds checks, its addresses as 32-bit
+// word offsets (codes stay far below 16 GB).
 __device__ __forceinline__ void load_codes(const LutGemvParams& p, uint32_t (&words)[kRowSlots], int batch_row,
                                            int row_end, int chunk, int g_begin, int g_end) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row_in_warp = lane >> 3, i = lane & 7;
   const int g = g_begin + kGroupsPerChunk * chunk + 2 * i;
+  const int first_row = batch_row + warp * 4 + row_in_warp;
+  const unsigned int* code_words = reinterpret_cast<const unsigned int*>(p.codes);
+  const unsigned int row_words = static_cast<unsigned int>(p.groups) / 2;  // 2 bytes a group
+  const unsigned int first = first_row * row_words + g / 2;
+  const unsigned int slot_words = kWarps * 4 * row_words;
+  if (batch_row + kRowsPerBatch <= row_end && g_begin + kGroupsPerChunk * (chunk + 1) <= g_end) {
+#pragma unroll
+    for (int n = 0; n < kRowSlots; ++n) words[n] = __ldcs(code_words + first + n * slot_words);  // read once
+    return;
+  }
 #pragma unroll
   for (int n = 0; n < kRowSlots; ++n) {
-    const int row = batch_row + (n * kWarps + warp) * 4 + row_in_warp;
-    words[n] = 0u;
-    if (row < row_end && g < g_end) {
-      const uint8_t* at = p.codes + static_cast<size_t>(row) * p.groups * 2 + g * 2;
-      words[n] = __ldcs(reinterpret_cast<const unsigned int*>(at));  // read once: stream past L1/L2
-    }
+    const int row = first_row + n * kWarps * 4;
+    words[n] = row < row_end && g < g_end ? __ldcs(code_words + first + n * slot_words) : 0u;
   }
 }
 
+// CTAs a multiprocessor holds by registers: three at one token (80 registers, no spills; the extra warps
+// hide look-up latency: +1 % on the 3B decode step, H200), two at four tokens (their sums need more).
+constexpr int ctas_per_multiprocessor(int tokens) { return tokens == 1 ? 3 : 2; }
+
 template <typename Scalar, bool kHalfEntries, int kTokens>
-__global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_kernel(const __grid_constant__ LutGemvParams p) {
+__global__ void __launch_bounds__(kThreads, ctas_per_multiprocessor(kTokens)) lut_gemv_2x8_kernel(const __grid_constant__ LutGemvParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int last_to_arrive;
 
@@ -93,8 +112,21 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_kernel(const __grid_
   const int row_in_warp = lane >> 3, i = lane & 7;
   const LookupSteps steps = lookup_steps(row_in_warp, i);
 
-  uint32_t codes[kRowSlots];
-  if (row_begin < row_end) load_codes(p, codes, row_begin, row_end, 0, g_begin, g_end);  // in flight during the build
+  // codes of the next kAhead (batch, chunk) steps in flight while one is looked up: one step's compute is
+  // shorter than a trip to device memory
+  constexpr int kAhead = kTokens == 1 ? 2 : 1;
+  uint32_t codes[kAhead + 1][kRowSlots];
+  int load_row = row_begin, load_chunk = 0;  // the next step to request
+#pragma unroll
+  for (int a = 0; a < kAhead; ++a) {
+    if (load_row < row_end) {
+      load_codes(p, codes[a], load_row, row_end, load_chunk, g_begin, g_end);  // in flight during the build
+    } else {
+#pragma unroll
+      for (int n = 0; n < kRowSlots; ++n) codes[a][n] = 0u;
+    }
+    if (++load_chunk == chunks) load_chunk = 0, load_row += kRowsPerBatch;
+  }
   uint32_t b[8];
   load_codebook_fragments(codebooks, b);
   wait_for_prior_kernel();  // x and the workspace may come from the kernel before this one
@@ -110,31 +142,30 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_kernel(const __grid_
       for (int t = 0; t < kTokens; ++t) acc[n][t] = 0.0f;
 
     for (int chunk = 0; chunk < chunks; ++chunk) {
-      uint32_t next[kRowSlots];
-      if (chunk + 1 < chunks) {
-        load_codes(p, next, batch_row, row_end, chunk + 1, g_begin, g_end);
-      } else if (batch_row + kRowsPerBatch < row_end) {
-        load_codes(p, next, batch_row + kRowsPerBatch, row_end, 0, g_begin, g_end);
+      if (load_row < row_end) {
+        load_codes(p, codes[kAhead], load_row, row_end, load_chunk, g_begin, g_end);
       } else {
 #pragma unroll
-        for (int n = 0; n < kRowSlots; ++n) next[n] = 0u;
+        for (int n = 0; n < kRowSlots; ++n) codes[kAhead][n] = 0u;
       }
+      if (++load_chunk == chunks) load_chunk = 0, load_row += kRowsPerBatch;
       const int unit = kHalfEntries ? chunk >> 1 : chunk;
-      const unsigned char* table = smem + unit * kTokens * kTableBytes + (kHalfEntries ? 2 * (chunk & 1) : 0);
+      const LookupOffsets offsets = lookup_offsets(steps, unit * kTokens, kHalfEntries ? 2 * (chunk & 1) : 0);
 #pragma unroll
       for (int n = 0; n < kRowSlots; ++n) {
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
-          const uint32_t code = __byte_perm(codes[n], 0u, steps.selector[s]);
-          const unsigned char* entry = table + code * 128 + steps.bank_offset[s];
+          const unsigned char* entry = smem + lookup_address(codes[0][n], steps, offsets, s);
 #pragma unroll
           for (int t = 0; t < kTokens; ++t) {
-            acc[n][t] += table_entry<kHalfEntries>(entry + t * kTableBytes);
+            acc[n][t] += table_entry<kHalfEntries>(entry + token_slot_offset(t));
           }
         }
       }
 #pragma unroll
-      for (int n = 0; n < kRowSlots; ++n) codes[n] = next[n];
+      for (int a = 0; a < kAhead; ++a)
+#pragma unroll
+        for (int n = 0; n < kRowSlots; ++n) codes[a][n] = codes[a + 1][n];
     }
 
     // lane i of a row group ends with the whole sum of row slot i, for each token
@@ -215,7 +246,7 @@ cudaError_t launch(const LutGemvParams& params, int splits, bool dependent_launc
 
 int lut_gemv_2x8_shared_bytes(int entry_bits, int max_tokens, int chunks_per_cta) {
   const int units = entry_bits == 16 ? (chunks_per_cta + 1) / 2 : chunks_per_cta;
-  return units * max_tokens * kTableBytes;
+  return unit_slots_bytes(units * max_tokens);
 }
 
 int lut_gemv_2x8_launch(const LutGemvParams& params, int scalar_kind, int entry_bits, int max_tokens, int splits,

@@ -11,7 +11,7 @@
 //   [r * 16 * chunks_per_cta, ...) of the block's kSlots * 32 rows;
 // - every code of the CTA (kMaxChunks x kSlots words a thread), the codebooks, the inputs and the
 //   scales and bias of the rows it will finish are requested at once, before any table exists;
-// - the tables are built one unit at a time into two alternating buffers (one barrier per unit), so
+// - the tables are built one unit at a time into two alternating slots (one barrier per unit), so
 //   shared memory does not grow with the chunks;
 // - each rank leaves its rows' partial sums in its own shared memory; after a cluster barrier, rank r
 //   adds all ranks' sums of rows [r * kRows / cluster, ...) through distributed shared memory (in rank
@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_cluster_kernel(const
   constexpr int kRows = kSlots * kWarps * 4;  // 4 rows per warp per slot
   constexpr int kUnitChunks = kHalfEntries ? 2 : 1;
   constexpr int kMaxUnits = kMaxChunks / kUnitChunks;
-  extern __shared__ __align__(16) unsigned char tables[];  // two table units, used in turn
+  extern __shared__ __align__(16) unsigned char tables[];  // one unit pair: slots 0 and 1, used in turn
   __shared__ float partial[kRows];
 
   const int rank = blockIdx.x, ranks = gridDim.x;
@@ -99,19 +99,18 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_cluster_kernel(const
 #pragma unroll
   for (int u = 0; u < kMaxUnits; ++u) {
     if (u < units) {  // the same for the whole CTA: the barrier below is reached by all or none
-      unsigned char* table = tables + (u & 1) * kTableBytes;
-      store_table_unit<Scalar, kHalfEntries>(b, a[u], table);
+      store_table_unit<Scalar, kHalfEntries>(b, a[u], tables + unit_slot_offset(u & 1));
       __syncthreads();
 #pragma unroll
       for (int h = 0; h < kUnitChunks; ++h) {
         const int c = u * kUnitChunks + h;
         if (c < chunks) {
+          const LookupOffsets offsets = lookup_offsets(steps, u & 1, 2 * h);
 #pragma unroll
           for (int n = 0; n < kSlots; ++n) {
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
-              const uint32_t code = __byte_perm(codes[c][n], 0u, steps.selector[s]);
-              sums[n] += table_entry<kHalfEntries>(table + 2 * h + code * 128 + steps.bank_offset[s]);
+              sums[n] += table_entry<kHalfEntries>(tables + lookup_address(codes[c][n], steps, offsets, s));
             }
           }
         }
@@ -150,7 +149,7 @@ cudaError_t launch(const LutGemvParams& params, int ranks, bool dependent_launch
   cudaError_t status = cudaGetDevice(&device);
   if (status != cudaSuccess) return status;
   if (device >= kDevices || !configured[device]) {
-    status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * kTableBytes);
+    status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kPairBytes);
     if (status == cudaSuccess) status = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (status != cudaSuccess) return status;
     if (device < kDevices) configured[device] = true;
@@ -189,7 +188,7 @@ int lut_gemv_2x8_cluster_max_chunks(int rows_per_cta) {
 
 int lut_gemv_2x8_cluster_shared_bytes(int entry_bits, int chunks_per_cta) {
   const int units = entry_bits == 16 ? (chunks_per_cta + 1) / 2 : chunks_per_cta;
-  return (units < 2 ? units : 2) * lut_detail::kTableBytes;
+  return lut_detail::unit_slots_bytes(units < 2 ? units : 2);  // slots 0 and 1 in turn: one unit pair
 }
 
 int lut_gemv_2x8_cluster_launch(const LutGemvParams& params, int scalar_kind, int entry_bits, int ranks,

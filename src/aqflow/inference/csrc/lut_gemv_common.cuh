@@ -7,6 +7,12 @@
 // codewords) puts entry (j, m, k) in line k, bank 2j + m: a warp's 32 look-ups at 32 different (group,
 // codebook) pairs hit 32 different banks whatever the codes. fp32 entries: one chunk per unit; fp16
 // entries: two chunks per unit (low half: the even chunk, high half: the odd one).
+//
+// Units lie in pairs (kPairBytes): line k of a pair is 256 bytes, the first 128 of them line k of its even
+// unit, the rest line k of its odd one. So an entry's byte offset is pair * 65536 + code * 256 + (unit & 1)
+// * 128 + bank * 4 (+ 2 for an odd fp16 chunk): one byte permute forms it from the code byte and an
+// offset word holding the rest (lookup_address), and a look-up is three instructions (permute, load, add)
+// where a 128-byte line needed a shift-add as a fourth.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -25,6 +31,14 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kGroupsPerChunk = kLutGroupsPerChunk;
 constexpr int kCodewords = 256;
 constexpr int kTableBytes = kCodewords * 32 * 4;  // one table unit: 256 lines x 32 banks x 4 bytes
+constexpr int kLineBytes = 256;                     // a line of a unit pair
+constexpr int kPairBytes = kCodewords * kLineBytes;  // two table units, interleaved line by line
+
+// The byte offset of table unit slot q (q >> 1: its pair; q & 1: which half of each line) from the tables' start.
+__host__ __device__ constexpr int unit_slot_offset(int q) { return (q >> 1) * kPairBytes + (q & 1) * (kLineBytes / 2); }
+
+// Shared memory for `slots` table units.
+__host__ __device__ constexpr int unit_slots_bytes(int slots) { return (slots + 1) / 2 * kPairBytes; }
 
 template <typename Scalar>
 struct ScalarOps;
@@ -104,7 +118,8 @@ __device__ __forceinline__ uint32_t pack_halves(float low, float high) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
-// Writes one table unit (kTableBytes at `unit`) from the token's A fragments and the codebooks' B fragments.
+// Writes one table unit (its lines kLineBytes apart from `unit`, a unit_slot_offset) from the token's A
+// fragments and the codebooks' B fragments.
 template <typename Scalar, bool kHalfEntries>
 __device__ __forceinline__ void store_table_unit(const uint32_t (&b)[8], const InputFragments& a, unsigned char* unit) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -132,7 +147,7 @@ __device__ __forceinline__ void store_table_unit(const uint32_t (&b)[8], const I
     for (int e = 0; e < 4; ++e) rotated[e] = (tq & 1) ? word[(e + 1) & 3] : word[e];
 #pragma unroll
     for (int e = 0; e < 4; ++e) word[e] = (tq & 2) ? rotated[(e + 2) & 3] : rotated[e];
-    uint32_t* quad = reinterpret_cast<uint32_t*>(unit) + line * 32 + 4 * gid;
+    uint32_t* quad = reinterpret_cast<uint32_t*>(unit + line * kLineBytes) + 4 * gid;
 #pragma unroll
     for (int e = 0; e < 4; ++e) quad[(e + tq) & 3] = word[e];
   }
@@ -140,8 +155,9 @@ __device__ __forceinline__ void store_table_unit(const uint32_t (&b)[8], const I
 
 // A lane's four look-up steps over its 4 code bytes (groups 2i, 2i+1 x codebooks 0, 1 of its row): step s
 // reads byte (s + row_in_warp) mod 4, so the 4 rows of a warp hit 4 different banks of each group's
-// pair of banks. selector: __byte_perm's selector extracting that byte, zero-extended; bank_offset: the
-// byte offset of its bank (4i + byte) within a table line.
+// pair of banks. selector: __byte_perm's selector putting that code byte at bits 8-15 between bytes 0, 2
+// and 3 of an offset word (lookup_address); bank_offset: the byte offset of its bank (4i + byte) within a
+// unit's line.
 struct LookupSteps {
   uint32_t selector[4], bank_offset[4];
 };
@@ -151,10 +167,30 @@ __device__ __forceinline__ LookupSteps lookup_steps(int row_in_warp, int i) {
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const int byte = (s + row_in_warp) & 3;
-    steps.selector[s] = 0x4440u | byte;
+    steps.selector[s] = 0x7604u | (byte << 4);
     steps.bank_offset[s] = (4 * i + byte) * 4;
   }
   return steps;
+}
+
+// The offset words of one unit slot's look-ups: step s's bank, the slot's pair and line half, and `extra`
+// (2 for an odd fp16 chunk). Byte 1 is zero (bank_offset + half + extra < 256): the code byte goes there.
+struct LookupOffsets {
+  uint32_t word[4];
+};
+
+__device__ __forceinline__ LookupOffsets lookup_offsets(const LookupSteps& steps, int slot, int extra) {
+  LookupOffsets offsets;
+#pragma unroll
+  for (int s = 0; s < 4; ++s) offsets.word[s] = unit_slot_offset(slot) + extra + steps.bank_offset[s];
+  return offsets;
+}
+
+// The byte offset of step s's table entry for the 4 code bytes in `codes`: pair, half and bank from the
+// offset word, code * 256 from the code byte, in one permute.
+__device__ __forceinline__ uint32_t lookup_address(uint32_t codes, const LookupSteps& steps,
+                                                   const LookupOffsets& offsets, int s) {
+  return __byte_perm(codes, offsets.word[s], steps.selector[s]);
 }
 
 // The lanes i = 0..7 of a row group hold partial sums (over their own groups) of the same kSlots rows.

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# A/B of kernel variants on one GPU machine (issue 27): each NAME=SRC (a copy of the package's src/
+# folder, e.g. `git archive COMMIT src | tar -x -C DIR`) decodes the 3B shape through
+# benchmarks/inference_gpu.py with its own extension build, in the order given; the step times of one
+# machine compare, those of two machines do not. TESTS=NAME first runs the CUDA kernel tests against that
+# variant's source. Run from the repository root:
+#   bash benchmarks/decode_ab.sh OUT_DIR a=ab/a/src b=src [c=ab/c/src ...]
+set -uo pipefail
+out=${1:?OUT_DIR}
+shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+work=$(mktemp -d)
+for pair in "$@"; do
+  name=${pair%%=*} src=${pair#*=}
+  if [ "${TESTS:-}" = "$name" ]; then
+    mkdir -p "$work/tests_$name" && cp -r "$src" "$work/tests_$name/src" && cp -r tests "$work/tests_$name/tests"
+    (cd "$work/tests_$name" && TORCH_EXTENSIONS_DIR="$work/ext_$name" PYTHONPATH=src TRITON_INTERPRET=0 timeout 240 \
+       python3 -m pytest -q -p no:cacheprovider tests/inference/test_cuda_kernels.py \
+       tests/inference/test_dependent_launch.py) > "$out/tests_$name.log" 2>&1
+    echo "== tests $name: $(tail -1 "$out/tests_$name.log")"
+  fi
+  TORCH_EXTENSIONS_DIR="$work/ext_$name" PYTHONPATH="$src:." timeout 200 python3 benchmarks/inference_gpu.py \
+    --models 3b --budget-seconds 170 --out "$out/$name" > "$out/$name.log" 2>&1
+  echo "== $name ($src)"; grep -E "decode compile\+graph|speed-up|logits" "$out/$name.log"
+done
