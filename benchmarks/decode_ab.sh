@@ -3,7 +3,7 @@
 # folder, e.g. `git archive COMMIT src | tar -x -C DIR`) decodes the 3B shape through
 # benchmarks/inference_gpu.py with its own extension build, in the order given; the step times of one
 # machine compare, those of two machines do not. TESTS=NAME first runs the CUDA kernel tests against that
-# variant's source. Run from the repository root:
+# variant's source; ARGS adds arguments to inference_gpu.py (e.g. --skip-kernels). Run from the repository root:
 #   bash benchmarks/decode_ab.sh OUT_DIR a=ab/a/src b=src [c=ab/c/src ...]
 set -uo pipefail
 out=${1:?OUT_DIR}
@@ -21,6 +21,6 @@ for pair in "$@"; do
     echo "== tests $name: $(tail -1 "$out/tests_$name.log")"
   fi
   TORCH_EXTENSIONS_DIR="$work/ext_$name" PYTHONPATH="$src:." timeout 200 python3 benchmarks/inference_gpu.py \
-    --models 3b --budget-seconds 170 --out "$out/$name" > "$out/$name.log" 2>&1
+    --models 3b --budget-seconds 170 ${ARGS:-} --out "$out/$name" > "$out/$name.log" 2>&1
   echo "== $name ($src)"; grep -E "decode compile\+graph|speed-up|logits" "$out/$name.log"
 done
