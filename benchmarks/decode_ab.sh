@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # A/B of kernel variants on one GPU machine (issue 27): each NAME=SRC (a copy of the package's src/
-# folder, e.g. `git archive COMMIT src | tar -x -C DIR`) decodes the 3B shape through
+# folder, e.g. `git archive COMMIT src | tar -x -C DIR`) decodes the shapes of MODELS (default 3B) through
 # benchmarks/inference_gpu.py with its own extension build, in the order given; the step times of one
 # machine compare, those of two machines do not. TESTS=NAME first runs the CUDA kernel tests against that
-# variant's source; ARGS adds arguments to inference_gpu.py (e.g. --skip-kernels). Run from the repository root:
+# variant's source, and a variant whose tests fail is not timed (the script stops); MODELS (default 3b),
+# BUDGET (seconds, default 170) and ARGS (e.g. --skip-kernels) go to inference_gpu.py. Run from the
+# repository root:
 #   bash benchmarks/decode_ab.sh OUT_DIR a=ab/a/src b=src [c=ab/c/src ...]
 set -uo pipefail
 out=${1:?OUT_DIR}
@@ -19,8 +21,10 @@ for pair in "$@"; do
        python3 -m pytest -q -p no:cacheprovider tests/inference/test_cuda_kernels.py \
        tests/inference/test_dependent_launch.py) > "$out/tests_$name.log" 2>&1
     echo "== tests $name: $(tail -1 "$out/tests_$name.log")"
+    grep -qE "[0-9]+ passed" "$out/tests_$name.log" && ! grep -qE "failed|error" "$out/tests_$name.log" ||
+      { echo "tests of $name failed: not timed"; exit 1; }
   fi
-  TORCH_EXTENSIONS_DIR="$work/ext_$name" PYTHONPATH="$src:." timeout 200 python3 benchmarks/inference_gpu.py \
-    --models 3b --budget-seconds 170 ${ARGS:-} --out "$out/$name" > "$out/$name.log" 2>&1
+  TORCH_EXTENSIONS_DIR="$work/ext_$name" PYTHONPATH="$src:." timeout $((${BUDGET:-170} + 40)) python3 benchmarks/inference_gpu.py \
+    --models "${MODELS:-3b}" --budget-seconds "${BUDGET:-170}" ${ARGS:-} --out "$out/$name" > "$out/$name.log" 2>&1
   echo "== $name ($src)"; grep -E "decode compile\+graph|speed-up|logits" "$out/$name.log"
 done
