@@ -43,10 +43,6 @@ using namespace lut_detail;
 constexpr int kRowSlots = 8;                          // rows per thread per batch
 constexpr int kRowsPerBatch = kRowSlots * kWarps * 4;  // 256: 4 rows per warp per slot
 
-// The offset of token t's table unit from token 0's: a unit's tokens take consecutive slots from an even
-// one (kTokens even) or it has one token.
-__device__ __forceinline__ constexpr int token_slot_offset(int t) { return unit_slot_offset(t); }
-
 // Builds the tables of chunks [0, chunks) of this CTA for every token: unit u of token t in slot
 // u * kTokens + t (unit_slot_offset); fp32 entries: unit u = chunk u; fp16: chunks 2u, 2u+1.
 // b: the codebooks' B fragments (load_codebook_fragments).
@@ -93,8 +89,26 @@ __device__ __forceinline__ void load_codes(const LutGemvParams& p, uint32_t (&wo
 // hide look-up latency: +1 % on the 3B decode step, H200), two at four tokens (their sums need more).
 constexpr int ctas_per_multiprocessor(int tokens) { return tokens == 1 ? 3 : 2; }
 
+// The next (batch, chunk) step of a CTA to request codes for, in the order the CTA looks them up.
+struct StepCursor {
+  int row, chunk;
+};
+
+// Requests the codes of `next`'s step into `words` (zeros past the CTA's last step) and moves `next` on.
+__device__ __forceinline__ void request_step(const LutGemvParams& p, uint32_t (&words)[kRowSlots], StepCursor& next,
+                                             int row_end, int chunks, int g_begin, int g_end) {
+  if (next.row < row_end) {
+    load_codes(p, words, next.row, row_end, next.chunk, g_begin, g_end);
+  } else {
+#pragma unroll
+    for (int n = 0; n < kRowSlots; ++n) words[n] = 0u;
+  }
+  if (++next.chunk == chunks) next.chunk = 0, next.row += kRowsPerBatch;
+}
+
 template <typename Scalar, bool kHalfEntries, int kTokens>
-__global__ void __launch_bounds__(kThreads, ctas_per_multiprocessor(kTokens)) lut_gemv_2x8_kernel(const __grid_constant__ LutGemvParams p) {
+__global__ void __launch_bounds__(kThreads, ctas_per_multiprocessor(kTokens))
+    lut_gemv_2x8_kernel(const __grid_constant__ LutGemvParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int last_to_arrive;
 
@@ -116,17 +130,9 @@ __global__ void __launch_bounds__(kThreads, ctas_per_multiprocessor(kTokens)) lu
   // shorter than a trip to device memory
   constexpr int kAhead = kTokens == 1 ? 2 : 1;
   uint32_t codes[kAhead + 1][kRowSlots];
-  int load_row = row_begin, load_chunk = 0;  // the next step to request
+  StepCursor next{row_begin, 0};
 #pragma unroll
-  for (int a = 0; a < kAhead; ++a) {
-    if (load_row < row_end) {
-      load_codes(p, codes[a], load_row, row_end, load_chunk, g_begin, g_end);  // in flight during the build
-    } else {
-#pragma unroll
-      for (int n = 0; n < kRowSlots; ++n) codes[a][n] = 0u;
-    }
-    if (++load_chunk == chunks) load_chunk = 0, load_row += kRowsPerBatch;
-  }
+  for (int a = 0; a < kAhead; ++a) request_step(p, codes[a], next, row_end, chunks, g_begin, g_end);  // during the build
   uint32_t b[8];
   load_codebook_fragments(codebooks, b);
   wait_for_prior_kernel();  // x and the workspace may come from the kernel before this one
@@ -142,13 +148,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_multiprocessor(kTokens)) lu
       for (int t = 0; t < kTokens; ++t) acc[n][t] = 0.0f;
 
     for (int chunk = 0; chunk < chunks; ++chunk) {
-      if (load_row < row_end) {
-        load_codes(p, codes[kAhead], load_row, row_end, load_chunk, g_begin, g_end);
-      } else {
-#pragma unroll
-        for (int n = 0; n < kRowSlots; ++n) codes[kAhead][n] = 0u;
-      }
-      if (++load_chunk == chunks) load_chunk = 0, load_row += kRowsPerBatch;
+      request_step(p, codes[kAhead], next, row_end, chunks, g_begin, g_end);
       const int unit = kHalfEntries ? chunk >> 1 : chunk;
       const LookupOffsets offsets = lookup_offsets(steps, unit * kTokens, kHalfEntries ? 2 * (chunk & 1) : 0);
 #pragma unroll
@@ -158,7 +158,9 @@ __global__ void __launch_bounds__(kThreads, ctas_per_multiprocessor(kTokens)) lu
           const unsigned char* entry = smem + lookup_address(codes[0][n], steps, offsets, s);
 #pragma unroll
           for (int t = 0; t < kTokens; ++t) {
-            acc[n][t] += table_entry<kHalfEntries>(entry + token_slot_offset(t));
+            // token t's unit lies unit_slot_offset(t) from token 0's: a unit's token slots start at an even
+            // slot (build_tables)
+            acc[n][t] += table_entry<kHalfEntries>(entry + unit_slot_offset(t));
           }
         }
       }

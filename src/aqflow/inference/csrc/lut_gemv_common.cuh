@@ -3,7 +3,7 @@
 // and its bank-conflict-free layout, the inputs it needs, the sum across a row group's lanes, the output's
 // epilogue, and programmatic dependent launch.
 //
-// A table unit is 256 lines of 32 banks (kTableBytes). Chunk c's table (16 groups x 2 codebooks x 256
+// A table unit is 256 lines of 32 banks (32 KB). Chunk c's table (16 groups x 2 codebooks x 256
 // codewords) puts entry (j, m, k) in line k, bank 2j + m: a warp's 32 look-ups at 32 different (group,
 // codebook) pairs hit 32 different banks whatever the codes. fp32 entries: one chunk per unit; fp16
 // entries: two chunks per unit (low half: the even chunk, high half: the odd one).
@@ -30,7 +30,6 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kGroupsPerChunk = kLutGroupsPerChunk;
 constexpr int kCodewords = 256;
-constexpr int kTableBytes = kCodewords * 32 * 4;  // one table unit: 256 lines x 32 banks x 4 bytes
 constexpr int kLineBytes = 256;                     // a line of a unit pair
 constexpr int kPairBytes = kCodewords * kLineBytes;  // two table units, interleaved line by line
 
@@ -193,35 +192,32 @@ __device__ __forceinline__ uint32_t lookup_address(uint32_t codes, const LookupS
   return __byte_perm(codes, offsets.word[s], steps.selector[s]);
 }
 
+// One transposing step across lanes kWidth apart (kWidth 4, 2, 1): of its first 2 * kWidth slots a lane
+// keeps the half its lane bit kWidth selects, plus its partner's copy of that half, in slots [0, kWidth).
+template <int kWidth, int kSlots>
+__device__ __forceinline__ void transpose_add(float (&sums)[kSlots], int i) {
+#pragma unroll
+  for (int k = 0; k < kWidth; ++k) {
+    const bool upper = i & kWidth;
+    const float send = upper ? sums[k] : sums[k + kWidth];
+    const float keep = upper ? sums[k + kWidth] : sums[k];
+    sums[k] = keep + __shfl_xor_sync(0xffffffffu, send, kWidth);
+  }
+}
+
 // The lanes i = 0..7 of a row group hold partial sums (over their own groups) of the same kSlots rows.
 // Afterwards lane i holds the whole sum of row slot i % kSlots in sums[0].
 template <int kSlots>
 __device__ __forceinline__ void reduce_row_group(float (&sums)[kSlots], int i) {
   static_assert(kSlots == 8 || kSlots == 4, "8 or 4 row slots");
   if (kSlots == 8) {
-    // transposing: each step halves the slots a lane keeps and sums pairs of lanes
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const bool upper = i & 4;
-      const float send = upper ? sums[k] : sums[k + 4];
-      const float keep = upper ? sums[k + 4] : sums[k];
-      sums[k] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
-    }
-  } else {
+    transpose_add<4>(sums, i);
+  } else {  // 4 slots over 8 lanes: lanes 4 apart hold the same rows
 #pragma unroll
     for (int k = 0; k < 4; ++k) sums[k] += __shfl_xor_sync(0xffffffffu, sums[k], 4);
   }
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const bool upper = i & 2;
-    const float send = upper ? sums[k] : sums[k + 2];
-    const float keep = upper ? sums[k + 2] : sums[k];
-    sums[k] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
-  }
-  const bool upper = i & 1;
-  const float send = upper ? sums[0] : sums[1];
-  const float keep = upper ? sums[1] : sums[0];
-  sums[0] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
+  transpose_add<2>(sums, i);
+  transpose_add<1>(sums, i);
 }
 
 // One table entry of a look-up: `entry` points at the word of (code, bank); fp16 units hold the even
