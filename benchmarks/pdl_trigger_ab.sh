@@ -2,7 +2,7 @@
 # One device call (issue 27): where the CUDA GEMVs let the next kernel launch under programmatic
 # dependent launch, A/B on one machine. A: as committed (after the look-ups); B: at the kernel's first
 # instruction, so the kernel after it (inductor's, or the attention's) is scheduled while the GEMV runs and
-# waits in griddepcontrol.wait. Both decode the 3B shape through benchmarks/inference_gpu.py, each with
+# waits in griddepcontrol.wait. Both decode the 3B shape through benchmarks/decode_ab.sh, each with
 # its own extension build. Run from the repository root: bash benchmarks/pdl_trigger_ab.sh OUT_DIR
 set -uo pipefail
 out=${1:?OUT_DIR}
@@ -14,7 +14,7 @@ python3 - "$variant/src/aqflow/inference/csrc" <<'PY'
 import sys
 from pathlib import Path
 csrc = Path(sys.argv[1])
-for name, before in (("lut_gemv.cu", "  uint32_t codes[kRowSlots];\n"),
+for name, before in (("lut_gemv.cu", "  // codes of the next kAhead"),
                      ("lut_gemv_cluster.cu", "  // 1. every request at once")):
     path = csrc / name
     text = path.read_text()
@@ -22,9 +22,4 @@ for name, before in (("lut_gemv.cu", "  uint32_t codes[kRowSlots];\n"),
     text = text.replace("  allow_next_kernel();\n", "").replace(before, "  allow_next_kernel();\n" + before)
     path.write_text(text)
 PY
-for run in a b; do
-  src=src; [ "$run" = b ] && src="$variant/src"
-  TORCH_EXTENSIONS_DIR="$variant/ext_$run" PYTHONPATH="$src:." timeout 200 python3 benchmarks/inference_gpu.py \
-    --models 3b --budget-seconds 170 --out "$out/$run" > "$out/$run.log" 2>&1
-  echo "== $run"; grep -E "decode compile\+graph|speed-up|logits" "$out/$run.log"
-done
+bash benchmarks/decode_ab.sh "$out" a=src b="$variant/src"
