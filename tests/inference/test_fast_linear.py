@@ -101,3 +101,37 @@ def test_bf16_linears_through_numba_keep_the_tied_head_and_the_logits(tmp_path):
         got, expected = model(ids).logits, reference(ids).logits
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_projections_on_a_cpu_leave_the_logits_bit_for_bit(tiny_aqlm, tmp_path, dtype):
+    """fuse_projections on a CPU (greedy_decode's default): the 2-bit layers held as column tiles
+    (gate/up here) become one register-kernel product, bf16 linears one numba GEMV; the logits of a
+    decode step and of a short prompt are those of the unfused model, bit for bit."""
+    from aqflow.inference import register_kernel
+    from aqflow.inference.decode import FusedProjectionMember, fuse_projections
+    from aqflow.inference.fast_linear import CpuBf16Linear, FusedColumnsLinear, install_cpu_bf16_linears
+
+    import transformers.quantizers  # noqa: F401  (before aqlm's integration)
+
+    quantized = load_causal_lm(tiny_aqlm, dtype=dtype, device="cpu")
+    install_fast_linears(quantized)
+    install_cpu_bf16_linears(quantized)
+    dense = load_causal_lm(build_tiny_llama(tmp_path / "fp", hidden_size=64, intermediate_size=128, num_layers=2,
+                                            seed=0), dtype=dtype, device="cpu")
+    install_cpu_bf16_linears(dense)
+    for model in (quantized, dense):
+        ids = torch.randint(0, model.config.vocab_size, (1, 3), generator=torch.Generator().manual_seed(5))
+        with torch.no_grad():
+            before = [model(ids).logits, model(ids[:, :1]).logits]
+            assert fuse_projections(model)
+            after = [model(ids).logits, model(ids[:, :1]).logits]
+        if model is dense and dtype == "float32":  # torch's fp32 GEMV of the fused weight: rounding may differ
+            torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+        else:
+            assert [(a - b).abs().max().item() for a, b in zip(after, before)] == [0.0, 0.0], (model is dense, type(model.model.layers[0].mlp.gate_proj.fused).__name__)
+        up = model.model.layers[0].mlp.up_proj
+        assert isinstance(up, FusedProjectionMember)
+    gate_up = quantized.model.layers[0].mlp.gate_proj.fused
+    assert isinstance(gate_up, FusedColumnsLinear) or register_kernel.compiled_kernel() is None
+    assert isinstance(dense.model.layers[0].mlp.gate_proj.fused, CpuBf16Linear if dtype == "bfloat16" else torch.nn.Module)

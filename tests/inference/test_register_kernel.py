@@ -1,5 +1,6 @@
 """The AVX-512 table kernel: exact products, its layout, and the numba kernels where it cannot run."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -140,3 +141,36 @@ def test_without_avx512_or_a_compiler_the_numba_kernels_stay(monkeypatch, tmp_pa
             assert register_kernel.compiled_kernel() is None
     finally:
         register_kernel.compiled_kernel.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens, dtype", [(1, torch.float32), (3, torch.bfloat16), (9, torch.float32)])
+def test_fused_layers_give_each_layers_own_output_and_hold_the_codes_once(tokens, dtype, monkeypatch):
+    """q/k/v-like layers of one input (unequal heights, their own codebooks, one with a bias) fused into
+    one product: bit for bit the outputs of the layers called one by one, at 1 and 3 tokens (one
+    register-kernel call) and at 9 (each layer's prefill path); the layers' codes become views of one
+    stacked tensor."""
+    from aqflow.inference.decode import _fused_owner
+    from aqflow.inference.fast_linear import FusedColumnsLinear
+    from aqflow.inference.runtime import resident_weight_bytes
+
+    monkeypatch.setenv(register_kernel.TABLES_ENV, "float16")  # both products alike: no timing race
+    layers = [FastQuantizedLinear(random_layer(out_features=rows, in_features=256, seed=seed))
+              for seed, rows in enumerate((5 * 64, 64, 2 * 64))]
+    layers[1].bias = None
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(4)).to(dtype)
+    alone = torch.cat([layer(x) for layer in layers], dim=-1)
+    bytes_alone = sum(resident_weight_bytes(layer) for layer in layers)
+    fused = _fused_owner(layers)
+    assert isinstance(fused, FusedColumnsLinear)
+    got = fused(x)
+    assert got.dtype == dtype and got.shape == (tokens, 8 * 64)
+    assert torch.equal(got, alone)
+    assert resident_weight_bytes(fused) <= bytes_alone  # the stack replaced the layers' own codes
+    assert all(layer.codes.untyped_storage().data_ptr() == fused._stacked_codes.untyped_storage().data_ptr()
+               for layer in layers)
+    flat = x.float().numpy()
+    for threads in (1, 2):  # the calling thread alone, and the parallel loop
+        stacked = register_kernel.register_matmul(flat, fused.operands(), threads)
+        one_by_one = [register_kernel.register_matmul(flat, layer.register_operands(), threads) for layer in layers]
+        assert (stacked == np.concatenate(one_by_one, axis=1)).all()

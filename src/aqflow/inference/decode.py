@@ -5,7 +5,7 @@ into the step's own input buffers) is captured once as a CUDA graph and replayed
 token costs no Python; by default the model forward is `torch.compile`d first (RMSNorm, rotary, residual
 adds and casts fused into a few kernels; tens of seconds once per call) and the compiled step captured
 the same way, falling back to the plain step where compiling fails. q/k/v and gate/up are fused into
-one product each first (`fuse_projections`). On CPU the same step runs eagerly.
+one product each first (`fuse_projections`), on a CPU too, where the step runs eagerly.
 
 `fuse_projections(model)` makes the q/k/v and gate/up projections of the Llama family (Llama,
 Mistral, Qwen2) one matrix product each: fewer kernels per token, for dense and quantized layers.
@@ -125,7 +125,8 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     graphs: capture the decode step as a CUDA graph (default: on CUDA). compile: torch.compile the
     model forward of the step before capturing it (default: with graphs; a compile that fails falls
     back to the plain forward, timings.compile_error says why). fuse: fuse_projections(model) first, in
-    place (default: on CUDA; logits unchanged). on_token(id) is called for every new token as it
+    place (default: on; logits unchanged but for rounding: on a CPU the fused 2-bit and bf16 products
+    are bit-identical to the unfused ones, a fused fp32 GEMV may round differently). on_token(id) is called for every new token as it
     is made (this reads each token back to the host: a sync per token). stop_tokens: stop after the
     first of these (also a sync per token). profile: record the kernels of one (untimed) graphed step in
     timings.step_kernels. Returns (tokens [n] int64 on the CPU, timings), n <= new_tokens. A CUDA graph
@@ -175,7 +176,7 @@ def _greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: 
     if graphs and device.type != "cuda":
         raise ValueError(f"graphs=True needs a CUDA model, this one is on {device}")
     compile = graphs if compile is None else compile
-    if fuse if fuse is not None else device.type == "cuda":
+    if fuse is None or fuse:
         fuse_projections(model)  # idempotent: fused members are no longer nn.Linear or quantized linears
     model.eval()
     prompt_tokens = input_ids.shape[1]
@@ -347,10 +348,12 @@ class FusedProjectionMember(torch.nn.Module):
 
 
 class FusedDenseLinear(torch.nn.Module):
-    """Several nn.Linear of one input as one [sum(out), in] weight."""
+    """Several nn.Linear (or CpuBf16Linear) of one input as one [sum(out), in] weight."""
 
-    def __init__(self, linears: Sequence[torch.nn.Linear]):
+    def __init__(self, linears: Sequence[torch.nn.Module]):
         super().__init__()
+        self.in_features = linears[0].in_features
+        self.out_features = sum(l.out_features for l in linears)
         self.weight = torch.nn.Parameter(torch.cat([l.weight.data for l in linears], dim=0), requires_grad=False)
         if any(l.bias is not None for l in linears):
             self.bias = torch.nn.Parameter(torch.cat([
@@ -391,9 +394,11 @@ _LLAMA_FAMILY_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", (
 
 def fuse_projections(model: torch.nn.Module) -> list[str]:
     """Replaces, in every decoder layer of a Llama-family model (Llama, Mistral, Qwen2), q/k/v and
-    gate/up by members of one fused product: one cuBLAS GEMV for nn.Linear, one quantized kernel
-    launch for quantized linears (modules with `quantized_weights()`). Groups mixing kinds, or
-    quantized on a device other than CUDA, stay unfused. Returns the names of the fused groups."""
+    gate/up by members of one fused product: one GEMV for nn.Linear (cuBLAS, or BLAS on a CPU) and for
+    CpuBf16Linear (numba's bf16 GEMV), one quantized kernel launch for quantized linears on CUDA
+    (modules with `quantized_weights()`), one register-kernel call for FastQuantizedLinear held as
+    column tiles on a CPU (FusedColumnsLinear). Groups mixing kinds, and other quantized layers on a
+    CPU, stay unfused. Returns the names of the fused groups."""
     fused: list[str] = []
     for layer_name, layer in _decoder_layers(model):
         for block_name, names in _LLAMA_FAMILY_GROUPS:
@@ -423,10 +428,17 @@ def _decoder_layers(model: torch.nn.Module):
 
 
 def _fused_owner(members: Sequence[torch.nn.Module]) -> torch.nn.Module | None:
-    if all(type(m) is torch.nn.Linear for m in members):
+    from aqflow.inference.fast_linear import CpuBf16Linear, FastQuantizedLinear, FusedColumnsLinear, fused_columns_fit
+
+    if all(type(m) is torch.nn.Linear for m in members) or all(type(m) is CpuBf16Linear for m in members):
         if len({m.in_features for m in members}) != 1:
             return None
-        return FusedDenseLinear(members)
+        fused = FusedDenseLinear(members)
+        return fused if type(members[0]) is torch.nn.Linear else CpuBf16Linear(fused)
+    if fused_columns_fit(members):  # 2-bit layers on a CPU: one register-kernel call for all
+        return FusedColumnsLinear(list(members))
+    if any(type(m) is FastQuantizedLinear and m.codes.device.type == "cpu" for m in members):
+        return None  # other CPU layouts: the numba kernels, one call a layer (never Triton's interpreter)
     weights = [quantized_weights_of(m) for m in members]
     if all(w is not None for w in weights):
         from aqflow.inference import gpu_kernels

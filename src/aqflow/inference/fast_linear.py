@@ -142,6 +142,65 @@ class FastQuantizedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class FusedColumnsLinear(nn.Module):
+    """Several FastQuantizedLinear of the same input held as column tiles on a CPU (q/k/v, gate/up)
+    as one product: forward(x [..., in]) -> [..., sum(out)] in x's dtype. A decode step's few tokens
+    take one register-kernel call for all (register_kernel.stacked_operands: two parallel regions and
+    one Python call instead of those of each layer); more tokens go through each layer's own forward.
+
+    The layers' codes are moved into one stacked tensor and each layer's `codes` buffer becomes its
+    view of it, so the codes are held once. The layers stay submodules (`layers`)."""
+
+    def __init__(self, layers: list[FastQuantizedLinear]):
+        super().__init__()
+        if not fused_columns_fit(layers):
+            raise ValueError("FusedColumnsLinear: the layers must be FastQuantizedLinear held as column tiles on a "
+                             "CPU, with one input size and one codebook shape")
+        self.layers = nn.ModuleList(layers)
+        self.in_features = layers[0].in_features
+        self.out_features = sum(layer.out_features for layer in layers)
+        stacked = torch.cat([layer.codes for layer in layers])
+        start = 0
+        for layer in layers:
+            count = layer.codes.shape[0]
+            layer.codes = stacked[start:start + count]  # the buffer is now a view: one copy of the codes
+            layer._register_operands = None
+            start += count
+        self._stacked_codes = stacked
+        self._operands: register_kernel.RegisterOperands | None = None
+
+    def _apply(self, fn, recurse=True):
+        self._operands = None  # the layers' buffers are replaced: they are no longer views of the stack
+        self._stacked_codes = None
+        return super()._apply(fn, recurse)
+
+    def operands(self) -> register_kernel.RegisterOperands | None:
+        """The stacked operands, or None once the layers were moved or cast (then each runs alone)."""
+        if self._operands is None and self._stacked_codes is not None:
+            self._operands = register_kernel.stacked_operands(
+                self._stacked_codes, [layer.register_operands() for layer in self.layers])
+        return self._operands
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        operands = self.operands() if flat.device.type == "cpu" and flat.shape[0] <= LUT_MAX_TOKENS else None
+        if operands is None:
+            return torch.cat([layer(x) for layer in self.layers], dim=-1)
+        out = register_kernel.product_with_operands(flat, operands)
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def fused_columns_fit(layers) -> bool:
+    """Whether FusedColumnsLinear takes these modules: FastQuantizedLinear with codes as column tiles
+    on a CPU, one input size, one codebook shape (codebooks, group)."""
+    return (len(layers) > 0 and all(type(layer) is FastQuantizedLinear and layer.layout == "columns"
+                                    and layer.codes.device.type == "cpu" for layer in layers)
+            and len({layer.in_features for layer in layers}) == 1
+            and len({tuple(layer.codebooks.shape) for layer in layers}) == 1)
+
+
 def install_fast_linears(model: nn.Module) -> list[str]:
     """Replace, in place, every aqlm `QuantizedLinear` of `model` by a `FastQuantizedLinear` on the
     same device holding the same codes (unsigned), codebooks, scales and bias. Returns the names

@@ -148,14 +148,17 @@ def rows_from_column_tiles(tiles: torch.Tensor, num_codebooks: int) -> torch.Ten
 
 @dataclass(frozen=True)
 class RegisterOperands:
-    """A layer as the kernel reads it: codes [out/64, G*M, 64] uint8 (column_tiles), codebooks
-    [M, g, 256] float32 (codeword index last), scales [out] and bias [out] float32 (zeros where the
-    layer has none)."""
+    """One layer, or several layers of the same input stacked by rows (q/k/v, gate/up: one product
+    for all), as the kernel reads them: codes [tiles, G*M, 64] uint8 (column_tiles, the layers' tiles
+    one after another), codebooks [layers, M, g, 256] float32 (codeword index last), scales [out] and
+    bias [out] float32 (zeros where a layer has none), layer_tiles [layers + 1] int64 (layer i holds
+    tiles layer_tiles[i]:layer_tiles[i + 1], so rows 64 times those)."""
 
     codes: np.ndarray
     codebooks: np.ndarray
     scales: np.ndarray
     bias: np.ndarray
+    layer_tiles: np.ndarray
 
     @property
     def out_features(self) -> int:
@@ -170,9 +173,29 @@ def register_operands(tiles: torch.Tensor, codebooks: torch.Tensor, scales: torc
     as_float = lambda tensor: np.ascontiguousarray(tensor.detach().to(torch.float32).reshape(-1).numpy())  # noqa: E731
     return RegisterOperands(
         codes=tiles.numpy(),
-        codebooks=np.ascontiguousarray(codebooks.detach().to(torch.float32).transpose(1, 2).numpy()),
+        codebooks=np.ascontiguousarray(codebooks.detach().to(torch.float32).transpose(1, 2).numpy())[None],
         scales=as_float(scales),
-        bias=np.zeros(out_features, dtype=np.float32) if bias is None else as_float(bias))
+        bias=np.zeros(out_features, dtype=np.float32) if bias is None else as_float(bias),
+        layer_tiles=np.array([0, tiles.shape[0]], dtype=np.int64))
+
+
+def stacked_operands(tiles: torch.Tensor, layers: list[RegisterOperands]) -> RegisterOperands:
+    """Several layers of the same input as one product: `tiles` [sum of their tiles, G*M, 64] uint8
+    holds their column tiles one after another (the caller keeps it; the operands view it), `layers`
+    their own operands (one layer each, same code columns and codebook shape)."""
+    first = layers[0]
+    if any(layer.codes.shape[1:] != first.codes.shape[1:] or layer.codebooks.shape != first.codebooks.shape
+           or len(layer.layer_tiles) != 2 for layer in layers):
+        raise ValueError("stacked_operands: the layers must be single layers with the same code columns and codebooks")
+    counts = [layer.codes.shape[0] for layer in layers]
+    if tiles.shape[0] != sum(counts) or tuple(tiles.shape[1:]) != first.codes.shape[1:]:
+        raise ValueError(f"stacked_operands: tiles {tuple(tiles.shape)} do not hold the layers' {sum(counts)} tiles")
+    return RegisterOperands(
+        codes=tiles.numpy(),
+        codebooks=np.concatenate([layer.codebooks for layer in layers]),
+        scales=np.concatenate([layer.scales for layer in layers]),
+        bias=np.concatenate([layer.bias for layer in layers]),
+        layer_tiles=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
 
 
 def column_blocks(columns: int, threads: int) -> int:
@@ -182,24 +205,27 @@ def column_blocks(columns: int, threads: int) -> int:
 
 
 @njit(parallel=True, cache=True)
-def _product_parallel(kernel, x, codebooks, codes, scales, bias, tables, partial, out):
+def _product_parallel(kernel, x, codebooks, codes, layer_tiles, scales, bias, tables, partial, out):
     """out[t] = (the table sums of token t) * scales + bias: each of `blocks` = partial.shape[0]
-    threads builds the tables of a slice of the code columns into tables[block] and sums them into
-    partial[block, t] (the kernel); then the slices are added in block order, a chunk of rows a
-    thread.
+    threads builds, layer by layer, the tables of a slice of the code columns into tables[block] and
+    sums them over the layer's rows into partial[block, t] (the kernel); then the slices are added in
+    block order, a chunk of rows a thread. Two parallel regions whatever the number of layers.
 
-    x [T, in] f32, codebooks [M, g, 256] f32, codes [out/64, C, 64] u8, scales and bias [out] f32,
-    tables [blocks, >= C/blocks + 1, 256] f32 or f16 bits as u16 (the kernel's; scratch), partial
-    [blocks, T, out] f32, out [T, out] f32."""
-    count, columns = codes.shape[0], codes.shape[1]
-    num_codebooks, group = codebooks.shape[0], codebooks.shape[1]
+    x [T, in] f32, codebooks [layers, M, g, 256] f32, codes [tiles, C, 64] u8, layer_tiles [layers + 1],
+    scales and bias [out] f32, tables [blocks, >= C/blocks + 1, 256] f32 or f16 bits as u16 (the
+    kernel's; scratch), partial [blocks, T, out] f32, out [T, out] f32."""
+    columns = codes.shape[1]
+    num_codebooks, group = codebooks.shape[1], codebooks.shape[2]
     blocks = partial.shape[0]
     for t in range(x.shape[0]):
         for block in prange(blocks):
             first = block * columns // blocks
             last = (block + 1) * columns // blocks
-            kernel(x[t].ctypes.data, codebooks.ctypes.data, num_codebooks, group, codes.ctypes.data, count, columns,
-                   first, last, tables[block].ctypes.data, partial[block, t].ctypes.data)
+            for layer in range(layer_tiles.shape[0] - 1):
+                start, stop = layer_tiles[layer], layer_tiles[layer + 1]
+                kernel(x[t].ctypes.data, codebooks[layer].ctypes.data, num_codebooks, group, codes[start].ctypes.data,
+                       stop - start, columns, first, last, tables[block].ctypes.data,
+                       partial[block, t, start * 64:].ctypes.data)
     rows = out.shape[1]
     for chunk in prange(blocks):
         start = chunk * rows // blocks
@@ -245,15 +271,17 @@ def register_matmul(x: np.ndarray, operands: RegisterOperands, threads: int | No
     blocks = column_blocks(columns, threads)
     tables = scratch((blocks, -(-columns // blocks), 256), np.float32 if table_dtype == "float32" else np.uint16)
     if blocks == 1:  # one slice: the kernel writes the output itself, on the calling thread
+        _, num_codebooks, group, _ = operands.codebooks.shape
         for t in range(tokens):
-            kernel(x[t].ctypes.data, operands.codebooks.ctypes.data, operands.codebooks.shape[0],
-                   operands.codebooks.shape[1], operands.codes.ctypes.data, operands.codes.shape[0], columns, 0, columns,
-                   tables.ctypes.data, out[t].ctypes.data)
+            for layer, (start, stop) in enumerate(zip(operands.layer_tiles[:-1], operands.layer_tiles[1:])):
+                kernel(x[t].ctypes.data, operands.codebooks[layer].ctypes.data, num_codebooks, group,
+                       operands.codes[start].ctypes.data, stop - start, columns, 0, columns, tables.ctypes.data,
+                       out[t, start * ROWS:].ctypes.data)
         out *= operands.scales
         out += operands.bias
     else:
-        _product_parallel(kernel, x, operands.codebooks, operands.codes, operands.scales, operands.bias, tables,
-                          scratch((blocks, tokens, operands.out_features)), out)
+        _product_parallel(kernel, x, operands.codebooks, operands.codes, operands.layer_tiles, operands.scales,
+                          operands.bias, tables, scratch((blocks, tokens, operands.out_features)), out)
     return out
 
 
