@@ -262,6 +262,11 @@ def set_config(packed: PackedWeights, tokens: int, config: KernelConfig) -> None
     _TUNED[shape_key(packed, tokens)] = config
 
 
+def set_tuned(key: tuple, config: KernelConfig) -> None:
+    """Record `config` for the shape `key` (a shape_key), e.g. one chosen by timing whole decode steps."""
+    _TUNED[key] = config
+
+
 def tuned_configs() -> dict[tuple, KernelConfig]:
     return dict(_TUNED)
 
