@@ -309,8 +309,19 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
             "prefill_tokens_per_second": timings.prefill_tokens_per_second,
             "decode": {"prompt_tokens": timings.prompt_tokens, "timed_steps": timings.timed_steps,
                        "decode_seconds": timings.decode_seconds},
+            "tables_16bit": _tables_16bit(),
             "resident_weight_bytes": resident_weight_bytes(model), "peak_rss_bytes": peak_rss_bytes(),
             "rss_before_build_bytes": rss_before}
+
+
+def _tables_16bit() -> str | None:
+    """The register kernel's tables for 16-bit activations in this process: as AQFLOW_CPU_TABLES names
+    them, or as timed on the first product ('auto'); None where no such product ran."""
+    from aqflow.inference import register_kernel
+
+    wanted = os.environ.get(register_kernel.TABLES_ENV, "auto")
+    chosen = register_kernel.chosen_tables()
+    return wanted if wanted != "auto" else (", ".join(f"{v} ({k} threads)" for k, v in chosen.items()) or None)
 
 
 def _numba_layer() -> str | None:
@@ -356,8 +367,8 @@ def decode_rows(args, threads: int) -> list[dict]:
             row = call_in_child(decode_child, name, dtype, linears, args.prompt_tokens, new_tokens, threads, repeats,
                                 bf16_gemv, torch_thread_count, what=name)
             print(f"  {name:28s} {row['decode_tokens_per_second']:7.2f} tokens/s, weights "
-                  f"{row['resident_weight_bytes'] / 2**30:6.2f} GiB, peak RSS {row['peak_rss_bytes'] / 2**30:6.2f} GiB",
-                  flush=True)
+                  f"{row['resident_weight_bytes'] / 2**30:6.2f} GiB, peak RSS {row['peak_rss_bytes'] / 2**30:6.2f} GiB"
+                  + (f", tables {row['tables_16bit']}" if row.get("tables_16bit") else ""), flush=True)
             return row
         return run
 

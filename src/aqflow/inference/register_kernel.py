@@ -321,6 +321,12 @@ def tables_for_16bit(x: np.ndarray, operands: RegisterOperands, threads: int | N
     return _fastest_tables[key]
 
 
+def chosen_tables() -> dict[int, str]:
+    """The table dtype tables_for_16bit settled on in this process, by thread count (empty before the
+    first 16-bit product, or where AQFLOW_CPU_TABLES names one)."""
+    return dict(_fastest_tables)
+
+
 def product_with_operands(x: torch.Tensor, operands: RegisterOperands, threads: int | None = None) -> torch.Tensor:
     """x [T, in] in any float dtype -> [T, out] float32 through the register kernel, with float32 tables
     for float32 activations and tables_for_16bit's for 16-bit ones (table_dtype_for says which may
