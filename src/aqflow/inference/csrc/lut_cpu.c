@@ -135,3 +135,52 @@ void aqflow_register_product_f16(const float *x, const float *codebooks, long nu
                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     sums16(tables, codes, tiles, columns, first_column, last_column, out);
 }
+
+// One worker of a product split into `blocks` slices of the code columns: it takes slices from a queue
+// (an atomic counter, from 0) until none is left, and for each, layer by layer, builds the slice's
+// tables into its own `tables` and sums them over the layer's rows into partial + block * stride (the
+// layers' tiles one after another: layer l holds tiles layer_tiles[l]..layer_tiles[l + 1], its
+// codebooks the l-th [M, g, 256] block). The slices go to whichever thread is free, so a thread slowed
+// by another tenant of its core takes fewer of them instead of holding the others up at the end.
+typedef void product_fn(const float *, const float *, long, long, const uint8_t *, long, long, long, long, void *,
+                        float *);
+
+static void take_slices(product_fn *product, const float *x, const float *codebooks, long num_codebooks, long group,
+                        const uint8_t *codes, const long *layer_tiles, long layers, long columns, long blocks,
+                        void *tables, float *partial, long stride, long *counter) {
+    for (;;) {
+        const long block = __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
+        if (block >= blocks) return;
+        const long first = block * columns / blocks, last = (block + 1) * columns / blocks;
+        for (long l = 0; l < layers; l++)
+            product(x, codebooks + l * num_codebooks * group * 256, num_codebooks, group,
+                    codes + layer_tiles[l] * columns * ROWS, layer_tiles[l + 1] - layer_tiles[l], columns, first, last,
+                    tables, partial + block * stride + layer_tiles[l] * ROWS);
+    }
+}
+
+static void product_f32(const float *x, const float *codebooks, long num_codebooks, long group, const uint8_t *codes,
+                        long tiles, long columns, long first_column, long last_column, void *tables, float *out) {
+    aqflow_register_product(x, codebooks, num_codebooks, group, codes, tiles, columns, first_column, last_column,
+                            (float *)tables, out);
+}
+
+static void product_f16(const float *x, const float *codebooks, long num_codebooks, long group, const uint8_t *codes,
+                        long tiles, long columns, long first_column, long last_column, void *tables, float *out) {
+    aqflow_register_product_f16(x, codebooks, num_codebooks, group, codes, tiles, columns, first_column, last_column,
+                                (uint16_t *)tables, out);
+}
+
+void aqflow_register_slices(const float *x, const float *codebooks, long num_codebooks, long group,
+                            const uint8_t *codes, const long *layer_tiles, long layers, long columns, long blocks,
+                            void *tables, float *partial, long stride, long *counter) {
+    take_slices(product_f32, x, codebooks, num_codebooks, group, codes, layer_tiles, layers, columns, blocks, tables,
+                partial, stride, counter);
+}
+
+void aqflow_register_slices_f16(const float *x, const float *codebooks, long num_codebooks, long group,
+                                const uint8_t *codes, const long *layer_tiles, long layers, long columns, long blocks,
+                                void *tables, float *partial, long stride, long *counter) {
+    take_slices(product_f16, x, codebooks, num_codebooks, group, codes, layer_tiles, layers, columns, blocks, tables,
+                partial, stride, counter);
+}
