@@ -275,11 +275,6 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
     if linears == "fast-gathers":  # before any FastQuantizedLinear asks whether the register kernel runs
         os.environ["AQFLOW_REGISTER_KERNEL"] = "0"
         linears = "fast"
-    if linears.startswith("fast-slices"):  # the code columns cut into more slices than threads (a queue)
-        from aqflow.inference import register_kernel
-
-        os.environ[register_kernel.SLICES_ENV] = linears.removeprefix("fast-slices")
-        linears = "fast"
     if linears in ("fast-f32-tables", "fast-f16-tables"):  # one kind of tables for the bf16 activations
         from aqflow.inference import register_kernel
 
@@ -352,8 +347,6 @@ DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears, bf16 line
     # the register kernel with one kind of tables (by default bf16 activations take whichever timed faster)
     ("2x8 fast (bf16 rest, float32 tables)", "bfloat16", "fast-f32-tables", True, None),
     ("2x8 fast (bf16 rest, float16 tables)", "bfloat16", "fast-f16-tables", True, None),
-    # each thread taking 3 slices of a product's code columns on average, from a queue
-    ("2x8 fast (bf16 rest, 3 slices a thread)", "bfloat16", "fast-slices3", True, None),
     ("2x8 fast (bf16 rest, torch 1 thread)", "bfloat16", "fast", True, 1),
     ("2x8 fast (bf16 rest, torch lm_head)", "bfloat16", "fast", False, None),
     ("2x8 fast (fp32 rest)", "float32", "fast", False, None),

@@ -174,20 +174,3 @@ def test_fused_layers_give_each_layers_own_output_and_hold_the_codes_once(tokens
         stacked = register_kernel.register_matmul(flat, fused.operands(), threads)
         one_by_one = [register_kernel.register_matmul(flat, layer.register_operands(), threads) for layer in layers]
         assert (stacked == np.concatenate(one_by_one, axis=1)).all()
-
-
-@needs_kernel
-def test_more_slices_than_threads_still_give_the_layer(monkeypatch):
-    """AQFLOW_CPU_SLICES=3: the code columns cut into three slices a thread, taken from a queue; every
-    slice is summed once (the product within float32 rounding of the exact one); 0 is refused."""
-    w = random_layer(out_features=2 * 64, in_features=1024)  # 256 code columns: up to 8 slices
-    x = torch.randn(2, w.in_features, generator=torch.Generator().manual_seed(6))
-    exact = x.double() @ dense_weight(w).double().T + w.bias.double()
-    operands = register_kernel.register_operands(register_kernel.column_tiles(w.codes), w.codebooks, w.scales, w.bias)
-    monkeypatch.setenv(register_kernel.SLICES_ENV, "3")
-    assert register_kernel.column_blocks(256, 2, register_kernel.slices_per_thread()) == 6
-    got = torch.from_numpy(register_kernel.register_matmul(x.numpy(), operands, threads=2))
-    assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
-    monkeypatch.setenv(register_kernel.SLICES_ENV, "0")
-    with pytest.raises(ValueError, match="AQFLOW_CPU_SLICES"):
-        register_kernel.register_matmul(x.numpy(), operands, threads=2)

@@ -94,15 +94,10 @@ def build_library(compiler: str, cache_dir: Path) -> Path:
 class Kernels:
     """The compiled products (ctypes functions of csrc/lut_cpu.c), with the arguments (x,
     codebooks, M, g, codes, tiles, columns, first_column, last_column, tables, out): `float32`
-    tables (exact to float32 rounding) and `float16` ones (for 16-bit activations); and a worker of a
-    product cut into slices for each (`slices32`, `slices16`: x, codebooks, M, g, codes, layer_tiles,
-    layers, columns, slices, tables, partial, stride, counter), which takes slices from the queue
-    `counter` until none is left."""
+    tables (exact to float32 rounding) and `float16` ones (for 16-bit activations)."""
 
     float32: object
     float16: object
-    slices32: object
-    slices16: object
 
 
 @functools.cache
@@ -130,13 +125,7 @@ def compiled_kernel() -> Kernels | None:
                              ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                              ctypes.c_void_p]
         function.restype = None
-    workers = (library.aqflow_register_slices, library.aqflow_register_slices_f16)
-    for function in workers:
-        function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                             ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                             ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
-        function.restype = None
-    return Kernels(*functions, *workers)
+    return Kernels(*functions)
 
 
 def applies(nbits: int, out_features: int) -> bool:
@@ -209,55 +198,42 @@ def stacked_operands(tiles: torch.Tensor, layers: list[RegisterOperands]) -> Reg
         layer_tiles=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
 
 
-SLICES_ENV = "AQFLOW_CPU_SLICES"  # slices of the code columns per thread (default 1)
-
-
-def slices_per_thread() -> int:
-    """$AQFLOW_CPU_SLICES: how many slices of a product's code columns each thread gets on average
-    (more: a thread slowed by another tenant of its core holds the others up less, at the cost of
-    more partial sums)."""
-    value = os.environ.get(SLICES_ENV, "1")
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{SLICES_ENV}={value!r}: expected a whole number >= 1")
-    return int(value)
-
-
-def column_blocks(columns: int, threads: int, slices: int = 1) -> int:
-    """How many slices of the code columns a product is split into: `slices` a thread, each at least
+def column_blocks(columns: int, threads: int) -> int:
+    """How many slices of the code columns a product is split into: one a thread, each at least
     MIN_BLOCK_COLUMNS columns (fewer would make the partial sums cost more than the slice)."""
-    return max(1, min(threads * slices, columns // MIN_BLOCK_COLUMNS))
+    return max(1, min(threads, columns // MIN_BLOCK_COLUMNS))
 
 
 @njit(parallel=True, cache=True)
-def _product_parallel(worker_kernel, x, codebooks, codes, layer_tiles, scales, bias, tables, counter, partial, out):
-    """out[t] = (the table sums of token t) * scales + bias. The code columns are cut into `slices` =
-    partial.shape[0] slices; `workers` = tables.shape[0] threads each run worker_kernel, which takes
-    slices from a queue (counter) until none is left, building, layer by layer, a slice's tables into
-    its own tables[worker] and summing them over the layer's rows into partial[slice, t]; then the
-    slices are added in slice order, a chunk of rows a thread. Two parallel regions whatever the
-    number of layers and slices.
+def _product_parallel(kernel, x, codebooks, codes, layer_tiles, scales, bias, tables, partial, out):
+    """out[t] = (the table sums of token t) * scales + bias: each of `blocks` = partial.shape[0]
+    threads builds, layer by layer, the tables of a slice of the code columns into tables[block] and
+    sums them over the layer's rows into partial[block, t] (the kernel); then the slices are added in
+    block order, a chunk of rows a thread. Two parallel regions whatever the number of layers.
 
-    x [T, in] f32, codebooks [layers, M, g, 256] f32, codes [tiles, C, 64] u8, layer_tiles [layers + 1]
-    int64, scales and bias [out] f32, tables [workers, >= C/slices + 1, 256] f32 or f16 bits as u16
-    (scratch), counter [1] int64 (scratch), partial [slices, T, out] f32, out [T, out] f32."""
+    x [T, in] f32, codebooks [layers, M, g, 256] f32, codes [tiles, C, 64] u8, layer_tiles [layers + 1],
+    scales and bias [out] f32, tables [blocks, >= C/blocks + 1, 256] f32 or f16 bits as u16 (the
+    kernel's; scratch), partial [blocks, T, out] f32, out [T, out] f32."""
     columns = codes.shape[1]
     num_codebooks, group = codebooks.shape[1], codebooks.shape[2]
-    slices, workers = partial.shape[0], tables.shape[0]
-    stride = partial.shape[1] * partial.shape[2]
+    blocks = partial.shape[0]
     for t in range(x.shape[0]):
-        counter[0] = 0
-        for worker in prange(workers):
-            worker_kernel(x[t].ctypes.data, codebooks.ctypes.data, num_codebooks, group, codes.ctypes.data,
-                          layer_tiles.ctypes.data, layer_tiles.shape[0] - 1, columns, slices, tables[worker].ctypes.data,
-                          partial[0, t].ctypes.data, stride, counter.ctypes.data)
+        for block in prange(blocks):
+            first = block * columns // blocks
+            last = (block + 1) * columns // blocks
+            for layer in range(layer_tiles.shape[0] - 1):
+                start, stop = layer_tiles[layer], layer_tiles[layer + 1]
+                kernel(x[t].ctypes.data, codebooks[layer].ctypes.data, num_codebooks, group, codes[start].ctypes.data,
+                       stop - start, columns, first, last, tables[block].ctypes.data,
+                       partial[block, t, start * 64:].ctypes.data)
     rows = out.shape[1]
-    for chunk in prange(workers):
-        start = chunk * rows // workers
-        stop = (chunk + 1) * rows // workers
+    for chunk in prange(blocks):
+        start = chunk * rows // blocks
+        stop = (chunk + 1) * rows // blocks
         for t in range(out.shape[0]):
             for r in range(start, stop):
                 total = partial[0, t, r]
-                for block in range(1, slices):
+                for block in range(1, blocks):
                     total += partial[block, t, r]
                 out[t, r] = total * scales[r] + bias[r]
 
@@ -292,9 +268,8 @@ def register_matmul(x: np.ndarray, operands: RegisterOperands, threads: int | No
     if threads is None:
         threads = 1 if tokens * operands.codes.size < PARALLEL_MIN_LOADS else numba.get_num_threads()
     out = np.empty((tokens, operands.out_features), dtype=np.float32)
-    blocks = column_blocks(columns, threads, slices_per_thread())
-    workers = min(threads, blocks)
-    tables = scratch((workers, -(-columns // blocks), 256), np.float32 if table_dtype == "float32" else np.uint16)
+    blocks = column_blocks(columns, threads)
+    tables = scratch((blocks, -(-columns // blocks), 256), np.float32 if table_dtype == "float32" else np.uint16)
     if blocks == 1:  # one slice: the kernel writes the output itself, on the calling thread
         _, num_codebooks, group, _ = operands.codebooks.shape
         for t in range(tokens):
@@ -305,10 +280,8 @@ def register_matmul(x: np.ndarray, operands: RegisterOperands, threads: int | No
         out *= operands.scales
         out += operands.bias
     else:
-        worker_kernel = kernels.slices32 if table_dtype == "float32" else kernels.slices16
-        _product_parallel(worker_kernel, x, operands.codebooks, operands.codes, operands.layer_tiles,
-                          operands.scales, operands.bias, tables, scratch((1,), np.int64),
-                          scratch((blocks, tokens, operands.out_features)), out)
+        _product_parallel(kernel, x, operands.codebooks, operands.codes, operands.layer_tiles, operands.scales,
+                          operands.bias, tables, scratch((blocks, tokens, operands.out_features)), out)
     return out
 
 
