@@ -24,6 +24,8 @@ import torch
 def kind_of(name: str, module: torch.nn.Module) -> str:
     """A readable kind for a module: the projection name for linears, the class name otherwise."""
     leaf = name.rpartition(".")[2]
+    if leaf == "fused":  # the one product of q/k/v or gate/up (decode.fuse_projections), held by q_proj or gate_proj
+        return f"{name.rpartition('.')[0].rpartition('.')[2]} fused ({type(module).__name__})"
     if leaf in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"):
         return f"{leaf} ({type(module).__name__})"
     return type(module).__name__
@@ -69,11 +71,13 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=8)
     parser.add_argument("--torch-bf16", action="store_true",
                         help="leave bf16 nn.Linears (the lm_head) to torch instead of numba's GEMV (the fast path's)")
+    parser.add_argument("--no-fuse", action="store_true",
+                        help="q/k/v and gate/up as separate products (greedy_decode fuses them by default)")
     args = parser.parse_args()
 
     import numba
 
-    from aqflow.inference.decode import new_static_cache, step_logits
+    from aqflow.inference.decode import fuse_projections, new_static_cache, step_logits
     from aqflow.inference.fast_linear import install_cpu_bf16_linears
     from benchmarks.inference_cpu import LLAMA_3B, random_llama
 
@@ -86,6 +90,8 @@ def main() -> int:
     model = random_llama(LLAMA_3B, getattr(torch, args.dtype), args.linears)
     if not args.torch_bf16:
         install_cpu_bf16_linears(model)
+    if not args.no_fuse:
+        fuse_projections(model)
     print(f"built in {time.perf_counter() - started:.1f} s", flush=True)
     prompt = torch.randint(0, LLAMA_3B["vocab_size"], (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():

@@ -10,6 +10,8 @@ device and token count; `install_fast_linears` puts it in place of aqlm's `Quant
 
 The module's buffers are the codes, codebooks, scales (and bias): no dense weight is kept. Outputs
 are in the input's dtype; the CPU kernels compute in float32 whatever the model's dtype.
+`FusedColumnsLinear` makes several of them (q/k/v, gate/up) one register-kernel product on a CPU;
+`CpuBf16Linear` is the CPU's bf16 GEMV for the linears left dense.
 """
 
 from __future__ import annotations

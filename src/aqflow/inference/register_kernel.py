@@ -4,7 +4,9 @@
 slice. Here the codes are laid out per code column (`column_tiles`: a tile's 64 rows of one column
 contiguous), so a 16-lane permute looks up 16 rows in the same 256-entry table held in 16
 registers (csrc/lut_cpu.c), loaded once for 512 rows. The threads split a layer's code columns:
-each builds the tables of its slice and sums them over every row, then the slices are added. For
+each builds the tables of its slice and sums them over every row, then the slices are added.
+Several layers of one input (q/k/v, gate/up) can be one product (`stacked_operands`): each thread
+takes its slice of every layer in turn, so the call and its two parallel regions are paid once. For
 float32 activations the tables are float32 and the outputs equal the gather kernels' up to float32
 rounding (the order of the additions, the rounding of the table entries). For bfloat16/float16
 activations, whose outputs are rounded to 16 bits, the tables are float16 (8 registers, half the

@@ -1,9 +1,9 @@
 """A model folder loaded for decoding, through one of two paths, and what it holds in memory.
 
     fast:  the project's fastest path for the device: AQLM layers become FastQuantizedLinear
-           (lookup-table kernels, 2-bit in memory); on CUDA q/k/v and gate/up fused
-           (decode.fuse_projections); greedy_decode replays the step as a CUDA graph there; on a
-           CPU bfloat16 linears (the tied lm_head) become CpuBf16Linear (numba's bf16 GEMV).
+           (lookup-table kernels, 2-bit in memory); q/k/v and gate/up fused (decode.fuse_projections:
+           here on CUDA, by greedy_decode on a CPU); greedy_decode replays the step as a CUDA graph on
+           CUDA; on a CPU bfloat16 linears (the tied lm_head) become CpuBf16Linear (numba's bf16 GEMV).
     plain: transformers + aqlm as they load the folder (aqlm's own kernels), decoded eagerly with
            nothing fused (decode_options), for comparison.
 
