@@ -270,8 +270,11 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
 
     import numba
 
+    sdpa = linears.endswith("-sdpa")  # transformers' SDPA for the new token (greedy_decode: cpu_attention)
+    linears = linears.removesuffix("-sdpa")
     fuse = not linears.endswith("-unfused")  # greedy_decode's fuse_projections, on by default
     linears = linears.removesuffix("-unfused")
+    options = {"fuse": fuse} if not sdpa else {"fuse": fuse, "fast_attention": False}
     if linears == "fast-gathers":  # before any FastQuantizedLinear asks whether the register kernel runs
         os.environ["AQFLOW_REGISTER_KERNEL"] = "0"
         linears = "fast"
@@ -292,13 +295,13 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
     numba_count = 1 if linears == "aqlm" else threads
     with numba_threads(numba_count):
         started = time.perf_counter()
-        greedy_decode(model, random_prompt(LLAMA_3B["vocab_size"], prompt_tokens, 1), 2, fuse=fuse)  # compile, caches
+        greedy_decode(model, random_prompt(LLAMA_3B["vocab_size"], prompt_tokens, 1), 2, **options)  # compile, caches
         warmup_seconds = time.perf_counter() - started
         torch.set_num_threads(torch_thread_count or threads)  # after numba's pool has started
         runs, cpu_rates = zip(*[timed_decode(model, random_prompt(LLAMA_3B["vocab_size"], prompt_tokens, 0), new_tokens,
-                                             {"fuse": fuse}, True) for _ in range(repeats)])  # else greedy_decode's defaults
+                                             options, True) for _ in range(repeats)])  # else greedy_decode's defaults
     timings = max(runs, key=lambda run: run.decode_tokens_per_second)
-    return {"variant": variant, "dtype": dtype_name, "linears": linears, "fused": fuse, "bf16_gemv": bf16_gemv,
+    return {"variant": variant, "dtype": dtype_name, "linears": linears, "fused": fuse, "sdpa": sdpa, "bf16_gemv": bf16_gemv,
             "threads": threads,
             "torch_threads_decoding": torch.get_num_threads(),
             "openmp_libraries": openmp_libraries(), "numba_threading_layer": _numba_layer(),
@@ -342,6 +345,9 @@ DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears, bf16 line
     # q/k/v and gate/up as separate products (greedy_decode fuses them by default: one call each)
     ("dense bf16 (numba GEMV, unfused)", "bfloat16", "dense-unfused", True, None),
     ("2x8 fast (bf16 rest, unfused)", "bfloat16", "fast-unfused", True, None),
+    # the new token's attention through transformers' SDPA (greedy_decode's default: cpu_attention)
+    ("dense bf16 (numba GEMV, SDPA)", "bfloat16", "dense-sdpa", True, None),
+    ("2x8 fast (bf16 rest, SDPA)", "bfloat16", "fast-sdpa", True, None),
     # the same without the AVX-512 register kernel (register_kernel): the numba gather kernels
     ("2x8 fast (bf16 rest, gather kernel)", "bfloat16", "fast-gathers", True, None),
     # the register kernel with one kind of tables (by default bf16 activations take whichever timed faster)
@@ -354,7 +360,8 @@ DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears, bf16 line
 ]
 # The dense baselines the speed-up is taken over: torch's fp32 and bf16, and bf16 through the same
 # numba GEMV the 2x8 model's lm_head uses (so the head's gain is not counted as the codes' gain).
-DENSE_VARIANTS = ("dense fp32", "dense bf16", "dense bf16 (numba GEMV)", "dense bf16 (numba GEMV, unfused)")
+DENSE_VARIANTS = ("dense fp32", "dense bf16", "dense bf16 (numba GEMV)", "dense bf16 (numba GEMV, unfused)",
+                  "dense bf16 (numba GEMV, SDPA)")
 
 
 def decode_rows(args, threads: int) -> list[dict]:

@@ -9,20 +9,15 @@ from aqflow.inference import decode_attention as decode_attention_module
 from aqflow.inference.decode import greedy_decode, new_static_cache, step_logits
 from aqflow.inference.decode_attention import (BLOCK_L, IMPLEMENTATION, decode_attention,
                                                decode_attention_enabled, reference_attention)
+from tests.inference.attention_cases import masked_grouped_case
 
 
 def test_decode_attention_equals_float64_reference():
     """6 query heads on 2 key/value heads (groups of 3, padded to 16 in the kernel), 150 positions
     (3 splits, the last ragged), a hole and an unfilled tail masked, and no mask at all."""
-    generator = torch.Generator().manual_seed(0)
-    heads, kv_heads, length, dim = 6, 2, 150, 32
-    assert length % BLOCK_L and length > 2 * BLOCK_L
-    query = torch.randn(heads, dim, generator=generator).to(torch.bfloat16)
-    key = torch.randn(kv_heads, length, dim, generator=generator).to(torch.bfloat16)
-    value = torch.randn(kv_heads, length, dim, generator=generator).to(torch.bfloat16)
-    valid = torch.ones(length, dtype=torch.bool)
-    valid[10:20] = False
-    valid[100:] = False
+    query, key, value, valid = masked_grouped_case(torch.bfloat16)
+    heads, dim = query.shape
+    assert key.shape[1] % BLOCK_L and key.shape[1] > 2 * BLOCK_L
     for mask in (valid, None):
         out = decode_attention(query, key, value, mask, dim ** -0.5)
         expected = reference_attention(query, key, value, mask, dim ** -0.5)
@@ -80,5 +75,7 @@ def test_asking_for_the_kernels_where_they_cannot_run_is_an_error(monkeypatch):
     prompt = torch.randint(0, 97, (1, 4), generator=torch.Generator().manual_seed(2))
     with pytest.raises(ValueError, match="fast_attention=True.*cpu"):
         greedy_decode(model, prompt, 2, fast_attention=True)
-    _, timings = greedy_decode(model, prompt, 2)  # the default on a CPU: the model's own attention
+    _, timings = greedy_decode(model, prompt, 2)  # the default on a CPU: the numba kernel (cpu_attention)
+    assert timings.attention == "aqflow_cpu_decode"
+    _, timings = greedy_decode(model, prompt, 2, fast_attention=False)
     assert timings.attention == "model's own"

@@ -133,8 +133,9 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     capture that fails falls back to eager steps (timings.mode says which ran).
     fast_attention: while decoding, a model on SDPA attends for the one new token through
     `decode_attention` (two Triton kernels a layer instead of SDPA's five; default: on CUDA; True
-    elsewhere only under Triton's interpreter, for tests); its prefill still goes through SDPA.
-    timings.attention says which ran.
+    elsewhere only under Triton's interpreter, for tests); its prefill still goes through SDPA. On a
+    CPU the default (None) attends through `cpu_attention` (one numba call a layer) unless the step is
+    compiled (the compiler cannot trace it); False keeps SDPA everywhere. timings.attention says which ran.
     dependent_launch: launch the step's kernels (aqflow's GEMVs and attention, torch.compile's Triton
     kernels) with programmatic dependent launch, so each may start while the one before finishes
     (`aqflow.inference.dependent_launch`; default: on CUDA devices of compute capability >= 9.0, where
@@ -155,6 +156,10 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
         from aqflow.inference.decode_attention import decode_attention_enabled  # Triton: imported where used
 
         switch = decode_attention_enabled(model)
+    elif device.type == "cpu" and fast_attention is None and not compile:  # torch.compile cannot trace numba
+        from aqflow.inference.cpu_attention import cpu_attention_enabled
+
+        switch = cpu_attention_enabled(model)
     with switch as implementation, dependent_launch_enabled(dependent_launch):
         tokens, timings = _greedy_decode(model, input_ids, new_tokens, graphs=graphs, on_token=on_token,
                                          compile=compile, fuse=fuse, stop_tokens=stop_tokens,

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from aqflow.inference import dependent_launch
+from aqflow.inference.attention_switch import attention_switched
 
 IMPLEMENTATION = "aqflow_decode"  # the attention implementation's name, in configs and in decode timings
 
@@ -202,26 +203,8 @@ def register() -> None:
 def decode_attention_enabled(model: torch.nn.Module, enabled: bool = True) -> Iterator[str | None]:
     """Within the block the model (and its sub-configs) use IMPLEMENTATION instead of SDPA; yields
     IMPLEMENTATION if it switched, None if not (models on other attention implementations, or not enabled)."""
-    configs = [c for c in _configs(model) if getattr(c, "_attn_implementation", None) == "sdpa"]
-    if not enabled or not configs:
+    if not enabled:
         yield None
         return
-    register()
-    for config in configs:
-        config._attn_implementation = IMPLEMENTATION
-    try:
-        yield IMPLEMENTATION
-    finally:
-        for config in configs:
-            config._attn_implementation = "sdpa"
-
-
-def _configs(model: torch.nn.Module) -> list:
-    """The model's config and every distinct config of its submodules (the attention layers read their own)."""
-    seen, configs = set(), []
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and id(config) not in seen:
-            seen.add(id(config))
-            configs.append(config)
-    return configs
+    with attention_switched(model, IMPLEMENTATION, register) as switched:
+        yield switched

@@ -1,0 +1,43 @@
+"""Switching a transformers model from SDPA to one of aqflow's attention implementations for a block.
+
+`attention_switched(model, implementation, register)`: within the block the model's configs that are on
+SDPA (the model's own and every distinct sub-config: the attention layers read their own) name
+`implementation` instead; `register()` runs first (it registers the implementation with transformers).
+Yields the implementation if it switched, None where no config was on SDPA; SDPA is restored after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+
+
+def sdpa_configs(model: torch.nn.Module) -> list:
+    """The distinct configs of the model and its submodules that use SDPA."""
+    seen, configs = set(), []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in seen:
+            seen.add(id(config))
+            if getattr(config, "_attn_implementation", None) == "sdpa":
+                configs.append(config)
+    return configs
+
+
+@contextlib.contextmanager
+def attention_switched(model: torch.nn.Module, implementation: str,
+                       register: Callable[[], None]) -> Iterator[str | None]:
+    configs = sdpa_configs(model)
+    if not configs:
+        yield None
+        return
+    register()
+    for config in configs:
+        config._attn_implementation = implementation
+    try:
+        yield implementation
+    finally:
+        for config in configs:
+            config._attn_implementation = "sdpa"
