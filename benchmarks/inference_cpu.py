@@ -301,8 +301,8 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
         runs, cpu_rates = zip(*[timed_decode(model, random_prompt(LLAMA_3B["vocab_size"], prompt_tokens, 0), new_tokens,
                                              options, True) for _ in range(repeats)])  # else greedy_decode's defaults
     timings = max(runs, key=lambda run: run.decode_tokens_per_second)
-    return {"variant": variant, "dtype": dtype_name, "linears": linears, "fused": fuse, "sdpa": sdpa, "bf16_gemv": bf16_gemv,
-            "threads": threads,
+    return {"variant": variant, "dtype": dtype_name, "linears": linears, "fused": fuse, "sdpa": sdpa,
+            "bf16_gemv": bf16_gemv, "threads": threads,
             "torch_threads_decoding": torch.get_num_threads(),
             "openmp_libraries": openmp_libraries(), "numba_threading_layer": _numba_layer(),
             "numba_threads": numba_count, "build_seconds": build_seconds, "warmup_seconds": warmup_seconds,

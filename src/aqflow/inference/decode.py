@@ -126,16 +126,18 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     model forward of the step before capturing it (default: with graphs; a compile that fails falls
     back to the plain forward, timings.compile_error says why). fuse: fuse_projections(model) first, in
     place (default: on; logits unchanged but for rounding: on a CPU the fused 2-bit and bf16 products
-    are bit-identical to the unfused ones, a fused fp32 GEMV may round differently). on_token(id) is called for every new token as it
-    is made (this reads each token back to the host: a sync per token). stop_tokens: stop after the
-    first of these (also a sync per token). profile: record the kernels of one (untimed) graphed step in
-    timings.step_kernels. Returns (tokens [n] int64 on the CPU, timings), n <= new_tokens. A CUDA graph
-    capture that fails falls back to eager steps (timings.mode says which ran).
+    are bit-identical to the unfused ones, a fused fp32 GEMV may round differently). on_token(id) is
+    called for every new token as it is made (this reads each token back to the host: a sync per
+    token). stop_tokens: stop after the first of these (also a sync per token). profile: record the
+    kernels of one (untimed) graphed step in timings.step_kernels. Returns (tokens [n] int64 on the
+    CPU, timings), n <= new_tokens. A CUDA graph capture that fails falls back to eager steps
+    (timings.mode says which ran).
     fast_attention: while decoding, a model on SDPA attends for the one new token through
     `decode_attention` (two Triton kernels a layer instead of SDPA's five; default: on CUDA; True
     elsewhere only under Triton's interpreter, for tests); its prefill still goes through SDPA. On a
     CPU the default (None) attends through `cpu_attention` (one numba call a layer) unless the step is
-    compiled (the compiler cannot trace it); False keeps SDPA everywhere. timings.attention says which ran.
+    compiled (the compiler cannot trace it); False keeps SDPA everywhere. timings.attention says which
+    ran.
     dependent_launch: launch the step's kernels (aqflow's GEMVs and attention, torch.compile's Triton
     kernels) with programmatic dependent launch, so each may start while the one before finishes
     (`aqflow.inference.dependent_launch`; default: on CUDA devices of compute capability >= 9.0, where
