@@ -1,9 +1,10 @@
 """Switching a transformers model from SDPA to one of aqflow's attention implementations for a block.
 
-`attention_switched(model, implementation, register)`: within the block the model's configs that are on
+`attention_switched(model, implementation, forward)`: within the block the model's configs that are on
 SDPA (the model's own and every distinct sub-config: the attention layers read their own) name
-`implementation` instead; `register()` runs first (it registers the implementation with transformers).
-Yields the implementation if it switched, None where no config was on SDPA; SDPA is restored after.
+`implementation` instead, registered first with transformers as `forward` (an attention function of
+transformers' AttentionInterface signature) with SDPA's mask. Yields the implementation if it
+switched, None where no config was on SDPA; SDPA is restored after.
 """
 
 from __future__ import annotations
@@ -26,14 +27,22 @@ def sdpa_configs(model: torch.nn.Module) -> list:
     return configs
 
 
+def register(implementation: str, forward: Callable) -> None:
+    """Registers `forward` with transformers under `implementation`, with SDPA's mask; idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(implementation, forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(implementation, sdpa_mask)
+
+
 @contextlib.contextmanager
-def attention_switched(model: torch.nn.Module, implementation: str,
-                       register: Callable[[], None]) -> Iterator[str | None]:
+def attention_switched(model: torch.nn.Module, implementation: str, forward: Callable) -> Iterator[str | None]:
     configs = sdpa_configs(model)
     if not configs:
         yield None
         return
-    register()
+    register(implementation, forward)
     for config in configs:
         config._attn_implementation = implementation
     try:

@@ -134,16 +134,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out.view(1, 1, *out.shape), None
 
 
-def register() -> None:
-    """Registers IMPLEMENTATION with transformers (attention function, and SDPA's mask for it); idempotent."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register(IMPLEMENTATION, attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, sdpa_mask)
-
-
 def cpu_attention_enabled(model: torch.nn.Module) -> contextlib.AbstractContextManager[str | None]:
     """Within the block the model's configs on SDPA use IMPLEMENTATION instead; yields IMPLEMENTATION if
     it switched, None if not (a model on another attention implementation)."""
-    return attention_switched(model, IMPLEMENTATION, register)
+    return attention_switched(model, IMPLEMENTATION, attention_forward)

@@ -190,15 +190,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out.view(1, 1, *out.shape), None
 
 
-def register() -> None:
-    """Registers IMPLEMENTATION with transformers (attention function, and SDPA's mask for it); idempotent."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register(IMPLEMENTATION, attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, sdpa_mask)
-
-
 @contextlib.contextmanager
 def decode_attention_enabled(model: torch.nn.Module, enabled: bool = True) -> Iterator[str | None]:
     """Within the block the model (and its sub-configs) use IMPLEMENTATION instead of SDPA; yields
@@ -206,5 +197,5 @@ def decode_attention_enabled(model: torch.nn.Module, enabled: bool = True) -> It
     if not enabled:
         yield None
         return
-    with attention_switched(model, IMPLEMENTATION, register) as switched:
+    with attention_switched(model, IMPLEMENTATION, attention_forward) as switched:
         yield switched

@@ -227,7 +227,7 @@ def _product_parallel(kernel, x, codebooks, codes, layer_tiles, scales, bias, ta
                 start, stop = layer_tiles[layer], layer_tiles[layer + 1]
                 kernel(x[t].ctypes.data, codebooks[layer].ctypes.data, num_codebooks, group, codes[start].ctypes.data,
                        stop - start, columns, first, last, tables[block].ctypes.data,
-                       partial[block, t, start * 64:].ctypes.data)
+                       partial[block, t, start * ROWS:].ctypes.data)
     rows = out.shape[1]
     for chunk in prange(blocks):
         start = chunk * rows // blocks

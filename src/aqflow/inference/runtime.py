@@ -1,9 +1,9 @@
 """A model folder loaded for decoding, through one of two paths, and what it holds in memory.
 
     fast:  the project's fastest path for the device: AQLM layers become FastQuantizedLinear
-           (lookup-table kernels, 2-bit in memory); q/k/v and gate/up fused (decode.fuse_projections:
-           here on CUDA, by greedy_decode on a CPU); greedy_decode replays the step as a CUDA graph on
-           CUDA; on a CPU bfloat16 linears (the tied lm_head) become CpuBf16Linear (numba's bf16 GEMV).
+           (lookup-table kernels, 2-bit in memory); on a CPU bfloat16 linears (the tied lm_head)
+           become CpuBf16Linear (numba's bf16 GEMV); then q/k/v and gate/up are fused
+           (decode.fuse_projections); greedy_decode replays the step as a CUDA graph on CUDA.
     plain: transformers + aqlm as they load the folder (aqlm's own kernels), decoded eagerly with
            nothing fused (decode_options), for comparison.
 
@@ -51,10 +51,9 @@ def load_for_decoding(model_dir: str | os.PathLike, device: str, dtype: str = "a
         from aqflow.inference.fast_linear import install_cpu_bf16_linears, install_fast_linears
 
         install_fast_linears(model)
-        if torch.device(device).type == "cuda":
-            fuse_projections(model)
-        else:  # bf16 linears left dense (the tied lm_head): numba's GEMV, faster than torch's there
+        if torch.device(device).type == "cpu":  # bf16 linears left dense (the tied lm_head): numba's GEMV
             install_cpu_bf16_linears(model)
+        fuse_projections(model)  # after the swaps above, so their layers fuse with their own kind
     return model
 
 
