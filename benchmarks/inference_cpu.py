@@ -270,11 +270,15 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
 
     import numba
 
+    stock = linears.endswith("-stock")  # the modules' own forwards (greedy_decode: cpu_layers' kernels)
+    linears = linears.removesuffix("-stock")
     sdpa = linears.endswith("-sdpa")  # transformers' SDPA for the new token (greedy_decode: cpu_attention)
     linears = linears.removesuffix("-sdpa")
     fuse = not linears.endswith("-unfused")  # greedy_decode's fuse_projections, on by default
     linears = linears.removesuffix("-unfused")
     options = {"fuse": fuse} if not sdpa else {"fuse": fuse, "fast_attention": False}
+    if stock:
+        options["cpu_layers"] = False
     if linears == "fast-gathers":  # before any FastQuantizedLinear asks whether the register kernel runs
         os.environ["AQFLOW_REGISTER_KERNEL"] = "0"
         linears = "fast"
@@ -302,6 +306,7 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
                                              options, True) for _ in range(repeats)])  # else greedy_decode's defaults
     timings = max(runs, key=lambda run: run.decode_tokens_per_second)
     return {"variant": variant, "dtype": dtype_name, "linears": linears, "fused": fuse, "sdpa": sdpa,
+            "cpu_layers": timings.cpu_layers, "prefetch_columns": _prefetch_columns(),
             "bf16_gemv": bf16_gemv, "threads": threads,
             "torch_threads_decoding": torch.get_num_threads(),
             "openmp_libraries": openmp_libraries(), "numba_threading_layer": _numba_layer(),
@@ -315,6 +320,13 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
             "tables_16bit": _tables_16bit(),
             "resident_weight_bytes": resident_weight_bytes(model), "peak_rss_bytes": peak_rss_bytes(),
             "rss_before_build_bytes": rss_before}
+
+
+def _prefetch_columns() -> int | None:
+    """The register kernel's prefetch distance in this process (AQFLOW_CPU_PREFETCH), None where it does not run."""
+    from aqflow.inference import register_kernel
+
+    return register_kernel.prefetch_columns() if register_kernel.compiled_kernel() is not None else None
 
 
 def _tables_16bit() -> str | None:
@@ -348,6 +360,10 @@ DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears, bf16 line
     # the new token's attention through transformers' SDPA (greedy_decode's default: cpu_attention)
     ("dense bf16 (numba GEMV, SDPA)", "bfloat16", "dense-sdpa", True, None),
     ("2x8 fast (bf16 rest, SDPA)", "bfloat16", "fast-sdpa", True, None),
+    # RMSNorm, rotary + cache + attention and the SiLU gate through the modules' own forwards (torch operations;
+    # greedy_decode's default on a CPU: cpu_layers, one numba call each)
+    ("dense bf16 (numba GEMV, stock layers)", "bfloat16", "dense-stock", True, None),
+    ("2x8 fast (bf16 rest, stock layers)", "bfloat16", "fast-stock", True, None),
     # the same without the AVX-512 register kernel (register_kernel): the numba gather kernels
     ("2x8 fast (bf16 rest, gather kernel)", "bfloat16", "fast-gathers", True, None),
     # the register kernel with one kind of tables (by default bf16 activations take whichever timed faster)
@@ -361,7 +377,7 @@ DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears, bf16 line
 # The dense baselines the speed-up is taken over: torch's fp32 and bf16, and bf16 through the same
 # numba GEMV the 2x8 model's lm_head uses (so the head's gain is not counted as the codes' gain).
 DENSE_VARIANTS = ("dense fp32", "dense bf16", "dense bf16 (numba GEMV)", "dense bf16 (numba GEMV, unfused)",
-                  "dense bf16 (numba GEMV, SDPA)")
+                  "dense bf16 (numba GEMV, SDPA)", "dense bf16 (numba GEMV, stock layers)")
 
 
 def decode_rows(args, threads: int) -> list[dict]:

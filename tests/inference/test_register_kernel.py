@@ -127,6 +127,32 @@ def test_a_fast_linear_holds_column_tiles_and_gives_the_gather_kernels_outputs(m
         register_kernel.compiled_kernel.cache_clear()
 
 
+@needs_kernel
+def test_the_code_prefetch_distance_changes_the_build_not_the_sums(monkeypatch, tmp_path):
+    """AQFLOW_CPU_PREFETCH builds the kernel with another distance (its own cached library); the sums are
+    the same bits with none, with the default and with a distance past a slice (the next group's columns)."""
+    w = random_layer(out_features=11 * 64, in_features=256)  # a group of 8 tiles and 3 more: two groups
+    x = torch.randn(1, w.in_features, generator=torch.Generator().manual_seed(3))
+    tiles = register_kernel.column_tiles(w.codes)
+    monkeypatch.setenv("AQFLOW_KERNEL_CACHE", str(tmp_path))
+    outputs = []
+    try:
+        for columns in ("0", "8", "50"):
+            monkeypatch.setenv(register_kernel.PREFETCH_ENV, columns)
+            register_kernel.compiled_kernel.cache_clear()
+            assert register_kernel.prefetch_columns() == int(columns)
+            outputs.append(register_kernel.register_product(x, tiles, w.codebooks, w.scales, w.bias, 3))
+        assert len(list(tmp_path.glob("lut_cpu-*.so"))) == 3
+        assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+        for bad in ("-1", "eight"):
+            monkeypatch.setenv(register_kernel.PREFETCH_ENV, bad)
+            with pytest.raises(ValueError, match=register_kernel.PREFETCH_ENV):
+                register_kernel.prefetch_columns()
+    finally:
+        monkeypatch.delenv(register_kernel.PREFETCH_ENV)
+        register_kernel.compiled_kernel.cache_clear()
+
+
 def test_without_avx512_or_a_compiler_the_numba_kernels_stay(monkeypatch, tmp_path):
     monkeypatch.setattr(register_kernel, "cpu_flags", lambda: {"sse2", "avx2"})
     register_kernel.compiled_kernel.cache_clear()

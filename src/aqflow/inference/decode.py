@@ -45,6 +45,7 @@ class DecodeTimings:
     compile_error: str | None = None
     attention: str = "model's own"  # or decode_attention.IMPLEMENTATION: its one-token kernels decoded
     dependent_launch: bool = False  # kernels launched with programmatic dependent launch
+    cpu_layers: int = 0  # modules whose one-token forward ran through cpu_layers' kernels (a CPU decode)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -119,7 +120,8 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
                   compile: bool | None = None, fuse: bool | None = None,
                   stop_tokens: Collection[int] | None = None, warmup_steps: int = 2,
                   profile: bool = False, fast_attention: bool | None = None,
-                  dependent_launch: bool | None = None) -> tuple[torch.Tensor, DecodeTimings]:
+                  dependent_launch: bool | None = None,
+                  cpu_layers: bool | None = None) -> tuple[torch.Tensor, DecodeTimings]:
     """Greedy decoding of new_tokens tokens after input_ids [1, P] with a static KV cache.
 
     graphs: capture the decode step as a CUDA graph (default: on CUDA). compile: torch.compile the
@@ -142,6 +144,10 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     kernels) with programmatic dependent launch, so each may start while the one before finishes
     (`aqflow.inference.dependent_launch`; default: on CUDA devices of compute capability >= 9.0, where
     alone it exists).
+    cpu_layers: on a CPU with the numba attention (the default above), also run each Llama-style
+    layer's RMSNorm, rotary embedding + cache update + attention, and SiLU gate as one numba call each
+    (`aqflow.inference.cpu_layers`: ~40 small torch operations a layer fewer); False leaves those modules'
+    own forwards. timings.cpu_layers counts the modules switched.
     """
     device = model_device(model)
     kernels_run_here = device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -153,7 +159,7 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
         raise ValueError(f"dependent_launch=True needs a CUDA device of compute capability >= 9.0, the model is "
                          f"on {device}")
     dependent_launch = pdl_here if dependent_launch is None else dependent_launch
-    switch = contextlib.nullcontext(None)
+    switch, layers = contextlib.nullcontext(None), contextlib.nullcontext(0)
     if device.type == "cuda" if fast_attention is None else fast_attention:
         from aqflow.inference.decode_attention import decode_attention_enabled  # Triton: imported where used
 
@@ -162,11 +168,19 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
         from aqflow.inference.cpu_attention import cpu_attention_enabled
 
         switch = cpu_attention_enabled(model)
-    with switch as implementation, dependent_launch_enabled(dependent_launch):
+        if cpu_layers is None or cpu_layers:
+            from aqflow.inference.cpu_layers import cpu_layers_enabled
+
+            layers = cpu_layers_enabled(model)
+    elif cpu_layers:
+        raise ValueError("cpu_layers=True: the one-token CPU layers run in an eager CPU decode with the numba "
+                         f"attention (the model is on {device}, compile={compile}, fast_attention={fast_attention})")
+    with switch as implementation, layers as switched, dependent_launch_enabled(dependent_launch):
         tokens, timings = _greedy_decode(model, input_ids, new_tokens, graphs=graphs, on_token=on_token,
                                          compile=compile, fuse=fuse, stop_tokens=stop_tokens,
                                          warmup_steps=warmup_steps, profile=profile)
-    return tokens, replace(timings, attention=implementation or "model's own", dependent_launch=dependent_launch)
+    return tokens, replace(timings, attention=implementation or "model's own", dependent_launch=dependent_launch,
+                           cpu_layers=switched)
 
 
 def _greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, *, graphs: bool | None,

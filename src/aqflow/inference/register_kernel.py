@@ -52,6 +52,25 @@ ROWS = 64  # rows per tile: four 16-lane lookups per code column
 # fewer would cost more in its partial sums (one float per row) than in table lookups.
 MIN_BLOCK_COLUMNS = 32
 NEEDED_CPU_FLAGS = ("avx512f", "avx512bw")
+PREFETCH_ENV = "AQFLOW_CPU_PREFETCH"  # code columns requested ahead of the one summed (0: none)
+DEFAULT_PREFETCH_COLUMNS = 8
+
+
+def prefetch_columns() -> int:
+    """How many code columns ahead the kernel requests codes ($AQFLOW_CPU_PREFETCH, default 8; 0: none)."""
+    value = os.environ.get(PREFETCH_ENV, str(DEFAULT_PREFETCH_COLUMNS))
+    try:
+        columns = int(value)
+    except ValueError:
+        raise ValueError(f"{PREFETCH_ENV}={value!r}: expected a whole number of code columns (0: none)") from None
+    if columns < 0:
+        raise ValueError(f"{PREFETCH_ENV}={value!r}: expected 0 or more code columns")
+    return columns
+
+
+def build_flags() -> tuple[str, ...]:
+    """The compiler flags of this process's build: FLAGS and the prefetch distance."""
+    return (*FLAGS, f"-DAHEAD={prefetch_columns()}")
 
 
 def cpu_flags() -> set[str]:
@@ -76,7 +95,8 @@ def kernel_cache_dir() -> Path:
 def build_library(compiler: str, cache_dir: Path) -> Path:
     """The compiled kernel's path in cache_dir, compiling it (to a temporary file, then renamed)
     unless a build of the same source and flags is there. Raises CalledProcessError/OSError."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    flags = build_flags()
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     library = cache_dir / f"lut_cpu-{digest}.so"
     if library.is_file():
         return library
@@ -84,7 +104,7 @@ def build_library(compiler: str, cache_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".lut_cpu-", suffix=".so", dir=cache_dir)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
         os.replace(tmp, library)
     finally:
         if os.path.exists(tmp):
@@ -294,15 +314,17 @@ def table_dtype_for(activations: torch.dtype) -> str:
 
 
 TABLES_ENV = "AQFLOW_CPU_TABLES"  # for 16-bit activations: auto (default), float16 or float32
+TABLE_TIMING_ROUNDS = 7  # calls of each table kind, in turn, when choosing by time
 _fastest_tables: dict[int, str] = {}  # thread count -> the table dtype timed fastest in this process
 
 
 def tables_for_16bit(x: np.ndarray, operands: RegisterOperands, threads: int | None) -> str:
     """The tables for a product whose activations are 16-bit, where both kinds are accurate enough:
     $AQFLOW_CPU_TABLES if it names one, else ('auto') whichever was faster on the first such product at
-    this thread count (each kind warmed once, then the best of three calls). Why measure: float16
-    tables halve the permutes and won on a 2-core EPYC (2.24x against 1.67-1.81x dense bf16's speed),
-    while on a 16-core Xeon float32 ones decoded faster (17.4 against 16.1 tokens/s)."""
+    this thread count (each kind warmed once, then the best of TABLE_TIMING_ROUNDS calls, the kinds in
+    turn). Why measure: float16 tables halve the permutes and won on a 2-core EPYC (2.24x against
+    1.67-1.81x dense bf16's speed), while on a 16-core Xeon float32 ones once decoded faster (17.4 against
+    16.1 tokens/s) and on another float16 ones took ~30 % less time (benchmarks/lut_stream.py)."""
     wanted = os.environ.get(TABLES_ENV, "auto")
     if wanted in ("float16", "float32"):
         return wanted
@@ -310,15 +332,17 @@ def tables_for_16bit(x: np.ndarray, operands: RegisterOperands, threads: int | N
         raise ValueError(f"{TABLES_ENV}={wanted!r}: expected auto, float16 or float32")
     key = threads if threads is not None else numba.get_num_threads()
     if key not in _fastest_tables:
-        seconds = {}
-        for dtype in ("float16", "float32"):
+        kinds = ("float16", "float32")
+        for dtype in kinds:
             register_matmul(x, operands, threads, dtype)  # warm: scratch, caches
-            times = []
-            for _ in range(3):
+        seconds = {dtype: float("inf") for dtype in kinds}
+        # the kinds in turn, each one's best kept: on a 16-core host whose load moves, three calls of one
+        # kind then three of the other once chose float32 tables, whose products took ~40 % longer there
+        for _ in range(TABLE_TIMING_ROUNDS):
+            for dtype in kinds:
                 start = time.perf_counter()
                 register_matmul(x, operands, threads, dtype)
-                times.append(time.perf_counter() - start)
-            seconds[dtype] = min(times)
+                seconds[dtype] = min(seconds[dtype], time.perf_counter() - start)
         _fastest_tables[key] = min(seconds, key=seconds.get)
     return _fastest_tables[key]
 

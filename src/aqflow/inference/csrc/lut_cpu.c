@@ -19,6 +19,29 @@
 
 #define ROWS 64
 #define GROUP 8
+// Code columns ahead of the one being summed whose lines are requested (prefetch; 0: none): a thread's
+// slice of a tile is a short run of lines (48 at 16 threads on a 3B layer), too short for the hardware
+// prefetchers to follow, so without it every run starts with trips to memory. Set by the build
+// (register_kernel: $AQFLOW_CPU_PREFETCH).
+#ifndef AHEAD
+#define AHEAD 8
+#endif
+
+// Requests the code lines of column `c + AHEAD` of this group's tiles, or past the slice's end, of the
+// next group's first columns.
+static inline void request_codes(const uint8_t *codes, long group, long count, long tiles, long columns,
+                                 long first_column, long last_column, long c) {
+    if (AHEAD <= 0) return;
+    long column = c + AHEAD, first_tile = group, n = count;
+    if (column >= last_column) {
+        column = first_column + (column - last_column);
+        first_tile = group + GROUP;
+        n = tiles - first_tile < GROUP ? tiles - first_tile : GROUP;
+        if (column >= last_column) return;
+    }
+    for (long tile = first_tile; tile < first_tile + n; tile++)
+        _mm_prefetch((const char *)(codes + (tile * columns + column) * ROWS), _MM_HINT_T0);
+}
 
 // tables: column c's 256 entries at tables + (c - first_column) * 256
 static void sums(const float *tables, const uint8_t *codes, long tiles, long columns, long first_column,
@@ -29,6 +52,7 @@ static void sums(const float *tables, const uint8_t *codes, long tiles, long col
         for (long r = 0; r < count * ROWS; r += 16) _mm512_storeu_ps(out + group * ROWS + r, _mm512_setzero_ps());
         for (long c = first_column; c < last_column; c++) {
             const float *t = tables + (c - first_column) * 256;
+            request_codes(codes, group, count, tiles, columns, first_column, last_column, c);
             const __m512 t0 = _mm512_loadu_ps(t), t1 = _mm512_loadu_ps(t + 16), t2 = _mm512_loadu_ps(t + 32),
                          t3 = _mm512_loadu_ps(t + 48), t4 = _mm512_loadu_ps(t + 64), t5 = _mm512_loadu_ps(t + 80),
                          t6 = _mm512_loadu_ps(t + 96), t7 = _mm512_loadu_ps(t + 112), t8 = _mm512_loadu_ps(t + 128),
@@ -100,6 +124,7 @@ static void sums16(const uint16_t *tables, const uint8_t *codes, long tiles, lon
         for (long r = 0; r < count * ROWS; r += 16) _mm512_storeu_ps(out + group * ROWS + r, _mm512_setzero_ps());
         for (long c = first_column; c < last_column; c++) {
             const uint16_t *t = tables + (c - first_column) * 256;
+            request_codes(codes, group, count, tiles, columns, first_column, last_column, c);
             const __m512i t0 = _mm512_loadu_si512(t), t1 = _mm512_loadu_si512(t + 32), t2 = _mm512_loadu_si512(t + 64),
                           t3 = _mm512_loadu_si512(t + 96), t4 = _mm512_loadu_si512(t + 128),
                           t5 = _mm512_loadu_si512(t + 160), t6 = _mm512_loadu_si512(t + 192),

@@ -1,0 +1,291 @@
+"""The small operations of Llama-style decoder layers for one new token on a CPU, each in one numba call.
+
+Why: in an eager CPU decode step of a Llama-3.2-3B-shaped model the linears are a handful of kernel
+calls a layer, but the rest (RMSNorm, rotary embedding, the static cache's update, the attention call,
+SiLU gate) is ~40 small torch operations a layer, each a few microseconds of dispatch on one core:
+~0.8 ms a layer, ~20 ms of a ~100 ms token on the 2-core box and of a ~57 ms one on 16 cores, the
+same for the dense and the 2-bit model. Here each of those pieces is one call:
+
+- RMSNorm: `rms_norm` (float32 statistics, the normalized value rounded to the model's dtype, then
+  times the weight, rounded: transformers' order);
+- attention: `rope_cache_attend` applies the rotary embedding to the new query and key (rounded after
+  each product and the sum, as torch does in bfloat16), writes key and value into the static cache at
+  the next position and attends over the valid positions, one thread a query head;
+- MLP: `silu_mul` forms silu(gate) * up between the projections (rounded as torch does).
+
+The projections stay the model's modules (dense, 2-bit, fused or not). `cpu_layers_enabled(model)`
+replaces, for the block, the forward of every module it recognizes (Llama, Mistral and Qwen2 RMSNorm,
+attention without a sliding window, SiLU MLP; float32 or bfloat16); each falls back to the module's
+own forward for anything else (a prompt, batch > 1, a cache that is not a static one). Outputs equal
+the modules' own up to float32 rounding of the sums (tests/inference/test_cpu_layers.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import numpy as np
+import torch
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+from llvmlite import ir
+
+from aqflow.inference.cpu_attention import as_float32
+from aqflow.inference.cpu_kernels import _float32_from_bits
+
+NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
+ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention"})
+MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP"})
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@intrinsic
+def _bits_of_float32(typingctx, value):
+    """The bits of a float32 as a uint32: a bit cast, no conversion."""
+    def codegen(context, builder, signature, arguments):
+        return builder.bitcast(arguments[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@njit(cache=True)
+def _bf16_rounded_bits(value):
+    """The bfloat16 nearest to a float32 (ties to even), as the float32's bits with the low half zero."""
+    bits = _bits_of_float32(np.float32(value))
+    return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+
+
+def stored(value, like):
+    """`value` (float32) as an element of `like`'s dtype holds it: bf16 bits (uint16) or float32."""
+    raise NotImplementedError("called from numba-compiled code only")
+
+
+@overload(stored)
+def _stored(value, like):
+    if like == types.uint16:
+        return lambda value, like: np.uint16(_bf16_rounded_bits(value) >> np.uint32(16))
+    return lambda value, like: np.float32(value)
+
+
+def rounded(value, like):
+    """`value` (float32) rounded to `like`'s dtype (bf16 bits: bfloat16; float32: itself), as a float32."""
+    raise NotImplementedError("called from numba-compiled code only")
+
+
+@overload(rounded)
+def _rounded(value, like):
+    if like == types.uint16:
+        return lambda value, like: _float32_from_bits(_bf16_rounded_bits(value))
+    return lambda value, like: np.float32(value)
+
+
+@njit(cache=True)
+def rms_norm(x, weight, eps, out):
+    """out = weight * (x / sqrt(mean(x^2) + eps) rounded to x's dtype), rounded: transformers' RMSNorm.
+
+    x, weight, out [N]: float32, or bf16 bits as uint16 (one dtype for all three)."""
+    size = x.shape[0]
+    total = 0.0
+    for i in range(size):
+        value = as_float32(x[i])
+        total += value * value
+    scale = np.float32(1.0 / math.sqrt(np.float32(total / size) + eps))
+    for i in range(size):
+        normalized = rounded(as_float32(x[i]) * scale, x[0])
+        out[i] = stored(as_float32(weight[i]) * normalized, x[0])
+
+
+@njit(cache=True)
+def _rotated(x, row, d, cos, sin, like):
+    """Element d of row `row` of x [rows, D] after the rotary embedding (halves rotated), each product and
+    the sum rounded to `like`'s dtype as torch computes it in that dtype."""
+    half = x.shape[1] // 2
+    partner = -as_float32(x[row, d + half]) if d < half else as_float32(x[row, d - half])
+    return rounded(rounded(as_float32(x[row, d]) * as_float32(cos[d]), like)
+                   + rounded(partner * as_float32(sin[d]), like), like)
+
+
+# fastmath without its no-infinities flag: the running maximum starts at -inf
+@njit(parallel=True, fastmath={"nsz", "arcp", "contract", "reassoc"}, cache=True)
+def rope_cache_attend(query, key, value, cos, sin, keys, values, position, valid, scale, out):
+    """The new token's attention: key and value (key rotated) written into the cache at `position`,
+    then out[h] = softmax(scale * keys[g] . rotated query[h] over the valid positions) . values[g],
+    g = h's key/value head, one thread a query head.
+
+    query [H, D], key and value [Hkv, D], cos and sin [D], keys and values [Hkv, L, D], out [H, D]: all
+    float32 or all bf16 bits (uint16); valid [L] bool (`position` among them)."""
+    heads, dim = query.shape
+    kv_heads = key.shape[0]
+    for g in range(kv_heads):
+        for d in range(dim):
+            keys[g, position, d] = stored(_rotated(key, g, d, cos, sin, query[0, 0]), query[0, 0])
+            values[g, position, d] = value[g, d]
+    group = heads // kv_heads
+    length = keys.shape[1]
+    for h in prange(heads):
+        kv = h // group
+        rotated = np.empty(dim, dtype=np.float32)
+        for d in range(dim):
+            rotated[d] = _rotated(query, h, d, cos, sin, query[0, 0])
+        scores = np.empty(length, dtype=np.float32)
+        top = np.float32(-np.inf)
+        for p in range(length):
+            if not valid[p]:
+                continue
+            total = np.float32(0.0)
+            for d in range(dim):
+                total += rotated[d] * as_float32(keys[kv, p, d])
+            scores[p] = total * scale
+            top = max(top, scores[p])
+        sums = np.zeros(dim, dtype=np.float32)
+        weight_sum = np.float32(0.0)
+        for p in range(length):
+            if not valid[p]:
+                continue
+            weight = np.exp(scores[p] - top)
+            weight_sum += weight
+            for d in range(dim):
+                sums[d] += weight * as_float32(values[kv, p, d])
+        for d in range(dim):
+            out[h, d] = stored(sums[d] / weight_sum, query[0, 0])
+
+
+SILU_CHUNK = 1024  # elements a thread takes at a time: the exponentials are scalar, ~40 us for 8192 on one core
+
+
+@njit(parallel=True, cache=True)
+def silu_mul(gate, up, out):
+    """out = silu(gate) * up, silu's value rounded to the dtype first (torch's two operations).
+
+    gate, up, out [N]: float32, or bf16 bits as uint16."""
+    size = gate.shape[0]
+    for chunk in prange((size + SILU_CHUNK - 1) // SILU_CHUNK):
+        for i in range(chunk * SILU_CHUNK, min(size, (chunk + 1) * SILU_CHUNK)):
+            g = as_float32(gate[i])
+            activated = rounded(g / (np.float32(1.0) + np.exp(-g)), gate[0])
+            out[i] = stored(activated * as_float32(up[i]), gate[0])
+
+
+def as_numba(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU float32 or bfloat16 tensor as the kernels read it (bf16 as its bits), without a copy."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.detach().view(torch.int16).numpy().view(np.uint16)
+    return tensor.detach().numpy()
+
+
+def _one_cpu_token(hidden: torch.Tensor) -> bool:
+    """hidden [1, 1, N] of a float32 or bfloat16 model on the CPU, laid out densely."""
+    return (hidden.device.type == "cpu" and hidden.dim() == 3 and hidden.shape[0] == 1 and hidden.shape[1] == 1
+            and hidden.dtype in DTYPES and hidden.is_contiguous())
+
+
+def norm_forward(module: torch.nn.Module, original):
+    """A forward for an RMSNorm module: one rms_norm call for one token, `original` for the rest."""
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        if not _one_cpu_token(hidden_states) or module.weight.dtype != hidden_states.dtype:
+            return original(hidden_states)
+        out = torch.empty_like(hidden_states)
+        rms_norm(as_numba(hidden_states.view(-1)), as_numba(module.weight), np.float32(module.variance_epsilon),
+                 as_numba(out.view(-1)))
+        return out
+    return forward
+
+
+def mlp_forward(module: torch.nn.Module, original):
+    """A forward for a SiLU-gated MLP: the three projections as they are, silu_mul between, for one token."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not _one_cpu_token(x):
+            return original(x)
+        gate, up = module.gate_proj(x), module.up_proj(x)
+        if gate.dtype != x.dtype or up.dtype != x.dtype:
+            return module.down_proj(module.act_fn(gate) * up)
+        gated = torch.empty_like(gate)
+        silu_mul(as_numba(gate.reshape(-1)), as_numba(up.reshape(-1)), as_numba(gated.view(-1)))
+        return module.down_proj(gated)
+    return forward
+
+
+def _static_layer(cache, layer_index: int, dtype: torch.dtype):
+    """The cache's layer `layer_index` if it is a filled static layer of `dtype` (keys/values [1, Hkv, L,
+    D] and a cumulative_length tensor), else None."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer_index >= len(layers):
+        return None
+    layer = layers[layer_index]
+    if type(layer).__name__ != "StaticLayer" or not getattr(layer, "is_initialized", False):
+        return None
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if keys is None or values is None or keys.dtype != dtype or values.dtype != dtype or keys.shape[0] != 1:
+        return None
+    if not (keys.is_contiguous() and values.is_contiguous()):
+        return None
+    return layer
+
+
+def attention_forward(module: torch.nn.Module, original):
+    """A forward for a Llama-style attention module: for one token with a static cache, the projections
+    as they are and one rope_cache_attend call between them; `original` for the rest."""
+    def forward(hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, past_key_values=None,
+                **kwargs):
+        layer = _static_layer(past_key_values, module.layer_idx, hidden_states.dtype) \
+            if _one_cpu_token(hidden_states) and position_embeddings is not None else None
+        cos, sin = position_embeddings if layer is not None else (None, None)
+        if layer is None or cos.dtype != hidden_states.dtype or cos.shape[-1] != module.head_dim \
+                or (attention_mask is not None and attention_mask.dtype != torch.bool):
+            return original(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        position = int(layer.cumulative_length)
+        length = layer.keys.shape[2]
+        if position >= length or (attention_mask is not None and attention_mask.numel() != length):
+            return original(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        dim = module.head_dim
+        query = module.q_proj(hidden_states).reshape(-1, dim)
+        key = module.k_proj(hidden_states).reshape(-1, dim)
+        value = module.v_proj(hidden_states).reshape(-1, dim)
+        if not (query.dtype == key.dtype == value.dtype == hidden_states.dtype):
+            return original(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        if attention_mask is None:
+            valid = np.arange(length) <= position
+        else:
+            valid = attention_mask.reshape(-1).numpy()
+        out = torch.empty_like(query)
+        rope_cache_attend(as_numba(query.contiguous()), as_numba(key.contiguous()), as_numba(value.contiguous()),
+                          as_numba(cos.reshape(-1)), as_numba(sin.reshape(-1)), as_numba(layer.keys[0]),
+                          as_numba(layer.values[0]), position, valid, np.float32(module.scaling), as_numba(out))
+        layer.cumulative_length.add_(1)
+        return module.o_proj(out.view(1, 1, -1)), None
+    return forward
+
+
+def _recognized(module: torch.nn.Module):
+    """The lean forward maker for a module this file handles, else None."""
+    name = type(module).__name__
+    if name in NORMS and hasattr(module, "variance_epsilon"):
+        return norm_forward
+    if name in ATTENTIONS and getattr(module, "sliding_window", None) is None and hasattr(module, "head_dim") \
+            and module.head_dim % 2 == 0:
+        return attention_forward
+    if name in MLPS and getattr(getattr(module, "config", None), "hidden_act", None) == "silu":
+        return mlp_forward
+    return None
+
+
+@contextlib.contextmanager
+def cpu_layers_enabled(model: torch.nn.Module) -> Iterator[int]:
+    """Within the block the model's RMSNorm, attention and MLP modules that this file recognizes run
+    their one-token forward through its kernels; yields how many modules it switched. Restored after."""
+    switched = []
+    for module in model.modules():
+        make = _recognized(module)
+        if make is None:
+            continue
+        switched.append((module, module.__dict__.get("forward")))  # a forward set on the instance before ours
+        module.forward = make(module, module.forward)
+    try:
+        yield len(switched)
+    finally:
+        for module, previous in switched:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
