@@ -45,39 +45,49 @@ def _as_float32(value):
 
 
 # fastmath without its no-infinities flag: the running maximum starts at -inf
-@njit(parallel=True, fastmath={"nsz", "arcp", "contract", "reassoc"}, cache=True)
+FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def attend_head(query, key, value, valid, scale, out):
+    """out = softmax(scale * key . query over the valid positions) . value for one query head.
+
+    query [D] f32, key and value [L, D] f32 or uint16 (bf16 bits), valid [L] bool, out [D] f32."""
+    length, dim = key.shape
+    scores = np.empty(length, dtype=np.float32)
+    top = np.float32(-np.inf)
+    for position in range(length):
+        if not valid[position]:
+            continue
+        total = np.float32(0.0)
+        for d in range(dim):
+            total += query[d] * as_float32(key[position, d])
+        scores[position] = total * scale
+        top = max(top, scores[position])
+    for d in range(dim):
+        out[d] = 0.0
+    weight_sum = np.float32(0.0)
+    for position in range(length):
+        if not valid[position]:
+            continue
+        weight = np.exp(scores[position] - top)
+        weight_sum += weight
+        for d in range(dim):
+            out[d] += weight * as_float32(value[position, d])
+    for d in range(dim):
+        out[d] /= weight_sum
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
 def attend_one_token(query, key, value, valid, scale, out):
     """out[h] = softmax(scale * key[g] . query[h] over the valid positions) . value[g], g = h's key/value
     head (heads // kv_heads query heads a group).
 
     query [H, D] f32, key and value [Hkv, L, D] f32 or uint16 (bf16 bits), valid [L] bool, out [H, D] f32."""
-    heads, dim = query.shape
+    heads = query.shape[0]
     group = heads // key.shape[0]
-    length = key.shape[1]
     for h in prange(heads):
-        kv = h // group
-        scores = np.empty(length, dtype=np.float32)
-        top = np.float32(-np.inf)
-        for position in range(length):
-            if not valid[position]:
-                continue
-            total = np.float32(0.0)
-            for d in range(dim):
-                total += query[h, d] * as_float32(key[kv, position, d])
-            scores[position] = total * scale
-            top = max(top, scores[position])
-        for d in range(dim):
-            out[h, d] = 0.0
-        weight_sum = np.float32(0.0)
-        for position in range(length):
-            if not valid[position]:
-                continue
-            weight = np.exp(scores[position] - top)
-            weight_sum += weight
-            for d in range(dim):
-                out[h, d] += weight * as_float32(value[kv, position, d])
-        for d in range(dim):
-            out[h, d] /= weight_sum
+        attend_head(query[h], key[h // group], value[h // group], valid, scale, out[h])
 
 
 def _as_numba(cache: torch.Tensor) -> np.ndarray:

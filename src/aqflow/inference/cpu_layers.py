@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 from llvmlite import ir
 
-from aqflow.inference.cpu_attention import as_float32
+from aqflow.inference.cpu_attention import FASTMATH, as_float32, attend_head
 from aqflow.inference.cpu_kernels import _float32_from_bits
 
 NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
@@ -106,8 +106,7 @@ def _rotated(x, row, d, cos, sin, like):
                    + rounded(partner * as_float32(sin[d]), like), like)
 
 
-# fastmath without its no-infinities flag: the running maximum starts at -inf
-@njit(parallel=True, fastmath={"nsz", "arcp", "contract", "reassoc"}, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
 def rope_cache_attend(query, key, value, cos, sin, keys, values, position, valid, scale, out):
     """The new token's attention: key and value (key rotated) written into the cache at `position`,
     then out[h] = softmax(scale * keys[g] . rotated query[h] over the valid positions) . values[g],
@@ -122,33 +121,14 @@ def rope_cache_attend(query, key, value, cos, sin, keys, values, position, valid
             keys[g, position, d] = stored(_rotated(key, g, d, cos, sin, query[0, 0]), query[0, 0])
             values[g, position, d] = value[g, d]
     group = heads // kv_heads
-    length = keys.shape[1]
     for h in prange(heads):
-        kv = h // group
         rotated = np.empty(dim, dtype=np.float32)
         for d in range(dim):
             rotated[d] = _rotated(query, h, d, cos, sin, query[0, 0])
-        scores = np.empty(length, dtype=np.float32)
-        top = np.float32(-np.inf)
-        for p in range(length):
-            if not valid[p]:
-                continue
-            total = np.float32(0.0)
-            for d in range(dim):
-                total += rotated[d] * as_float32(keys[kv, p, d])
-            scores[p] = total * scale
-            top = max(top, scores[p])
-        sums = np.zeros(dim, dtype=np.float32)
-        weight_sum = np.float32(0.0)
-        for p in range(length):
-            if not valid[p]:
-                continue
-            weight = np.exp(scores[p] - top)
-            weight_sum += weight
-            for d in range(dim):
-                sums[d] += weight * as_float32(values[kv, p, d])
+        sums = np.empty(dim, dtype=np.float32)
+        attend_head(rotated, keys[h // group], values[h // group], valid, scale, sums)
         for d in range(dim):
-            out[h, d] = stored(sums[d] / weight_sum, query[0, 0])
+            out[h, d] = stored(sums[d], query[0, 0])
 
 
 SILU_CHUNK = 1024  # elements a thread takes at a time: the exponentials are scalar, ~40 us for 8192 on one core
