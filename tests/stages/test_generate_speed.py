@@ -68,6 +68,19 @@ def test_sampling_is_seeded_and_top_p_near_zero_is_greedy(folders, tmp_path):
     assert json.loads((tmp_path / "top.json").read_text())["tokens"] == greedy
 
 
+def test_sampling_goes_through_the_one_token_cpu_paths_and_draws_the_stock_tokens(folders, tmp_path):
+    fp_dir, _ = folders
+    assert _generate(fp_dir, tmp_path / "fast.json", max_new_tokens=10, temperature=3.0, seed=4, stream=False) == 0
+    record = json.loads((tmp_path / "fast.json").read_text())
+    assert record["timings"]["cpu_layers"] == 2 * 4 + 1 and record["timings"]["attention"] != "model's own"
+    model = load_for_decoding(fp_dir, "cpu", "float32", "fast")
+    prompt = load_tokenizer(fp_dir)(generate.GenerateSettings().prompt, return_tensors="pt").input_ids
+    stock, timings = generate.sample_decode(model, prompt, 10, temperature=3.0, top_p=1.0,
+                                            generator=torch.Generator().manual_seed(4), fast_attention=False)
+    assert (timings.cpu_layers, timings.attention) == (0, "model's own")
+    assert stock.tolist() == record["tokens"]
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p():
     logits = torch.log(torch.tensor([0.1, 0.5, 0.3, 0.1]))
     kept = generate.top_p_filter(logits, 0.75).isfinite()

@@ -17,7 +17,7 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Collection, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 import torch
 
@@ -149,16 +149,31 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     (`aqflow.inference.cpu_layers`: ~40 small torch operations a layer fewer); False leaves those modules'
     own forwards. timings.cpu_layers counts the modules switched.
     """
+    pdl_here = dependent_launch_supported(model_device(model))
+    if dependent_launch and not pdl_here:
+        raise ValueError(f"dependent_launch=True needs a CUDA device of compute capability >= 9.0, the model is "
+                         f"on {model_device(model)}")
+    dependent_launch = pdl_here if dependent_launch is None else dependent_launch
+    with one_token_paths(model, fast_attention, compile, cpu_layers) as (implementation, switched), \
+            dependent_launch_enabled(dependent_launch):
+        tokens, timings = _greedy_decode(model, input_ids, new_tokens, graphs=graphs, on_token=on_token,
+                                         compile=compile, fuse=fuse, stop_tokens=stop_tokens,
+                                         warmup_steps=warmup_steps, profile=profile)
+    return tokens, replace(timings, attention=implementation or "model's own", dependent_launch=dependent_launch,
+                           cpu_layers=switched)
+
+
+@contextlib.contextmanager
+def one_token_paths(model: torch.nn.Module, fast_attention: bool | None = None, compile: bool | None = None,
+                    cpu_layers: bool | None = None) -> Iterator[tuple[str | None, int]]:
+    """The one-token attention (and on a CPU the one-token layers) that decoding `model` runs inside, as
+    greedy_decode's fast_attention, compile and cpu_layers choose them; yields (the attention
+    implementation switched to, or None; how many modules cpu_layers switched). Restored after."""
     device = model_device(model)
     kernels_run_here = device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
     if fast_attention and not kernels_run_here:
         raise ValueError(f"fast_attention=True: the one-token attention kernels run on CUDA (or under "
                          f"TRITON_INTERPRET=1), the model is on {device}")
-    pdl_here = dependent_launch_supported(device)
-    if dependent_launch and not pdl_here:
-        raise ValueError(f"dependent_launch=True needs a CUDA device of compute capability >= 9.0, the model is "
-                         f"on {device}")
-    dependent_launch = pdl_here if dependent_launch is None else dependent_launch
     switch, layers = contextlib.nullcontext(None), contextlib.nullcontext(0)
     if device.type == "cuda" if fast_attention is None else fast_attention:
         from aqflow.inference.decode_attention import decode_attention_enabled  # Triton: imported where used
@@ -175,12 +190,8 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     elif cpu_layers:
         raise ValueError("cpu_layers=True: the one-token CPU layers run in an eager CPU decode with the numba "
                          f"attention (the model is on {device}, compile={compile}, fast_attention={fast_attention})")
-    with switch as implementation, layers as switched, dependent_launch_enabled(dependent_launch):
-        tokens, timings = _greedy_decode(model, input_ids, new_tokens, graphs=graphs, on_token=on_token,
-                                         compile=compile, fuse=fuse, stop_tokens=stop_tokens,
-                                         warmup_steps=warmup_steps, profile=profile)
-    return tokens, replace(timings, attention=implementation or "model's own", dependent_launch=dependent_launch,
-                           cpu_layers=switched)
+    with switch as implementation, layers as switched:
+        yield implementation, switched
 
 
 def _greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, *, graphs: bool | None,

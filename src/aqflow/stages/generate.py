@@ -18,13 +18,14 @@ from __future__ import annotations
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Collection
 
 import torch
 
-from aqflow.inference.decode import DecodeTimings, greedy_decode, model_device, new_static_cache, step_logits
+from aqflow.inference.decode import (DecodeTimings, greedy_decode, model_device, new_static_cache, one_token_paths,
+                                     step_logits)
 from aqflow.inference.runtime import (
     PATHS, decode_options, decoding_context, disk_weight_bytes, is_aqlm_folder, load_for_decoding,
     resident_weight_bytes, resolve_dtype, torch_threads,
@@ -92,9 +93,21 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 @torch.inference_mode()
 def sample_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, *, temperature: float,
                   top_p: float, generator: torch.Generator, on_token: Callable[[int], None] | None = None,
-                  stop_tokens: Collection[int] = ()) -> tuple[torch.Tensor, DecodeTimings]:
+                  stop_tokens: Collection[int] = (), fast_attention: bool | None = None,
+                  cpu_layers: bool | None = None) -> tuple[torch.Tensor, DecodeTimings]:
     """Sampled decoding with the static KV cache of decode.greedy_decode, eagerly (a host draw per
-    token). input_ids [1, P] -> (tokens [n] int64, timings), n <= new_tokens."""
+    token), through the same one-token attention and CPU layers (`fast_attention`, `cpu_layers`: as
+    greedy_decode's). input_ids [1, P] -> (tokens [n] int64, timings), n <= new_tokens."""
+    with one_token_paths(model, fast_attention, False, cpu_layers) as (implementation, switched):
+        tokens, timings = _sample_decode(model, input_ids, new_tokens, temperature=temperature, top_p=top_p,
+                                         generator=generator, on_token=on_token, stop_tokens=stop_tokens)
+    return tokens, replace(timings, attention=implementation or "model's own", cpu_layers=switched)
+
+
+def _sample_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, *, temperature: float,
+                   top_p: float, generator: torch.Generator, on_token: Callable[[int], None] | None,
+                   stop_tokens: Collection[int]) -> tuple[torch.Tensor, DecodeTimings]:
+    """sample_decode with the model's attention and layers as they are set."""
     device = model_device(model)
     prompt_tokens = input_ids.shape[1]
     cache = new_static_cache(model, prompt_tokens + new_tokens)
@@ -173,8 +186,10 @@ def run(settings: GenerateSettings, paths: GeneratePaths) -> dict:
         with decoding_context(paths.model_dir, device, settings.path):
             if settings.temperature > 0:
                 generator = torch.Generator().manual_seed(settings.seed)
-                tokens, timings = sample_decode(model, input_ids, settings.max_new_tokens, temperature=settings.temperature,
-                                                top_p=settings.top_p, generator=generator, on_token=stream, stop_tokens=stops)
+                tokens, timings = sample_decode(
+                    model, input_ids, settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
+                    generator=generator, on_token=stream, stop_tokens=stops,
+                    fast_attention=decode_options(settings.path).get("fast_attention"))
             else:
                 tokens, timings = greedy_decode(model, input_ids, settings.max_new_tokens, on_token=stream, stop_tokens=stops,
                                                  **decode_options(settings.path))
