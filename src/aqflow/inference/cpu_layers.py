@@ -193,7 +193,8 @@ def _static_layer(cache, layer_index: int, dtype: torch.dtype):
     if layers is None or layer_index >= len(layers):
         return None
     layer = layers[layer_index]
-    if type(layer).__name__ != "StaticLayer" or not getattr(layer, "is_initialized", False):
+    if type(layer).__name__ != "StaticLayer" or not getattr(layer, "is_initialized", False) \
+            or not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
         return None
     keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
     if keys is None or values is None or keys.dtype != dtype or values.dtype != dtype or keys.shape[0] != 1:
