@@ -360,7 +360,7 @@ DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears, bf16 line
     # the new token's attention through transformers' SDPA (greedy_decode's default: cpu_attention)
     ("dense bf16 (numba GEMV, SDPA)", "bfloat16", "dense-sdpa", True, None),
     ("2x8 fast (bf16 rest, SDPA)", "bfloat16", "fast-sdpa", True, None),
-    # RMSNorm, rotary + cache + attention and the SiLU gate through the modules' own forwards (torch operations;
+    # RMSNorm and rotary + cache + attention through the modules' own forwards (torch operations;
     # greedy_decode's default on a CPU: cpu_layers, one numba call each)
     ("dense bf16 (numba GEMV, stock layers)", "bfloat16", "dense-stock", True, None),
     ("2x8 fast (bf16 rest, stock layers)", "bfloat16", "fast-stock", True, None),

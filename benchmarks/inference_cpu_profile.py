@@ -3,8 +3,10 @@
     PYTHONPATH=src .venv/bin/python benchmarks/inference_cpu_profile.py [--threads 2] [--steps 4] [--dtype bfloat16]
 
 Builds benchmarks/inference_cpu.py's random model (2x8 FastQuantizedLinear, unquantized parts in
---dtype; bf16 linears through numba's GEMV as runtime's CPU fast path has them, unless --torch-bf16), decodes a warm-up, then times --steps single-token steps with forward pre/post hooks on
-every module: each kind's time is its own (exclusive: the time of hooked children inside it is
+--dtype; bf16 linears through numba's GEMV as runtime's CPU fast path has them, unless --torch-bf16;
+the new token's attention and the layers' small operations as greedy_decode runs them on a CPU,
+cpu_attention and cpu_layers, unless --stock), decodes a warm-up, then times --steps single-token steps
+with forward pre/post hooks on every module: each kind's time is its own (exclusive: the time of hooked children inside it is
 subtracted), so the kinds add up to the hooked total; "outside modules" is the step's wall time
 left (the decode loop's argmax, cache bookkeeping, transformers' mask and cache code outside
 the hooked modules). The hooks cost a few microseconds per module call (~700 per step), charged to
@@ -71,6 +73,9 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=8)
     parser.add_argument("--torch-bf16", action="store_true",
                         help="leave bf16 nn.Linears (the lm_head) to torch instead of numba's GEMV (the fast path's)")
+    parser.add_argument("--stock", action="store_true",
+                        help="attention through SDPA and the modules' own forwards (greedy_decode's default on a CPU: "
+                             "cpu_attention and cpu_layers)")
     parser.add_argument("--no-fuse", action="store_true",
                         help="q/k/v and gate/up as separate products (greedy_decode fuses them by default)")
     args = parser.parse_args()
@@ -94,7 +99,11 @@ def main() -> int:
         fuse_projections(model)
     print(f"built in {time.perf_counter() - started:.1f} s", flush=True)
     prompt = torch.randint(0, LLAMA_3B["vocab_size"], (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
+    from aqflow.inference.decode import one_token_paths
+
+    paths = one_token_paths(model, fast_attention=False) if args.stock else one_token_paths(model)
+    with torch.inference_mode(), paths as (attention, switched):
+        print(f"attention {attention or 'SDPA'}, {switched} modules through cpu_layers", flush=True)
         cache = new_static_cache(model, args.prompt_tokens + 2 * args.steps + 4)
         model(input_ids=prompt, position_ids=torch.arange(args.prompt_tokens)[None], past_key_values=cache,
               use_cache=True, logits_to_keep=1)

@@ -1,6 +1,6 @@
-"""The one-token CPU layers (numba): RMSNorm, the SiLU gate and rotary + cache + attention equal the
-transformers modules they replace (bf16 rounded at the same points), a decode through them gives the
-stock decode's logits, cache and tokens, and everything but one token with a static cache falls back."""
+"""The one-token CPU layers (numba): RMSNorm and rotary + cache + attention equal the transformers
+modules they replace (bf16 rounded at the same points), a decode through them gives the stock decode's
+logits, cache and tokens, and everything but one token with a static cache falls back."""
 
 import numpy as np
 import pytest
@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from aqflow.inference import cpu_layers
 from aqflow.inference.cpu_attention import cpu_attention_enabled
-from aqflow.inference.cpu_layers import as_numba, cpu_layers_enabled, rms_norm, silu_mul
+from aqflow.inference.cpu_layers import as_numba, cpu_layers_enabled, rms_norm
 from aqflow.inference.decode import greedy_decode, new_static_cache, step_logits
 
 BF16_ULP = 2.0 ** -7  # relative spacing of bfloat16 values
@@ -24,12 +24,11 @@ def tiny_llama(dtype, cls=LlamaForCausalLM, config_cls=LlamaConfig, **extra):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_and_silu_gate_equal_the_modules(dtype):
-    """Within one rounding step everywhere (float32 statistics summed in another order, another exp), and
-    bf16 equal almost everywhere: rounding the normalized value before the weight, or the SiLU before
-    the product, as torch does, matters for ~1/4 of the elements."""
+def test_rms_norm_equals_the_module(dtype):
+    """Within one rounding step everywhere (float32 statistics summed in another order), and bf16 equal
+    almost everywhere: rounding the normalized value before the weight, as torch does, matters for ~1/4
+    of the elements."""
     model = tiny_llama(dtype)
-    mlp = model.model.layers[0].mlp
     norm = type(model.model.layers[0].input_layernorm)(3072, eps=1e-5).to(dtype)
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
@@ -38,15 +37,10 @@ def test_rms_norm_and_silu_gate_equal_the_modules(dtype):
         expected = norm(x)
         out = torch.empty_like(x)
         rms_norm(as_numba(x), as_numba(norm.weight), np.float32(norm.variance_epsilon), as_numba(out))
-        gate, up = (torch.randn(2, 2500, generator=generator) * 4).to(dtype)
-        gated = torch.empty_like(gate)
-        silu_mul(as_numba(gate), as_numba(up), as_numba(gated))
-        expected_gated = mlp.act_fn(gate) * up
     limit = 1e-6 if dtype == torch.float32 else BF16_ULP
-    for got, want in ((out, expected), (gated, expected_gated)):
-        assert ((got.float() - want.float()).abs() <= limit * want.float().abs() + 1e-30).all()
-        if dtype == torch.bfloat16:
-            assert (got == want).float().mean() >= 0.99
+    assert ((out.float() - expected.float()).abs() <= limit * expected.float().abs() + 1e-30).all()
+    if dtype == torch.bfloat16:
+        assert (out == expected).float().mean() >= 0.99
 
 
 def decode_steps(model, prompt, steps, lean):
@@ -91,7 +85,7 @@ def test_a_prompt_and_a_dynamic_cache_take_the_modules_own_forward(monkeypatch):
     with torch.no_grad():
         expected = model(input_ids=prompt).logits
         with cpu_layers_enabled(model) as switched:
-            assert switched == 2 * 4 + 1  # per layer two norms, attention, MLP; the final norm
+            assert switched == 2 * 3 + 1  # per layer two norms and the attention; the final norm
             got = model(input_ids=prompt).logits  # a prompt, a dynamic cache
             one = model(input_ids=prompt[:, :1]).logits  # one token, a dynamic cache
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
@@ -104,6 +98,6 @@ def test_greedy_decode_takes_the_cpu_layers_by_default_with_the_same_tokens():
     stock, stock_timings = greedy_decode(model, prompt, 8, cpu_layers=False)
     lean, lean_timings = greedy_decode(model, prompt, 8)
     assert torch.equal(stock, lean)
-    assert (stock_timings.cpu_layers, lean_timings.cpu_layers) == (0, 9)
+    assert (stock_timings.cpu_layers, lean_timings.cpu_layers) == (0, 7)
     with pytest.raises(ValueError, match="cpu_layers=True"):
         greedy_decode(model, prompt, 2, cpu_layers=True, fast_attention=False)

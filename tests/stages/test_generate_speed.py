@@ -72,7 +72,7 @@ def test_sampling_goes_through_the_one_token_cpu_paths_and_draws_the_stock_token
     fp_dir, _ = folders
     assert _generate(fp_dir, tmp_path / "fast.json", max_new_tokens=10, temperature=3.0, seed=4, stream=False) == 0
     record = json.loads((tmp_path / "fast.json").read_text())
-    assert record["timings"]["cpu_layers"] == 2 * 4 + 1 and record["timings"]["attention"] != "model's own"
+    assert record["timings"]["cpu_layers"] == 2 * 3 + 1 and record["timings"]["attention"] != "model's own"
     model = load_for_decoding(fp_dir, "cpu", "float32", "fast")
     prompt = load_tokenizer(fp_dir)(generate.GenerateSettings().prompt, return_tensors="pt").input_ids
     stock, timings = generate.sample_decode(model, prompt, 10, temperature=3.0, top_p=1.0,

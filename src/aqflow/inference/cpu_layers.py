@@ -1,23 +1,23 @@
-"""The small operations of Llama-style decoder layers for one new token on a CPU, each in one numba call.
+"""The one-token attention and RMSNorm of Llama-style decoder layers on a CPU, each one numba call.
 
-Why: in an eager CPU decode step of a Llama-3.2-3B-shaped model the linears are a handful of kernel
-calls a layer, but the rest (RMSNorm, rotary embedding, the static cache's update, the attention call,
-SiLU gate) is ~40 small torch operations a layer, each a few microseconds of dispatch on one core:
-~0.8 ms a layer, ~20 ms of a ~100 ms token on the 2-core box and of a ~57 ms one on 16 cores, the
-same for the dense and the 2-bit model. Here each of those pieces is one call:
+Why: in an eager CPU decode step the attention module, around its projections, is ~20 small torch
+operations a layer (rotary embedding of query and key, the static cache's update, the attention call,
+reshapes), each a few microseconds of dispatch on one core, as many for the dense as for the 2-bit
+model. Here:
 
-- RMSNorm: `rms_norm` (float32 statistics, the normalized value rounded to the model's dtype, then
-  times the weight, rounded: transformers' order);
 - attention: `rope_cache_attend` applies the rotary embedding to the new query and key (rounded after
   each product and the sum, as torch does in bfloat16), writes key and value into the static cache at
   the next position and attends over the valid positions, one thread a query head;
-- MLP: `silu_mul` forms silu(gate) * up between the projections (rounded as torch does).
+- RMSNorm: `rms_norm` (float32 statistics, the normalized value rounded to the model's dtype, then
+  times the weight, rounded: transformers' order), a little cheaper than torch's five operations.
 
-The projections stay the model's modules (dense, 2-bit, fused or not). `cpu_layers_enabled(model)`
-replaces, for the block, the forward of every module it recognizes (Llama, Mistral and Qwen2 RMSNorm,
-attention without a sliding window, SiLU MLP; float32 or bfloat16); each falls back to the module's
-own forward for anything else (a prompt, batch > 1, a cache that is not a static one). Outputs equal
-the modules' own up to float32 rounding of the sums (tests/inference/test_cpu_layers.py).
+(A numba SiLU gate was tried and dropped: with scalar exponentials it took ~130 us for 8192 values
+against torch's ~10.) The projections stay the model's modules (dense, 2-bit, fused or not).
+`cpu_layers_enabled(model)` replaces, for the block, the forward of every module it recognizes (Llama,
+Mistral and Qwen2 RMSNorm, and attention without a sliding window; float32 or bfloat16); each falls
+back to the module's own forward for anything else (a prompt, batch > 1, a cache that is not a static
+one, a sliding-window layer). Outputs equal the modules' own up to float32 rounding of the sums
+(tests/inference/test_cpu_layers.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from aqflow.inference.cpu_kernels import _float32_from_bits
 
 NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
 ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention"})
-MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP"})
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -131,22 +130,6 @@ def rope_cache_attend(query, key, value, cos, sin, keys, values, position, valid
             out[h, d] = stored(sums[d], query[0, 0])
 
 
-SILU_CHUNK = 1024  # elements a thread takes at a time: the exponentials are scalar, ~40 us for 8192 on one core
-
-
-@njit(parallel=True, cache=True)
-def silu_mul(gate, up, out):
-    """out = silu(gate) * up, silu's value rounded to the dtype first (torch's two operations).
-
-    gate, up, out [N]: float32, or bf16 bits as uint16."""
-    size = gate.shape[0]
-    for chunk in prange((size + SILU_CHUNK - 1) // SILU_CHUNK):
-        for i in range(chunk * SILU_CHUNK, min(size, (chunk + 1) * SILU_CHUNK)):
-            g = as_float32(gate[i])
-            activated = rounded(g / (np.float32(1.0) + np.exp(-g)), gate[0])
-            out[i] = stored(activated * as_float32(up[i]), gate[0])
-
-
 def as_numba(tensor: torch.Tensor) -> np.ndarray:
     """A CPU float32 or bfloat16 tensor as the kernels read it (bf16 as its bits), without a copy."""
     if tensor.dtype == torch.bfloat16:
@@ -162,27 +145,18 @@ def _one_cpu_token(hidden: torch.Tensor) -> bool:
 
 def norm_forward(module: torch.nn.Module, original):
     """A forward for an RMSNorm module: one rms_norm call for one token, `original` for the rest."""
+    epsilon = np.float32(module.variance_epsilon)
+    held = {"pointer": None, "view": None}  # the weight's numba view, made again only if its storage changes
+
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        if not _one_cpu_token(hidden_states) or module.weight.dtype != hidden_states.dtype:
+        weight = module.weight
+        if not _one_cpu_token(hidden_states) or weight.dtype != hidden_states.dtype or weight.device.type != "cpu":
             return original(hidden_states)
+        if held["pointer"] != weight.data_ptr():
+            held["pointer"], held["view"] = weight.data_ptr(), as_numba(weight)
         out = torch.empty_like(hidden_states)
-        rms_norm(as_numba(hidden_states.view(-1)), as_numba(module.weight), np.float32(module.variance_epsilon),
-                 as_numba(out.view(-1)))
+        rms_norm(as_numba(hidden_states.view(-1)), held["view"], epsilon, as_numba(out.view(-1)))
         return out
-    return forward
-
-
-def mlp_forward(module: torch.nn.Module, original):
-    """A forward for a SiLU-gated MLP: the three projections as they are, silu_mul between, for one token."""
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if not _one_cpu_token(x):
-            return original(x)
-        gate, up = module.gate_proj(x), module.up_proj(x)
-        if gate.dtype != x.dtype or up.dtype != x.dtype:
-            return module.down_proj(module.act_fn(gate) * up)
-        gated = torch.empty_like(gate)
-        silu_mul(as_numba(gate.reshape(-1)), as_numba(up.reshape(-1)), as_numba(gated.view(-1)))
-        return module.down_proj(gated)
     return forward
 
 
@@ -246,14 +220,12 @@ def _recognized(module: torch.nn.Module):
     if name in ATTENTIONS and getattr(module, "sliding_window", None) is None and hasattr(module, "head_dim") \
             and module.head_dim % 2 == 0:
         return attention_forward
-    if name in MLPS and getattr(getattr(module, "config", None), "hidden_act", None) == "silu":
-        return mlp_forward
     return None
 
 
 @contextlib.contextmanager
 def cpu_layers_enabled(model: torch.nn.Module) -> Iterator[int]:
-    """Within the block the model's RMSNorm, attention and MLP modules that this file recognizes run
+    """Within the block the model's RMSNorm and attention modules that this file recognizes run
     their one-token forward through its kernels; yields how many modules it switched. Restored after."""
     switched = []
     for module in model.modules():

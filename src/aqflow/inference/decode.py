@@ -145,8 +145,8 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     (`aqflow.inference.dependent_launch`; default: on CUDA devices of compute capability >= 9.0, where
     alone it exists).
     cpu_layers: on a CPU with the numba attention (the default above), also run each Llama-style
-    layer's RMSNorm, rotary embedding + cache update + attention, and SiLU gate as one numba call each
-    (`aqflow.inference.cpu_layers`: ~40 small torch operations a layer fewer); False leaves those modules'
+    layer's RMSNorm, and its rotary embedding + cache update + attention, as one numba call each
+    (`aqflow.inference.cpu_layers`: ~20 small torch operations a layer fewer); False leaves those modules'
     own forwards. timings.cpu_layers counts the modules switched.
     """
     pdl_here = dependent_launch_supported(model_device(model))
