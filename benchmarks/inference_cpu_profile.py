@@ -6,11 +6,13 @@ Builds benchmarks/inference_cpu.py's random model (2x8 FastQuantizedLinear, unqu
 --dtype; bf16 linears through numba's GEMV as runtime's CPU fast path has them, unless --torch-bf16;
 the new token's attention and the layers' small operations as greedy_decode runs them on a CPU,
 cpu_attention and cpu_layers, unless --stock), decodes a warm-up, then times --steps single-token steps
-with forward pre/post hooks on every module: each kind's time is its own (exclusive: the time of hooked children inside it is
-subtracted), so the kinds add up to the hooked total; "outside modules" is the step's wall time
-left (the decode loop's argmax, cache bookkeeping, transformers' mask and cache code outside
-the hooked modules). The hooks cost a few microseconds per module call (~700 per step), charged to
-the parent's time. Prints ms per step per kind, with the load average.
+with forward pre/post hooks on every module: each kind's time is its own (exclusive: the time of hooked
+children inside it is subtracted), so the kinds add up to the hooked total; "outside modules" is the
+step's wall time left (the decode loop's argmax, cache bookkeeping, transformers' mask and cache code
+outside the hooked modules). The hooks cost a few microseconds per module call (~700 per step), charged
+to the parent's time, so small modules look dearer than they are (on the 2-core box torch's RMSNorm
+takes ~19 us a call unhooked and ~60 hooked): benchmarks/cpu_layers_step.py times whole steps.
+Prints ms per step per kind, with the load average.
 """
 
 from __future__ import annotations
