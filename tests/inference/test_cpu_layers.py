@@ -8,8 +8,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from aqflow.inference import cpu_layers
-from aqflow.inference.cpu_attention import cpu_attention_enabled
-from aqflow.inference.cpu_layers import as_numba, cpu_layers_enabled, rms_norm
+from aqflow.inference.cpu_attention import as_numba, cpu_attention_enabled
+from aqflow.inference.cpu_layers import cpu_layers_enabled, rms_norm
 from aqflow.inference.decode import greedy_decode, new_static_cache, step_logits
 
 BF16_ULP = 2.0 ** -7  # relative spacing of bfloat16 values

@@ -90,11 +90,12 @@ def attend_one_token(query, key, value, valid, scale, out):
         attend_head(query[h], key[h // group], value[h // group], valid, scale, out[h])
 
 
-def _as_numba(cache: torch.Tensor) -> np.ndarray:
-    """A [Hkv, L, D] cache tensor as attend_one_token reads it, without a copy where its last dim is dense."""
-    if cache.dtype == torch.bfloat16:
-        return cache.detach().view(torch.int16).numpy().view(np.uint16)
-    return cache.detach().numpy()
+def as_numba(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU float32 or bfloat16 tensor as the numba kernels read it (bf16 as its uint16 bits), without a
+    copy where its last dim is dense."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.detach().view(torch.int16).numpy().view(np.uint16)
+    return tensor.detach().numpy()
 
 
 def one_token_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None,
@@ -105,8 +106,8 @@ def one_token_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     length = key.shape[1]
     valid_np = np.ones(length, dtype=np.bool_) if valid is None else valid.detach().numpy()
     out = np.empty((heads, dim), dtype=np.float32)
-    attend_one_token(np.ascontiguousarray(query.detach().to(torch.float32).numpy()), _as_numba(key),
-                     _as_numba(value), valid_np, np.float32(scale), out)
+    attend_one_token(np.ascontiguousarray(query.detach().to(torch.float32).numpy()), as_numba(key),
+                     as_numba(value), valid_np, np.float32(scale), out)
     return torch.from_numpy(out)
 
 

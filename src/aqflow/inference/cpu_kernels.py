@@ -531,6 +531,14 @@ def _float32_from_bits(typingctx, bits):
     return types.float32(types.uint32), codegen
 
 
+@intrinsic
+def _bits_of_float32(typingctx, value):
+    """The bits of a float32 as a uint32: a bit cast, no conversion."""
+    def codegen(context, builder, signature, arguments):
+        return builder.bitcast(arguments[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
 @njit(fastmath=True, cache=True)
 def _bf16_widen(bits):
     """The float32 value of a bfloat16 given as its uint16 bits (bf16 is float32's top half)."""

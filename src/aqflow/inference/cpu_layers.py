@@ -29,23 +29,14 @@ from typing import Iterator
 import numpy as np
 import torch
 from numba import njit, prange, types
-from numba.extending import intrinsic, overload
-from llvmlite import ir
+from numba.extending import overload
 
-from aqflow.inference.cpu_attention import FASTMATH, as_float32, attend_head
-from aqflow.inference.cpu_kernels import _float32_from_bits
+from aqflow.inference.cpu_attention import FASTMATH, as_float32, as_numba, attend_head
+from aqflow.inference.cpu_kernels import _bits_of_float32, _float32_from_bits
 
 NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
 ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention"})
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-@intrinsic
-def _bits_of_float32(typingctx, value):
-    """The bits of a float32 as a uint32: a bit cast, no conversion."""
-    def codegen(context, builder, signature, arguments):
-        return builder.bitcast(arguments[0], ir.IntType(32))
-    return types.uint32(types.float32), codegen
 
 
 @njit(cache=True)
@@ -130,20 +121,13 @@ def rope_cache_attend(query, key, value, cos, sin, keys, values, position, valid
             out[h, d] = stored(sums[d], query[0, 0])
 
 
-def as_numba(tensor: torch.Tensor) -> np.ndarray:
-    """A CPU float32 or bfloat16 tensor as the kernels read it (bf16 as its bits), without a copy."""
-    if tensor.dtype == torch.bfloat16:
-        return tensor.detach().view(torch.int16).numpy().view(np.uint16)
-    return tensor.detach().numpy()
-
-
 def _one_cpu_token(hidden: torch.Tensor) -> bool:
     """hidden [1, 1, N] of a float32 or bfloat16 model on the CPU, laid out densely."""
     return (hidden.device.type == "cpu" and hidden.dim() == 3 and hidden.shape[0] == 1 and hidden.shape[1] == 1
             and hidden.dtype in DTYPES and hidden.is_contiguous())
 
 
-def norm_forward(module: torch.nn.Module, original):
+def norm_forward_for(module: torch.nn.Module, original):
     """A forward for an RMSNorm module: one rms_norm call for one token, `original` for the rest."""
     epsilon = np.float32(module.variance_epsilon)
     held = {"pointer": None, "view": None}  # the weight's numba view, made again only if its storage changes
@@ -178,7 +162,7 @@ def _static_layer(cache, layer_index: int, dtype: torch.dtype):
     return layer
 
 
-def attention_forward(module: torch.nn.Module, original):
+def attention_forward_for(module: torch.nn.Module, original):
     """A forward for a Llama-style attention module: for one token with a static cache, the projections
     as they are and one rope_cache_attend call between them; `original` for the rest."""
     def forward(hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, past_key_values=None,
@@ -216,10 +200,10 @@ def _recognized(module: torch.nn.Module):
     """The lean forward maker for a module this file handles, else None."""
     name = type(module).__name__
     if name in NORMS and hasattr(module, "variance_epsilon"):
-        return norm_forward
+        return norm_forward_for
     if name in ATTENTIONS and getattr(module, "sliding_window", None) is None and hasattr(module, "head_dim") \
             and module.head_dim % 2 == 0:
-        return attention_forward
+        return attention_forward_for
     return None
 
 

@@ -149,10 +149,11 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     (`aqflow.inference.cpu_layers`: ~20 small torch operations a layer fewer); False leaves those modules'
     own forwards. timings.cpu_layers counts the modules switched.
     """
-    pdl_here = dependent_launch_supported(model_device(model))
+    device = model_device(model)
+    pdl_here = dependent_launch_supported(device)
     if dependent_launch and not pdl_here:
         raise ValueError(f"dependent_launch=True needs a CUDA device of compute capability >= 9.0, the model is "
-                         f"on {model_device(model)}")
+                         f"on {device}")
     dependent_launch = pdl_here if dependent_launch is None else dependent_launch
     with one_token_paths(model, fast_attention, compile, cpu_layers) as (implementation, switched), \
             dependent_launch_enabled(dependent_launch):
