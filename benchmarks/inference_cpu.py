@@ -282,10 +282,12 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
     if linears == "fast-gathers":  # before any FastQuantizedLinear asks whether the register kernel runs
         os.environ["AQFLOW_REGISTER_KERNEL"] = "0"
         linears = "fast"
-    if linears in ("fast-f32-tables", "fast-f16-tables"):  # one kind of tables for the bf16 activations
+    if linears in ("fast-f32-tables", "fast-f16-tables", "fast-f32-registers"):  # one kind of tables for bf16
         from aqflow.inference import register_kernel
 
-        os.environ[register_kernel.TABLES_ENV] = "float32" if linears == "fast-f32-tables" else "float16"
+        os.environ[register_kernel.TABLES_ENV] = "float16" if linears == "fast-f16-tables" else "float32"
+        if linears == "fast-f32-registers":  # float32 tables in registers even where byte planes run
+            os.environ[register_kernel.PLANES_ENV] = "0"
         linears = "fast"
     dtype = getattr(torch, dtype_name)
     numba.set_num_threads(threads)  # numba's pool first: starting it can reset torch's count
@@ -317,7 +319,7 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
             "prefill_tokens_per_second": timings.prefill_tokens_per_second,
             "decode": {"prompt_tokens": timings.prompt_tokens, "timed_steps": timings.timed_steps,
                        "decode_seconds": timings.decode_seconds},
-            "tables_16bit": _tables_16bit(),
+            "tables_16bit": _tables_16bit(), "float32_tables_layout": _float32_layout(),
             "resident_weight_bytes": resident_weight_bytes(model), "peak_rss_bytes": peak_rss_bytes(),
             "rss_before_build_bytes": rss_before}
 
@@ -327,6 +329,14 @@ def _prefetch_columns() -> int | None:
     from aqflow.inference import register_kernel
 
     return register_kernel.prefetch_columns() if register_kernel.compiled_kernel() is not None else None
+
+
+def _float32_layout() -> str | None:
+    """How the register kernel holds float32 tables in this process ("planes" or "registers"), None where it does not run."""
+    from aqflow.inference import register_kernel
+
+    kernels = register_kernel.compiled_kernel()
+    return kernels.float32_layout if kernels is not None else None
 
 
 def _tables_16bit() -> str | None:
@@ -369,6 +379,8 @@ DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears, bf16 line
     # the register kernel with one kind of tables (by default bf16 activations take whichever timed faster)
     ("2x8 fast (bf16 rest, float32 tables)", "bfloat16", "fast-f32-tables", True, None),
     ("2x8 fast (bf16 rest, float16 tables)", "bfloat16", "fast-f16-tables", True, None),
+    # float32 tables held as float32 registers (where the CPU has AVX-512 VBMI they are byte planes)
+    ("2x8 fast (bf16 rest, float32 tables as registers)", "bfloat16", "fast-f32-registers", True, None),
     ("2x8 fast (bf16 rest, torch 1 thread)", "bfloat16", "fast", True, 1),
     ("2x8 fast (bf16 rest, torch lm_head)", "bfloat16", "fast", False, None),
     ("2x8 fast (fp32 rest)", "float32", "fast", False, None),

@@ -10,8 +10,10 @@ linear of the block (q/k/v and gate/up stacked as the decode fuses them) is held
 with different random codes and a timing sweeps all copies in turn ("streamed"); the same product on
 one copy again and again is timed beside it ("resident"). A thread's slice of a tile's code columns
 is a short run of cache lines at 16 threads, so the kernel requests the lines of a column
-`$AQFLOW_CPU_PREFETCH` columns ahead (`--prefetch` compares distances; 0 is none). Prints a table
-(microseconds a product, GB/s of codes, a token's 28 blocks) and writes JSON.
+`$AQFLOW_CPU_PREFETCH` columns ahead (`--prefetch` compares distances; 0 is none). Table kinds
+(`--tables`): float16, and float32 held in registers or, where the CPU has AVX-512 VBMI, as byte
+planes (`$AQFLOW_CPU_PLANES`). Prints a table (microseconds a product, GB/s of codes, a token's 28
+blocks) and writes JSON.
 """
 
 from __future__ import annotations
@@ -61,19 +63,29 @@ def sweep_seconds(x: np.ndarray, copies: list, threads: int, dtype: str, rounds:
     return best
 
 
-def use_prefetch(columns: int) -> None:
-    """Builds (or loads) the kernel with this prefetch distance for the products that follow."""
+TABLE_KINDS = {"float16": ("float16", "1"), "float32-registers": ("float32", "0"), "float32-planes": ("float32", "1")}
+
+
+def use_kernel(columns: int, kind: str) -> str:
+    """Builds (or loads) the kernel with this prefetch distance and the float32 tables' layout of `kind`
+    for the products that follow; the table dtype register_matmul takes for it."""
+    dtype, planes = TABLE_KINDS[kind]
     os.environ[register_kernel.PREFETCH_ENV] = str(columns)
+    os.environ[register_kernel.PLANES_ENV] = planes
     register_kernel.compiled_kernel.cache_clear()
-    if register_kernel.compiled_kernel() is None:
+    kernels = register_kernel.compiled_kernel()
+    if kernels is None:
         raise SystemExit("the AVX-512 register kernel is not available on this machine")
+    if kind == "float32-planes" and kernels.float32_layout != "planes":
+        raise SystemExit("float32-planes: this CPU has no AVX-512 VBMI")
+    return dtype
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, numba.config.NUMBA_NUM_THREADS])
     parser.add_argument("--prefetch", type=int, nargs="+", default=[0, register_kernel.DEFAULT_PREFETCH_COLUMNS])
-    parser.add_argument("--dtypes", nargs="+", default=["float16", "float32"], choices=("float16", "float32"))
+    parser.add_argument("--tables", nargs="+", default=list(TABLE_KINDS), choices=list(TABLE_KINDS))
     parser.add_argument("--layers", type=int, default=BLOCKS_3B, help="copies of each linear streamed in turn")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
@@ -89,29 +101,29 @@ def main() -> int:
 
     rows = []
     for prefetch in args.prefetch:
-        use_prefetch(prefetch)
         for threads in args.threads:
             numba.set_num_threads(threads)
-            for dtype in args.dtypes:
+            for kind in args.tables:
+                dtype = use_kernel(prefetch, kind)
                 for residency in ("streamed", "resident"):
                     token = 0.0
                     for name, _, _ in LINEARS_3B:
                         stack = copies[name] if residency == "streamed" else copies[name][:1] * args.layers
                         seconds = sweep_seconds(inputs[name], stack, threads, dtype, args.rounds)
                         token += BLOCKS_3B * seconds
-                        rows.append({"prefetch": prefetch, "threads": threads, "tables": dtype, "codes": residency,
+                        rows.append({"prefetch": prefetch, "threads": threads, "tables": kind, "codes": residency,
                                      "linear": name, "microseconds": seconds * 1e6,
                                      "code_gb_per_second": code_bytes[name] / seconds / 1e9})
-                    rows.append({"prefetch": prefetch, "threads": threads, "tables": dtype, "codes": residency,
+                    rows.append({"prefetch": prefetch, "threads": threads, "tables": kind, "codes": residency,
                                  "linear": "token (28 blocks)", "milliseconds": token * 1e3})
-                    print(f"prefetch {prefetch:2d} threads {threads:2d} {dtype} {residency:8s}: "
+                    print(f"prefetch {prefetch:2d} threads {threads:2d} {kind} {residency:8s}: "
                           + ", ".join(f"{r['linear']} {r['microseconds']:.0f} us ({r['code_gb_per_second']:.1f} GB/s)"
                                       for r in rows[-5:-1]) + f"; token {token * 1e3:.1f} ms", flush=True)
 
-    print(f"\n{'prefetch':>8} {'threads':>7} {'tables':>8} {'codes':>9} {'token ms':>9}")
+    print(f"\n{'prefetch':>8} {'threads':>7} {'tables':>17} {'codes':>9} {'token ms':>9}")
     for row in rows:
         if "milliseconds" in row:
-            print(f"{row['prefetch']:8d} {row['threads']:7d} {row['tables']:>8} {row['codes']:>9} "
+            print(f"{row['prefetch']:8d} {row['threads']:7d} {row['tables']:>17} {row['codes']:>9} "
                   f"{row['milliseconds']:9.1f}")
     if args.out is not None:
         record = {"numba_threading_layer": numba.threading_layer(), "cpu_count": os.cpu_count(),

@@ -153,6 +153,37 @@ def test_the_code_prefetch_distance_changes_the_build_not_the_sums(monkeypatch, 
         register_kernel.compiled_kernel.cache_clear()
 
 
+@needs_kernel
+@pytest.mark.skipif(register_kernel.PLANES_CPU_FLAG not in register_kernel.cpu_flags(), reason="no AVX-512 VBMI here")
+def test_float32_tables_as_byte_planes_give_the_register_tables_sums_bit_for_bit(monkeypatch):
+    """Byte planes hold the same float32 entries and add them in the same order, so every sum is the same
+    bits as with the tables in float32 registers: 11 tiles (a group of 8 and 3 more, each group's sums put
+    back in row order), 1 and 3 slices, 1 and 2 tokens; AQFLOW_CPU_PLANES=0 keeps the registers, and
+    anything but 0 or 1 is an error naming it."""
+    w = random_layer(out_features=11 * 64, in_features=512)
+    tiles = register_kernel.column_tiles(w.codes)
+    x = torch.randn(2, w.in_features, generator=torch.Generator().manual_seed(5))
+    by_layout = {}
+    try:
+        for value in ("1", "0"):
+            monkeypatch.setenv(register_kernel.PLANES_ENV, value)
+            register_kernel.compiled_kernel.cache_clear()
+            layout = register_kernel.compiled_kernel().float32_layout
+            by_layout[layout] = [register_kernel.register_product(x[:tokens], tiles, w.codebooks, w.scales, w.bias,
+                                                                  threads) for tokens in (1, 2) for threads in (1, 3)]
+        assert set(by_layout) == {"planes", "registers"}
+        assert all(torch.equal(a, b) for a, b in zip(by_layout["planes"], by_layout["registers"]))
+        exact = x.double() @ dense_weight(w).double().T + w.bias.double()
+        assert (by_layout["planes"][-1].double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+        monkeypatch.setenv(register_kernel.PLANES_ENV, "yes")
+        register_kernel.compiled_kernel.cache_clear()
+        with pytest.raises(ValueError, match=register_kernel.PLANES_ENV):
+            register_kernel.compiled_kernel()
+    finally:
+        monkeypatch.delenv(register_kernel.PLANES_ENV)
+        register_kernel.compiled_kernel.cache_clear()
+
+
 def test_without_avx512_or_a_compiler_the_numba_kernels_stay(monkeypatch, tmp_path):
     monkeypatch.setattr(register_kernel, "cpu_flags", lambda: {"sse2", "avx2"})
     register_kernel.compiled_kernel.cache_clear()

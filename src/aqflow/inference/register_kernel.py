@@ -3,12 +3,16 @@
 `cpu_kernels.lut_matmul` sums one table entry per code through gathers from an L1-resident table
 slice. Here the codes are laid out per code column (`column_tiles`: a tile's 64 rows of one column
 contiguous), so a 16-lane permute looks up 16 rows in the same 256-entry table held in 16
-registers (csrc/lut_cpu.c), loaded once for 512 rows. The threads split a layer's code columns:
+registers (csrc/lut_cpu.c), loaded once for 512 rows (with AVX-512 VBMI, a 64-lane byte permute
+looks up 64 rows in one byte plane of it). The threads split a layer's code columns:
 each builds the tables of its slice and sums them over every row, then the slices are added.
 Several layers of one input (q/k/v, gate/up) can be one product (`stacked_operands`): each thread
 takes its slice of every layer in turn, so the call and its two parallel regions are paid once. For
 float32 activations the tables are float32 and the outputs equal the gather kernels' up to float32
-rounding (the order of the additions, the rounding of the table entries). For bfloat16/float16
+rounding (the order of the additions, the rounding of the table entries). Where the CPU has AVX-512
+VBMI the float32 tables are held as four byte planes (`float32_layout` "planes": one byte permute
+looks up 64 rows of a plane, ~3x fewer shuffles per code; the same sums, bit for bit), else as
+float32 registers ("registers"; AQFLOW_CPU_PLANES=0 keeps those). For bfloat16/float16
 activations, whose outputs are rounded to 16 bits, the tables are float16 (8 registers, half the
 permutes per code): each entry rounded by at most 2^-11, far less than the dense 16-bit layer's
 own rounding (`table_dtype_for`), unless float32 tables time faster on the machine
@@ -52,6 +56,8 @@ ROWS = 64  # rows per tile: four 16-lane lookups per code column
 # fewer would cost more in its partial sums (one float per row) than in table lookups.
 MIN_BLOCK_COLUMNS = 32
 NEEDED_CPU_FLAGS = ("avx512f", "avx512bw")
+PLANES_CPU_FLAG = "avx512vbmi"  # byte permutes: float32 tables as byte planes
+PLANES_ENV = "AQFLOW_CPU_PLANES"  # 0: float32 tables as float32 registers even where byte planes run
 PREFETCH_ENV = "AQFLOW_CPU_PREFETCH"  # code columns requested ahead of the one summed (0: none)
 DEFAULT_PREFETCH_COLUMNS = 8
 
@@ -116,10 +122,21 @@ def build_library(compiler: str, cache_dir: Path) -> Path:
 class Kernels:
     """The compiled products (ctypes functions of csrc/lut_cpu.c), with the arguments (x,
     codebooks, M, g, codes, tiles, columns, first_column, last_column, tables, out): `float32`
-    tables (exact to float32 rounding) and `float16` ones (for 16-bit activations)."""
+    tables (exact to float32 rounding; held as `float32_layout` "planes" or "registers", the same
+    sums) and `float16` ones (for 16-bit activations)."""
 
     float32: object
     float16: object
+    float32_layout: str
+
+
+def planes_wanted(flags: set[str]) -> bool:
+    """Whether float32 tables are held as byte planes: the CPU has AVX-512 VBMI and $AQFLOW_CPU_PLANES
+    is not 0 (1, the default, where it runs; an error naming the variable otherwise)."""
+    value = os.environ.get(PLANES_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{PLANES_ENV}={value!r}: expected 1 (byte planes where the CPU has AVX-512 VBMI) or 0")
+    return value == "1" and PLANES_CPU_FLAG in flags
 
 
 @functools.cache
@@ -128,7 +145,8 @@ def compiled_kernel() -> Kernels | None:
     warning, except when switched off)."""
     if os.environ.get("AQFLOW_REGISTER_KERNEL", "1") == "0":
         return None
-    missing = [flag for flag in NEEDED_CPU_FLAGS if flag not in cpu_flags()]
+    flags = cpu_flags()
+    missing = [flag for flag in NEEDED_CPU_FLAGS if flag not in flags]
     if platform.machine() not in ("x86_64", "AMD64") or missing:
         return None  # the numba kernels are the path on such CPUs: nothing to warn about
     compiler = shutil.which(os.environ.get("CC", "cc"))
@@ -141,13 +159,14 @@ def compiled_kernel() -> Kernels | None:
         warnings.warn(f"aqflow: the AVX-512 table kernel is not available ({detail}); using the numba kernels",
                       stacklevel=2)
         return None
-    functions = (library.aqflow_register_product, library.aqflow_register_product_f16)
-    for function in functions:
+    planes = planes_wanted(flags)
+    float32 = library.aqflow_register_product_planes if planes else library.aqflow_register_product
+    for function in (float32, library.aqflow_register_product_f16):
         function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                              ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                              ctypes.c_void_p]
         function.restype = None
-    return Kernels(*functions)
+    return Kernels(float32, library.aqflow_register_product_f16, "planes" if planes else "registers")
 
 
 def applies(nbits: int, out_features: int) -> bool:

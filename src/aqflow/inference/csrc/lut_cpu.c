@@ -160,3 +160,90 @@ void aqflow_register_product_f16(const float *x, const float *codebooks, long nu
                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     sums16(tables, codes, tiles, columns, first_column, last_column, out);
 }
+
+// The same float32 sums with the tables as byte planes, for CPUs with AVX-512 VBMI: plane b of a
+// column's table holds byte b of its 256 entries (4 registers), so one byte permute pair and a blend on
+// the code's bit 7 look up 64 rows in one plane; four planes, then two levels of unpacks joining the
+// bytes into float32 words. Per 64 codes: 8 permutes and 8 unpacks against the float32 kernel's 32
+// permutes, 12 mask tests and 4 widenings, all on the one shuffle port of Intel's cores. The entries
+// and the order of the additions are the float32 kernel's, so the sums are the same bits.
+//
+// The unpacks work within 128-bit lanes: word k of the result holds, in lane block L, the rows
+// 16L + 4k .. 16L + 4k + 3. The sums are kept in that order (row 16L + 4k + i at 16k + 4L + i, a
+// transpose of 4x4 blocks of four) and put back in row order once a group's columns are done.
+#define VBMI __attribute__((target("avx512f,avx512bw,avx512vbmi")))
+
+// Swaps 4x4 blocks of four floats of a tile's 64 sums (its own inverse): block (k, L) <-> (L, k).
+static inline VBMI void transpose_blocks(float *o) {
+    const __m512 r0 = _mm512_loadu_ps(o), r1 = _mm512_loadu_ps(o + 16), r2 = _mm512_loadu_ps(o + 32),
+                 r3 = _mm512_loadu_ps(o + 48);
+    const __m512 t0 = _mm512_shuffle_f32x4(r0, r1, 0x44), t1 = _mm512_shuffle_f32x4(r0, r1, 0xEE),
+                 t2 = _mm512_shuffle_f32x4(r2, r3, 0x44), t3 = _mm512_shuffle_f32x4(r2, r3, 0xEE);
+    _mm512_storeu_ps(o, _mm512_shuffle_f32x4(t0, t2, 0x88));
+    _mm512_storeu_ps(o + 16, _mm512_shuffle_f32x4(t0, t2, 0xDD));
+    _mm512_storeu_ps(o + 32, _mm512_shuffle_f32x4(t1, t3, 0x88));
+    _mm512_storeu_ps(o + 48, _mm512_shuffle_f32x4(t1, t3, 0xDD));
+}
+
+// One plane's bytes for 64 codes: entries 0-127 and 128-255 by a permute each, bit 7 choosing.
+static inline VBMI __m512i plane_bytes(__m512i low, __m512i low2, __m512i high, __m512i high2, __m512i idx,
+                                       __mmask64 bit7) {
+    return _mm512_mask_blend_epi8(bit7, _mm512_permutex2var_epi8(low, idx, low2),
+                                  _mm512_permutex2var_epi8(high, idx, high2));
+}
+
+// tables: column c's planes at tables + (c - first_column) * 1024, plane b at + 256 b
+static VBMI void sums_planes(const uint8_t *tables, const uint8_t *codes, long tiles, long columns,
+                             long first_column, long last_column, float *out) {
+    for (long group = 0; group < tiles; group += GROUP) {
+        const long count = tiles - group < GROUP ? tiles - group : GROUP;
+        for (long r = 0; r < count * ROWS; r += 16) _mm512_storeu_ps(out + group * ROWS + r, _mm512_setzero_ps());
+        for (long c = first_column; c < last_column; c++) {
+            const uint8_t *t = tables + (c - first_column) * 1024;
+            request_codes(codes, group, count, tiles, columns, first_column, last_column, c);
+            __m512i p[16];
+            for (int i = 0; i < 16; i++) p[i] = _mm512_loadu_si512(t + 64 * i);
+            for (long tile = group; tile < group + count; tile++) {
+                const __m512i idx = _mm512_loadu_si512(codes + (tile * columns + c) * ROWS);
+                const __mmask64 bit7 = _mm512_movepi8_mask(idx);
+                const __m512i b0 = plane_bytes(p[0], p[1], p[2], p[3], idx, bit7),
+                              b1 = plane_bytes(p[4], p[5], p[6], p[7], idx, bit7),
+                              b2 = plane_bytes(p[8], p[9], p[10], p[11], idx, bit7),
+                              b3 = plane_bytes(p[12], p[13], p[14], p[15], idx, bit7);
+                const __m512i low01 = _mm512_unpacklo_epi8(b0, b1), high01 = _mm512_unpackhi_epi8(b0, b1),
+                              low23 = _mm512_unpacklo_epi8(b2, b3), high23 = _mm512_unpackhi_epi8(b2, b3);
+                const __m512i words[4] = {_mm512_unpacklo_epi16(low01, low23), _mm512_unpackhi_epi16(low01, low23),
+                                          _mm512_unpacklo_epi16(high01, high23),
+                                          _mm512_unpackhi_epi16(high01, high23)};
+                float *o = out + tile * ROWS;
+                for (int k = 0; k < 4; k++)
+                    _mm512_storeu_ps(o + 16 * k, _mm512_add_ps(_mm512_loadu_ps(o + 16 * k), _mm512_castsi512_ps(words[k])));
+            }
+        }
+        for (long tile = group; tile < group + count; tile++) transpose_blocks(out + tile * ROWS);
+    }
+}
+
+// The tables of columns [first_column, last_column) as byte planes into `tables` ((last - first) x
+// 1024 bytes), then their sums; arguments as aqflow_register_product's.
+VBMI void aqflow_register_product_planes(const float *x, const float *codebooks, long num_codebooks, long group,
+                                         const uint8_t *codes, long tiles, long columns, long first_column,
+                                         long last_column, uint8_t *tables, float *out) {
+    // byte 4j + b of 16 entries -> lane block b, position j
+    uint8_t order[64];
+    for (int b = 0; b < 4; b++)
+        for (int j = 0; j < 16; j++) order[16 * b + j] = (uint8_t)(4 * j + b);
+    const __m512i split = _mm512_loadu_si512(order);
+    for (long c = first_column; c < last_column; c++) {
+        uint8_t *planes = tables + (c - first_column) * 1024;
+        for (int i = 0; i < 16; i++) {
+            const __m512i bytes = _mm512_permutexvar_epi8(split, _mm512_castps_si512(
+                                                                     entries16(x, codebooks, num_codebooks, group, c, i)));
+            _mm_storeu_si128((__m128i *)(planes + 16 * i), _mm512_castsi512_si128(bytes));
+            _mm_storeu_si128((__m128i *)(planes + 256 + 16 * i), _mm512_extracti32x4_epi32(bytes, 1));
+            _mm_storeu_si128((__m128i *)(planes + 512 + 16 * i), _mm512_extracti32x4_epi32(bytes, 2));
+            _mm_storeu_si128((__m128i *)(planes + 768 + 16 * i), _mm512_extracti32x4_epi32(bytes, 3));
+        }
+    }
+    sums_planes(tables, codes, tiles, columns, first_column, last_column, out);
+}
