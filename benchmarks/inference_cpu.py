@@ -18,7 +18,7 @@ whole models, on all cores.
     float32, dense bfloat16 (torch's GEMV, and every linear through numba's bf16 GEMV,
     cpu_kernels.bf16_matmul), 2x8 through FastQuantizedLinear (unquantized parts in bfloat16 with
     the tied lm_head through numba's bf16 GEMV as runtime's fast path has it (for its bf16 activations
-    the tables timed faster, register_kernel.tables_for_16bit; the same with float32 and with float16
+    the tables timed faster, register_kernel.tables_for_16bit; the same with float32, float16 and int16
     tables), the same with torch's
     lm_head, and float32 parts), and aqlm's own numba kernel (one thread: it races with more;
     float32, its only dtype) unless --no-aqlm-kernel; --variants picks some. Each in a fresh process: weight bytes as held and the process's
@@ -282,10 +282,11 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
     if linears == "fast-gathers":  # before any FastQuantizedLinear asks whether the register kernel runs
         os.environ["AQFLOW_REGISTER_KERNEL"] = "0"
         linears = "fast"
-    if linears in ("fast-f32-tables", "fast-f16-tables", "fast-f32-registers"):  # one kind of tables for bf16
+    if linears in ("fast-f32-tables", "fast-f16-tables", "fast-f32-registers", "fast-i16-tables"):  # one kind for bf16
         from aqflow.inference import register_kernel
 
-        os.environ[register_kernel.TABLES_ENV] = "float16" if linears == "fast-f16-tables" else "float32"
+        os.environ[register_kernel.TABLES_ENV] = {"fast-f16-tables": "float16",
+                                                  "fast-i16-tables": "int16"}.get(linears, "float32")
         if linears == "fast-f32-registers":  # float32 tables in registers even where byte planes run
             os.environ[register_kernel.PLANES_ENV] = "0"
         linears = "fast"
@@ -379,6 +380,7 @@ DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears, bf16 line
     # the register kernel with one kind of tables (by default bf16 activations take whichever timed faster)
     ("2x8 fast (bf16 rest, float32 tables)", "bfloat16", "fast-f32-tables", True, None),
     ("2x8 fast (bf16 rest, float16 tables)", "bfloat16", "fast-f16-tables", True, None),
+    ("2x8 fast (bf16 rest, int16 tables)", "bfloat16", "fast-i16-tables", True, None),
     # float32 tables held as float32 registers (where the CPU has AVX-512 VBMI they are byte planes)
     ("2x8 fast (bf16 rest, float32 tables as registers)", "bfloat16", "fast-f32-registers", True, None),
     ("2x8 fast (bf16 rest, torch 1 thread)", "bfloat16", "fast", True, 1),

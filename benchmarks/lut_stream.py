@@ -11,8 +11,8 @@ with different random codes and a timing sweeps all copies in turn ("streamed");
 one copy again and again is timed beside it ("resident"). A thread's slice of a tile's code columns
 is a short run of cache lines at 16 threads, so the kernel requests the lines of a column
 `$AQFLOW_CPU_PREFETCH` columns ahead (`--prefetch` compares distances; 0 is none). Table kinds
-(`--tables`): float16, and float32 held in registers or, where the CPU has AVX-512 VBMI, as byte
-planes (`$AQFLOW_CPU_PLANES`). Prints a table (microseconds a product, GB/s of codes, a token's 28
+(`--tables`): float16, float32 held in registers or, where the CPU has AVX-512 VBMI, as byte planes
+(`$AQFLOW_CPU_PLANES`), and int16 (AVX-512 VBMI and VNNI). Prints a table (microseconds a product, GB/s of codes, a token's 28
 blocks) and writes JSON.
 """
 
@@ -63,7 +63,8 @@ def sweep_seconds(x: np.ndarray, copies: list, threads: int, dtype: str, rounds:
     return best
 
 
-TABLE_KINDS = {"float16": ("float16", "1"), "float32-registers": ("float32", "0"), "float32-planes": ("float32", "1")}
+TABLE_KINDS = {"float16": ("float16", "1"), "float32-registers": ("float32", "0"), "float32-planes": ("float32", "1"),
+               "int16": ("int16", "1")}
 
 
 def use_kernel(columns: int, kind: str) -> str:
@@ -78,6 +79,8 @@ def use_kernel(columns: int, kind: str) -> str:
         raise SystemExit("the AVX-512 register kernel is not available on this machine")
     if kind == "float32-planes" and kernels.float32_layout != "planes":
         raise SystemExit("float32-planes: this CPU has no AVX-512 VBMI")
+    if kind == "int16" and kernels.int16 is None:
+        raise SystemExit("int16: this CPU lacks AVX-512 VBMI or VNNI")
     return dtype
 
 

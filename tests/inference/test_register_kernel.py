@@ -77,15 +77,16 @@ def test_16_bit_activations_take_float16_tables_within_their_rounding_bound(monk
 
 @needs_kernel
 def test_16_bit_activations_take_the_tables_timed_faster_or_the_ones_asked_for(monkeypatch):
-    """AQFLOW_CPU_TABLES=auto: the first product at a thread count times both kinds and keeps the faster
-    for every later one (the outputs are that kind's); float16 / float32 force one; anything else is an
-    error naming the variable. float32 activations never consult it."""
+    """AQFLOW_CPU_TABLES=auto: the first product at a thread count times every kind this CPU has (float16,
+    float32, and int16 with AVX-512 VBMI and VNNI) and keeps the fastest for every later one (the outputs
+    are that kind's); a kind's name forces it; anything else is an error naming the variable. float32
+    activations never consult it."""
     w = random_layer(out_features=9 * 64, in_features=512)
     x = torch.randn(1, w.in_features, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     operands = register_kernel.register_operands(register_kernel.column_tiles(w.codes), w.codebooks, w.scales, w.bias)
     flat = x.float().numpy()
-    by_kind = {kind: torch.from_numpy(register_kernel.register_matmul(flat, operands, 2, kind))
-               for kind in ("float16", "float32")}
+    kinds = register_kernel.compiled_kernel().kinds()
+    by_kind = {kind: torch.from_numpy(register_kernel.register_matmul(flat, operands, 2, kind)) for kind in kinds}
     assert not torch.equal(by_kind["float16"], by_kind["float32"])
     monkeypatch.setattr(register_kernel, "_fastest_tables", {})
     monkeypatch.setenv(register_kernel.TABLES_ENV, "auto")
@@ -95,7 +96,7 @@ def test_16_bit_activations_take_the_tables_timed_faster_or_the_ones_asked_for(m
     register_kernel._fastest_tables[2] = "float32" if chosen == "float16" else "float16"  # kept, not re-timed
     assert torch.equal(register_kernel.product_with_operands(x, operands, threads=2),
                        by_kind[register_kernel._fastest_tables[2]])
-    for kind in ("float16", "float32"):
+    for kind in kinds:
         monkeypatch.setenv(register_kernel.TABLES_ENV, kind)
         assert torch.equal(register_kernel.product_with_operands(x, operands, threads=2), by_kind[kind])
     monkeypatch.setenv(register_kernel.TABLES_ENV, "float8")
@@ -151,6 +152,42 @@ def test_the_code_prefetch_distance_changes_the_build_not_the_sums(monkeypatch, 
     finally:
         monkeypatch.delenv(register_kernel.PREFETCH_ENV)
         register_kernel.compiled_kernel.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.skipif(not all(flag in register_kernel.cpu_flags() for flag in register_kernel.INT16_CPU_FLAGS),
+                    reason="no AVX-512 VBMI and VNNI here")
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_int16_tables_keep_each_entry_within_half_its_blocks_step(monkeypatch, tokens):
+    """int16 tables: each block of 8 code columns of a slice shares a step, its largest |entry| / 32767,
+    and each entry is the nearest multiple of it, so each output is within half a step per code (times the
+    row's scale) of the exact product: checked with one slice (blocks from column 0) and with three
+    (blocks from each slice's first column), over 11 tiles (a group of 8 and 3 more, each put back in row
+    order) and a last block of 4 columns. Far closer to the exact product than the float16 tables."""
+    monkeypatch.setenv(register_kernel.TABLES_ENV, "int16")
+    w = random_layer(out_features=11 * 64, in_features=464)  # 116 columns: 14 whole blocks and one of 4
+    x = torch.randn(tokens, w.in_features, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    xs = x.double().reshape(tokens, -1, 8)  # [T, G, g]
+    tables = torch.einsum("tjd,mkd->tjmk", xs, w.codebooks.double()).reshape(tokens, -1, 256)  # [T, C, K]
+    columns = tables.shape[1]
+    flat_codes = w.codes.reshape(w.out_features, -1).long()  # [out, C]
+    entries = tables[:, torch.arange(columns)[None, :], flat_codes]  # [T, out, C]
+    exact = entries.sum(-1) * w.scales.double() + w.bias.double()
+    tiles = register_kernel.column_tiles(w.codes)
+    for threads in (1, 3):
+        blocks = register_kernel.column_blocks(columns, threads)
+        steps = torch.empty(tokens, columns, dtype=torch.float64)
+        for block in range(blocks):
+            first, last = block * columns // blocks, (block + 1) * columns // blocks
+            for start in range(first, last, 8):
+                stop = min(start + 8, last)
+                steps[:, start:stop] = tables[:, start:stop].abs().amax(dim=(1, 2), keepdim=True)[..., 0] / 32767
+        bound = 0.501 * steps.sum(-1, keepdim=True) * w.scales.double().abs() + 1e-6 * exact.abs().max()
+        got = register_kernel.register_product(x, tiles, w.codebooks, w.scales, w.bias, threads).double()
+        assert ((got - exact).abs() <= bound).all()
+    monkeypatch.setenv(register_kernel.TABLES_ENV, "float16")
+    half = register_kernel.register_product(x, tiles, w.codebooks, w.scales, w.bias, 1).double()
+    assert (got - exact).abs().max() <= (half - exact).abs().max() / 4
 
 
 @needs_kernel

@@ -58,6 +58,7 @@ MIN_BLOCK_COLUMNS = 32
 NEEDED_CPU_FLAGS = ("avx512f", "avx512bw")
 PLANES_CPU_FLAG = "avx512vbmi"  # byte permutes: float32 tables as byte planes
 PLANES_ENV = "AQFLOW_CPU_PLANES"  # 0: float32 tables as float32 registers even where byte planes run
+INT16_CPU_FLAGS = ("avx512vbmi", "avx512_vnni", "avx512vl")  # byte permutes, 16-bit multiply-adds
 PREFETCH_ENV = "AQFLOW_CPU_PREFETCH"  # code columns requested ahead of the one summed (0: none)
 DEFAULT_PREFETCH_COLUMNS = 8
 
@@ -123,11 +124,18 @@ class Kernels:
     """The compiled products (ctypes functions of csrc/lut_cpu.c), with the arguments (x,
     codebooks, M, g, codes, tiles, columns, first_column, last_column, tables, out): `float32`
     tables (exact to float32 rounding; held as `float32_layout` "planes" or "registers", the same
-    sums) and `float16` ones (for 16-bit activations)."""
+    sums), and for 16-bit activations `float16` ones and, where the CPU has AVX-512 VBMI and VNNI,
+    `int16` ones (each block of 8 columns scaled by its largest entry: an entry off by at most 2^-16 of
+    that; None elsewhere)."""
 
     float32: object
     float16: object
     float32_layout: str
+    int16: object = None
+
+    def kinds(self) -> tuple[str, ...]:
+        """The table kinds 16-bit activations may take here."""
+        return ("float16", "float32") + (("int16",) if self.int16 is not None else ())
 
 
 def planes_wanted(flags: set[str]) -> bool:
@@ -161,12 +169,14 @@ def compiled_kernel() -> Kernels | None:
         return None
     planes = planes_wanted(flags)
     float32 = library.aqflow_register_product_planes if planes else library.aqflow_register_product
-    for function in (float32, library.aqflow_register_product_f16):
-        function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                             ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                             ctypes.c_void_p]
-        function.restype = None
-    return Kernels(float32, library.aqflow_register_product_f16, "planes" if planes else "registers")
+    int16 = library.aqflow_register_product_int16 if all(flag in flags for flag in INT16_CPU_FLAGS) else None
+    for function in (float32, library.aqflow_register_product_f16, int16):
+        if function is not None:
+            function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                                 ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                                 ctypes.c_void_p]
+            function.restype = None
+    return Kernels(float32, library.aqflow_register_product_f16, "planes" if planes else "registers", int16)
 
 
 def applies(nbits: int, out_features: int) -> bool:
@@ -299,18 +309,21 @@ def register_matmul(x: np.ndarray, operands: RegisterOperands, threads: int | No
     """x [T, in] float32 -> [T, out] float32 = x W^T (times scales, plus bias) through the register
     kernel. threads: slices of the code columns summed at once (None: numba's thread count, or the
     calling thread alone for a product too small to wake the pool, as cpu_kernels decides).
-    table_dtype: "float32" (exact to float32 rounding) or "float16" (each table entry rounded to
-    float16: for outputs that will be rounded to 16 bits anyway)."""
+    table_dtype: "float32" (exact to float32 rounding), or for outputs that will be rounded to 16 bits
+    anyway "float16" (each table entry rounded to float16) or "int16" (Kernels.int16)."""
     kernels = compiled_kernel()
     if kernels is None:
         raise RuntimeError("the AVX-512 table kernel is not available here (register_kernel.applies is False)")
     kernel = getattr(kernels, table_dtype)
+    if kernel is None:
+        raise RuntimeError(f"{table_dtype} tables need AVX-512 {', '.join(INT16_CPU_FLAGS)}, which this CPU lacks")
     tokens, columns = x.shape[0], operands.codes.shape[1]
     if threads is None:
         threads = 1 if tokens * operands.codes.size < PARALLEL_MIN_LOADS else numba.get_num_threads()
     out = np.empty((tokens, operands.out_features), dtype=np.float32)
     blocks = column_blocks(columns, threads)
-    tables = scratch((blocks, -(-columns // blocks), 256), np.float32 if table_dtype == "float32" else np.uint16)
+    # a column's table: 256 float32 entries, float16 ones, or int16 ones and a share of its block's scale
+    tables = scratch((blocks, -(-columns // blocks), 256), np.uint16 if table_dtype == "float16" else np.float32)
     if blocks == 1:  # one slice: the kernel writes the output itself, on the calling thread
         _, num_codebooks, group, _ = operands.codebooks.shape
         for t in range(tokens):
@@ -332,26 +345,27 @@ def table_dtype_for(activations: torch.dtype) -> str:
     return "float16" if activations in (torch.bfloat16, torch.float16) else "float32"
 
 
-TABLES_ENV = "AQFLOW_CPU_TABLES"  # for 16-bit activations: auto (default), float16 or float32
+TABLES_ENV = "AQFLOW_CPU_TABLES"  # for 16-bit activations: auto (default), float16, float32 or int16
 TABLE_TIMING_ROUNDS = 7  # calls of each table kind, in turn, when choosing by time
 _fastest_tables: dict[int, str] = {}  # thread count -> the table dtype timed fastest in this process
 
 
 def tables_for_16bit(x: np.ndarray, operands: RegisterOperands, threads: int | None) -> str:
-    """The tables for a product whose activations are 16-bit, where both kinds are accurate enough:
-    $AQFLOW_CPU_TABLES if it names one, else ('auto') whichever was faster on the first such product at
-    this thread count (each kind warmed once, then the best of TABLE_TIMING_ROUNDS calls, the kinds in
-    turn). Why measure: float16 tables halve the permutes and won on a 2-core EPYC (2.24x against
-    1.67-1.81x dense bf16's speed), while on a 16-core Xeon float32 ones once decoded faster (17.4 against
-    16.1 tokens/s) and on another float16 ones took ~30 % less time (benchmarks/lut_stream.py)."""
+    """The tables for a product whose activations are 16-bit, where every kind here is accurate enough
+    (Kernels.kinds: float16, float32 and, with AVX-512 VBMI and VNNI, int16): $AQFLOW_CPU_TABLES if it
+    names one, else ('auto') whichever was fastest on the first such product at this thread count (each
+    kind warmed once, then the best of TABLE_TIMING_ROUNDS calls, the kinds in turn). Why measure: float16
+    tables halve the permutes and won on a 2-core EPYC (2.24x against 1.67-1.81x dense bf16's speed),
+    while on a 16-core Xeon float32 ones once decoded faster (17.4 against 16.1 tokens/s) and on another
+    float16 ones took ~30 % less time (benchmarks/lut_stream.py)."""
+    kinds = compiled_kernel().kinds()
     wanted = os.environ.get(TABLES_ENV, "auto")
-    if wanted in ("float16", "float32"):
+    if wanted in kinds:
         return wanted
     if wanted != "auto":
-        raise ValueError(f"{TABLES_ENV}={wanted!r}: expected auto, float16 or float32")
+        raise ValueError(f"{TABLES_ENV}={wanted!r}: expected auto or one of {', '.join(kinds)} (on this CPU)")
     key = threads if threads is not None else numba.get_num_threads()
     if key not in _fastest_tables:
-        kinds = ("float16", "float32")
         for dtype in kinds:
             register_matmul(x, operands, threads, dtype)  # warm: scratch, caches
         seconds = {dtype: float("inf") for dtype in kinds}

@@ -247,3 +247,107 @@ VBMI void aqflow_register_product_planes(const float *x, const float *codebooks,
     }
     sums_planes(tables, codes, tiles, columns, first_column, last_column, out);
 }
+
+// The same sums with 16-bit integer tables, for 16-bit activations on CPUs with AVX-512 VBMI and VNNI:
+// each block of SCALE_COLUMNS consecutive columns of a slice shares one scale, its largest |entry| /
+// 32767, and an entry is held as the nearest multiple of it (error <= half the scale, 2^-16 of the
+// block's largest entry; float16 entries are off by up to 2^-11 of their own size). Two byte planes a
+// table, so one permute pair and a blend look up 64 rows of a plane, one unpack joins the bytes into
+// 16-bit words, and VNNI's multiply-add (p0, not the shuffle port) adds each word into a 32-bit sum:
+// per 64 codes 4 permutes and 2 unpacks on the shuffle port, against 8 and 8 for the float32 planes.
+// A block's integer sums, times its scale, go into the float32 sums.
+//
+// The 32-bit sums come out of the unpacks in a fixed order: sum a (0-3) lane k holds row
+// 16 (k / 4) + 2 (k % 4) + (a & 1) + 8 (a >> 1); each tile's float32 sums keep that order until a group
+// of tiles is done, then unpermute_words puts them back in row order.
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vnni")))
+#define SCALE_COLUMNS 8
+
+// A tile's 64 sums from the unpacks' order to row order, in place: rows 16m .. 16m + 15 from lanes
+// 4m .. 4m + 3 of each sum.
+static inline VNNI void unpermute_words(float *o) {
+    const __m512 a0 = _mm512_loadu_ps(o), a1 = _mm512_loadu_ps(o + 16), a2 = _mm512_loadu_ps(o + 32),
+                 a3 = _mm512_loadu_ps(o + 48);
+    __m512 rows[4];
+    for (int m = 0; m < 4; m++) {
+        int32_t index[16];
+        for (int j = 0; j < 16; j++) index[j] = 4 * m + (j & 7) / 2 + ((j & 1) ? 16 : 0);
+        const __m512i idx = _mm512_loadu_si512(index);
+        rows[m] = _mm512_mask_blend_ps(0xFF00, _mm512_permutex2var_ps(a0, idx, a1), _mm512_permutex2var_ps(a2, idx, a3));
+    }
+    for (int m = 0; m < 4; m++) _mm512_storeu_ps(o + 16 * m, rows[m]);
+}
+
+// tables: column c's two planes (low bytes, high bytes) at tables + (c - first_column) * 512; scales:
+// one a block of SCALE_COLUMNS columns from first_column.
+static VNNI void sums_int16(const uint8_t *tables, const float *scales, const uint8_t *codes, long tiles,
+                            long columns, long first_column, long last_column, float *out) {
+    const __m512i even = _mm512_set1_epi32(1), odd = _mm512_set1_epi32(1 << 16);
+    int32_t words[GROUP][64] __attribute__((aligned(64)));
+    for (long group = 0; group < tiles; group += GROUP) {
+        const long count = tiles - group < GROUP ? tiles - group : GROUP;
+        for (long r = 0; r < count * ROWS; r += 16) _mm512_storeu_ps(out + group * ROWS + r, _mm512_setzero_ps());
+        for (long block = first_column; block < last_column; block += SCALE_COLUMNS) {
+            const long block_end = block + SCALE_COLUMNS < last_column ? block + SCALE_COLUMNS : last_column;
+            for (long n = 0; n < count; n++)
+                for (int k = 0; k < 4; k++) _mm512_store_si512(words[n] + 16 * k, _mm512_setzero_si512());
+            for (long c = block; c < block_end; c++) {
+                const uint8_t *t = tables + (c - first_column) * 512;
+                request_codes(codes, group, count, tiles, columns, first_column, last_column, c);
+                __m512i p[8];
+                for (int i = 0; i < 8; i++) p[i] = _mm512_loadu_si512(t + 64 * i);
+                for (long tile = group; tile < group + count; tile++) {
+                    const __m512i idx = _mm512_loadu_si512(codes + (tile * columns + c) * ROWS);
+                    const __mmask64 bit7 = _mm512_movepi8_mask(idx);
+                    const __m512i low = plane_bytes(p[0], p[1], p[2], p[3], idx, bit7),
+                                  high = plane_bytes(p[4], p[5], p[6], p[7], idx, bit7);
+                    const __m512i w0 = _mm512_unpacklo_epi8(low, high), w1 = _mm512_unpackhi_epi8(low, high);
+                    int32_t *w = words[tile - group];
+                    _mm512_store_si512(w, _mm512_dpwssd_epi32(_mm512_load_si512(w), w0, even));
+                    _mm512_store_si512(w + 16, _mm512_dpwssd_epi32(_mm512_load_si512(w + 16), w0, odd));
+                    _mm512_store_si512(w + 32, _mm512_dpwssd_epi32(_mm512_load_si512(w + 32), w1, even));
+                    _mm512_store_si512(w + 48, _mm512_dpwssd_epi32(_mm512_load_si512(w + 48), w1, odd));
+                }
+            }
+            const __m512 scale = _mm512_set1_ps(scales[(block - first_column) / SCALE_COLUMNS]);
+            for (long n = 0; n < count; n++) {
+                float *o = out + (group + n) * ROWS;
+                for (int k = 0; k < 4; k++)
+                    _mm512_storeu_ps(o + 16 * k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(words[n] + 16 * k)),
+                                                                 scale, _mm512_loadu_ps(o + 16 * k)));
+            }
+        }
+        for (long tile = group; tile < group + count; tile++) unpermute_words(out + tile * ROWS);
+    }
+}
+
+// The int16 tables of columns [first_column, last_column) into `tables` ((last - first) x 512 bytes of
+// planes, then a float scale per block of SCALE_COLUMNS columns), then their sums; arguments as
+// aqflow_register_product's.
+VNNI void aqflow_register_product_int16(const float *x, const float *codebooks, long num_codebooks, long group,
+                                        const uint8_t *codes, long tiles, long columns, long first_column,
+                                        long last_column, uint8_t *tables, float *out) {
+    float *scales = (float *)(tables + (last_column - first_column) * 512);
+    for (long block = first_column; block < last_column; block += SCALE_COLUMNS) {
+        const long block_end = block + SCALE_COLUMNS < last_column ? block + SCALE_COLUMNS : last_column;
+        __m512 entries[SCALE_COLUMNS][16];
+        __m512 largest = _mm512_setzero_ps();
+        for (long c = block; c < block_end; c++)
+            for (int i = 0; i < 16; i++) {
+                entries[c - block][i] = entries16(x, codebooks, num_codebooks, group, c, i);
+                largest = _mm512_max_ps(largest, _mm512_abs_ps(entries[c - block][i]));
+            }
+        const float top = _mm512_reduce_max_ps(largest);
+        scales[(block - first_column) / SCALE_COLUMNS] = top / 32767.0f;
+        const __m512 inverse = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+        for (long c = block; c < block_end; c++) {
+            uint8_t *planes = tables + (c - first_column) * 512;
+            for (int i = 0; i < 16; i++) {
+                const __m256i words = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(entries[c - block][i], inverse)));
+                _mm_storeu_si128((__m128i *)(planes + 16 * i), _mm256_cvtepi16_epi8(words));
+                _mm_storeu_si128((__m128i *)(planes + 256 + 16 * i), _mm256_cvtepi16_epi8(_mm256_srli_epi16(words, 8)));
+            }
+        }
+    }
+    sums_int16(tables, scales, codes, tiles, columns, first_column, last_column, out);
+}
