@@ -63,7 +63,8 @@ def main() -> int:
     print(f"{'  lowest machine':24s} {record['cpu_decode_speedup_3b_lowest']:5.2f}")
     for machine in record["cpu_decode_speedup_3b_by_machine"]:
         print(f"  {machine['source']}: {machine['cpu_decode_speedup_3b']:.2f}x "
-              f"(dense {machine['best_dense_tokens_per_second']:.2f}, 2x8 {machine['quantized_tokens_per_second']:.2f} tok/s)")
+              f"(dense {machine['best_dense_tokens_per_second']:.2f}, "
+              f"2x8 {machine['quantized_tokens_per_second']:.2f} tok/s)")
     return 0
 
 

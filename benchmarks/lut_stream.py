@@ -12,8 +12,8 @@ one copy again and again is timed beside it ("resident"). A thread's slice of a 
 is a short run of cache lines at 16 threads, so the kernel requests the lines of a column
 `$AQFLOW_CPU_PREFETCH` columns ahead (`--prefetch` compares distances; 0 is none). Table kinds
 (`--tables`): float16, float32 held in registers or, where the CPU has AVX-512 VBMI, as byte planes
-(`$AQFLOW_CPU_PLANES`), and int16 (AVX-512 VBMI and VNNI). Prints a table (microseconds a product, GB/s of codes, a token's 28
-blocks) and writes JSON.
+(`$AQFLOW_CPU_PLANES`), and int16 (AVX-512 VBMI and VNNI). Prints a table (microseconds a product, GB/s
+of codes, a token's 28 blocks) and writes JSON.
 """
 
 from __future__ import annotations

@@ -3,21 +3,22 @@
 `cpu_kernels.lut_matmul` sums one table entry per code through gathers from an L1-resident table
 slice. Here the codes are laid out per code column (`column_tiles`: a tile's 64 rows of one column
 contiguous), so a 16-lane permute looks up 16 rows in the same 256-entry table held in 16
-registers (csrc/lut_cpu.c), loaded once for 512 rows (with AVX-512 VBMI, a 64-lane byte permute
-looks up 64 rows in one byte plane of it). The threads split a layer's code columns:
+registers (csrc/lut_cpu.c), loaded once for 512 rows. The threads split a layer's code columns:
 each builds the tables of its slice and sums them over every row, then the slices are added.
 Several layers of one input (q/k/v, gate/up) can be one product (`stacked_operands`): each thread
-takes its slice of every layer in turn, so the call and its two parallel regions are paid once. For
-float32 activations the tables are float32 and the outputs equal the gather kernels' up to float32
+takes its slice of every layer in turn, so the call and its two parallel regions are paid once.
+
+Table kinds. float32 for float32 activations: the outputs equal the gather kernels' up to float32
 rounding (the order of the additions, the rounding of the table entries). Where the CPU has AVX-512
-VBMI the float32 tables are held as four byte planes (`float32_layout` "planes": one byte permute
-looks up 64 rows of a plane, ~3x fewer shuffles per code; the same sums, bit for bit), else as
-float32 registers ("registers"; AQFLOW_CPU_PLANES=0 keeps those). For bfloat16/float16
-activations, whose outputs are rounded to 16 bits, the tables are float16 (8 registers, half the
-permutes per code): each entry rounded by at most 2^-11, far less than the dense 16-bit layer's
-own rounding (`table_dtype_for`), unless float32 tables time faster on the machine
-(`tables_for_16bit`, AQFLOW_CPU_TABLES). On the 16 cores of the GPU host's Xeon a Llama-3.2-3B decode is
-1.44-1.90x dense bf16's (benchmarks/results/README.md, "Float16 tables on the GPU host's 16 cores").
+VBMI they are held as four byte planes (`float32_layout` "planes": a 64-lane byte permute pair looks
+up 64 rows of a plane, a third of the shuffles per code; the same sums, bit for bit), else as float32
+registers ("registers"; AQFLOW_CPU_PLANES=0 keeps those). For bfloat16/float16 activations, whose
+outputs are rounded to 16 bits, float16 tables too (8 registers, half the permutes; each entry rounded
+by at most 2^-11 of itself) and, with AVX-512 VBMI and VNNI, int16 ones (a step per block of 8
+columns, its largest entry / 32767; each entry within half a step; two byte planes); whichever kind
+times fastest on the first product (`tables_for_16bit`, AQFLOW_CPU_TABLES). On the 16 cores of the GPU
+host's Xeon a Llama-3.2-3B decode is 1.97-2.68x dense bf16's with the int16 kind
+(benchmarks/results/README.md, "Byte-plane tables on the CPU").
 
 The C file is compiled on first use with the system C compiler (`$CC`, else `cc`) into
 `$AQFLOW_KERNEL_CACHE` (default `~/.cache/aqflow/kernels`), once per source and flags, and called

@@ -217,7 +217,8 @@ static VBMI void sums_planes(const uint8_t *tables, const uint8_t *codes, long t
                                           _mm512_unpackhi_epi16(high01, high23)};
                 float *o = out + tile * ROWS;
                 for (int k = 0; k < 4; k++)
-                    _mm512_storeu_ps(o + 16 * k, _mm512_add_ps(_mm512_loadu_ps(o + 16 * k), _mm512_castsi512_ps(words[k])));
+                    _mm512_storeu_ps(o + 16 * k,
+                                     _mm512_add_ps(_mm512_loadu_ps(o + 16 * k), _mm512_castsi512_ps(words[k])));
             }
         }
         for (long tile = group; tile < group + count; tile++) transpose_blocks(out + tile * ROWS);
@@ -237,8 +238,8 @@ VBMI void aqflow_register_product_planes(const float *x, const float *codebooks,
     for (long c = first_column; c < last_column; c++) {
         uint8_t *planes = tables + (c - first_column) * 1024;
         for (int i = 0; i < 16; i++) {
-            const __m512i bytes = _mm512_permutexvar_epi8(split, _mm512_castps_si512(
-                                                                     entries16(x, codebooks, num_codebooks, group, c, i)));
+            const __m512 entries = entries16(x, codebooks, num_codebooks, group, c, i);
+            const __m512i bytes = _mm512_permutexvar_epi8(split, _mm512_castps_si512(entries));
             _mm_storeu_si128((__m128i *)(planes + 16 * i), _mm512_castsi512_si128(bytes));
             _mm_storeu_si128((__m128i *)(planes + 256 + 16 * i), _mm512_extracti32x4_epi32(bytes, 1));
             _mm_storeu_si128((__m128i *)(planes + 512 + 16 * i), _mm512_extracti32x4_epi32(bytes, 2));
@@ -313,8 +314,9 @@ static VNNI void sums_int16(const uint8_t *tables, const float *scales, const ui
             for (long n = 0; n < count; n++) {
                 float *o = out + (group + n) * ROWS;
                 for (int k = 0; k < 4; k++)
-                    _mm512_storeu_ps(o + 16 * k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(words[n] + 16 * k)),
-                                                                 scale, _mm512_loadu_ps(o + 16 * k)));
+                    _mm512_storeu_ps(o + 16 * k,
+                                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(words[n] + 16 * k)), scale,
+                                                     _mm512_loadu_ps(o + 16 * k)));
             }
         }
         for (long tile = group; tile < group + count; tile++) unpermute_words(out + tile * ROWS);
@@ -343,7 +345,8 @@ VNNI void aqflow_register_product_int16(const float *x, const float *codebooks, 
         for (long c = block; c < block_end; c++) {
             uint8_t *planes = tables + (c - first_column) * 512;
             for (int i = 0; i < 16; i++) {
-                const __m256i words = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(entries[c - block][i], inverse)));
+                const __m512i steps = _mm512_cvtps_epi32(_mm512_mul_ps(entries[c - block][i], inverse));
+                const __m256i words = _mm512_cvtsepi32_epi16(steps);
                 _mm_storeu_si128((__m128i *)(planes + 16 * i), _mm256_cvtepi16_epi8(words));
                 _mm_storeu_si128((__m128i *)(planes + 256 + 16 * i), _mm256_cvtepi16_epi8(_mm256_srli_epi16(words, 8)));
             }
