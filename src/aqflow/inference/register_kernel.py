@@ -359,14 +359,15 @@ def tables_for_16bit(x: np.ndarray, operands: RegisterOperands, threads: int | N
     tables halve the permutes and won on a 2-core EPYC (2.24x against 1.67-1.81x dense bf16's speed),
     while on a 16-core Xeon float32 ones once decoded faster (17.4 against 16.1 tokens/s) and on another
     float16 ones took ~30 % less time (benchmarks/lut_stream.py)."""
-    kinds = compiled_kernel().kinds()
     wanted = os.environ.get(TABLES_ENV, "auto")
-    if wanted in kinds:
-        return wanted
     if wanted != "auto":
-        raise ValueError(f"{TABLES_ENV}={wanted!r}: expected auto or one of {', '.join(kinds)} (on this CPU)")
+        kinds = compiled_kernel().kinds()
+        if wanted not in kinds:
+            raise ValueError(f"{TABLES_ENV}={wanted!r}: expected auto or one of {', '.join(kinds)} (on this CPU)")
+        return wanted
     key = threads if threads is not None else numba.get_num_threads()
-    if key not in _fastest_tables:
+    if key not in _fastest_tables:  # every product asks; the kinds are timed once per thread count
+        kinds = compiled_kernel().kinds()
         for dtype in kinds:
             register_matmul(x, operands, threads, dtype)  # warm: scratch, caches
         seconds = {dtype: float("inf") for dtype in kinds}
