@@ -306,20 +306,23 @@ def resident_bytes(model) -> int:
 
 
 def decode_run(model, args, device, *, graphs: bool, compile: bool = False, new_tokens: int | None = None,
-               fast_attention: bool | None = None, dependent_launch: bool | None = None) -> dict:
+               fast_attention: bool | None = None, dependent_launch: bool | None = None,
+               open_sums: bool | None = None) -> dict:
     """One greedy decode through aqflow.inference.decode (projections already fused); with graphs, the
     kernels of one graphed step are profiled (an untimed step). fast_attention: greedy_decode's (default:
     its one-token attention kernels on CUDA; False: transformers' SDPA). dependent_launch: greedy_decode's
-    (default: programmatic dependent launch on Hopper and later)."""
+    (default: programmatic dependent launch on Hopper and later). open_sums: greedy_decode's (default: the
+    2-bit GEMVs of a compiled step leave their sums open)."""
     generator = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens), generator=generator)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     tokens, timings = greedy_decode(model, prompt, new_tokens or args.new_tokens, graphs=graphs, compile=compile,
                                     fuse=False, profile=graphs, fast_attention=fast_attention,
-                                    dependent_launch=dependent_launch)
+                                    dependent_launch=dependent_launch, open_sums=open_sums)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     result = {"mode": timings.mode, "attention": timings.attention, "dependent_launch": timings.dependent_launch,
+              "open_sums": timings.open_sums,
               "decode_tokens_per_second": timings.decode_tokens_per_second,
               "ms_per_token": 1e3 / timings.decode_tokens_per_second, "timed_steps": timings.timed_steps,
               "capture_seconds": timings.capture_seconds, "peak_bytes": peak, "first_tokens": tokens[:8].tolist()}
@@ -327,7 +330,8 @@ def decode_run(model, args, device, *, graphs: bool, compile: bool = False, new_
         result["compile_error"] = timings.compile_error
     if timings.step_kernels:
         result["profile"] = summarize_kernels(timings.step_kernels)
-    log(f"  decode {result['mode']:14s} ({timings.attention}{', PDL' if timings.dependent_launch else ''}) "
+    log(f"  decode {result['mode']:14s} ({timings.attention}{', PDL' if timings.dependent_launch else ''}"
+        f"{f', open sums {timings.open_sums}' if timings.open_sums else ''}) "
         f"{result['decode_tokens_per_second']:8.1f} tokens/s "
         f"({result['ms_per_token']:.2f} ms/token; setup {timings.capture_seconds:.1f} s)"
         + (f"; one step: {profile_line(result['profile'])}" if "profile" in result else ""))
@@ -384,9 +388,10 @@ def note_compile_seconds(run: dict) -> None:
         COMPILE_SECONDS["estimate"] = max(COMPILE_SECONDS["estimate"] * 0.5, run["capture_seconds"] * 1.15)
 
 
-def compiled_runs(record: dict, model, args, device, shape_name: str) -> None:
-    """compile+graph decodes into record: the default, then through SDPA (--sdpa-too, 3B) and without
-    programmatic dependent launch (--pdl-off-too) where asked."""
+def compiled_runs(record: dict, model, args, device, shape_name: str, quantized: bool = False) -> None:
+    """compile+graph decodes into record: the default, then through SDPA (--sdpa-too, 3B), without
+    programmatic dependent launch (--pdl-off-too) and with the GEMVs finishing their own sums
+    (--closed-sums-too) where asked."""
     note_compile_seconds(guarded(record, "compile+graph", decode_run, model, args, device, graphs=True,
                                  compile=True))
     if args.sdpa_too and shape_name == "3b":
@@ -395,6 +400,9 @@ def compiled_runs(record: dict, model, args, device, shape_name: str) -> None:
     if args.pdl_off_too and shape_name in args.pdl_off_too.split(","):
         guarded(record, "compile+graph, no PDL", decode_run, model, args, device, graphs=True, compile=True,
                 dependent_launch=False)
+    if quantized and args.closed_sums_too and shape_name in args.closed_sums_too.split(","):
+        guarded(record, "compile+graph, closed sums", decode_run, model, args, device, graphs=True, compile=True,
+                open_sums=False)
 
 
 def step_tune(model, args, device, shape_keys: list[tuple], start_rate: float) -> dict:
@@ -475,7 +483,7 @@ def bench_model(shape_name: str, args, device, dtype, kernels: dict, build_threa
     if cuda:
         guarded(ours, "graph", decode_run, model, args, device, graphs=True)
         if compiled:
-            compiled_runs(ours, model, args, device, shape_name)
+            compiled_runs(ours, model, args, device, shape_name, quantized=True)
             rate = ours.get("compile+graph", {}).get("decode_tokens_per_second")
             if args.step_tune and rate and TIMED_CANDIDATES:
                 guarded(ours, "step_tuning", step_tune, model, args, device, list(TIMED_CANDIDATES), rate)
@@ -690,6 +698,9 @@ def main() -> None:
                         help="at 3B also decode compile+graph through transformers' SDPA (both kinds)")
     parser.add_argument("--pdl-off-too", default="",
                         help="models (e.g. 3b,8b) also decoded compile+graph without programmatic dependent launch")
+    parser.add_argument("--closed-sums-too", default="",
+                        help="comma-separated shapes whose 2-bit model also decodes with the GEMVs finishing their "
+                             "own sums (open_sums=False)")
     parser.add_argument("--aqlm", action="store_true", help="also decode through aqlm's kernel (builds at first use)")
     parser.add_argument("--step-tune", type=int, default=0, metavar="N",
                         help="after the tuned decode, try each shape's N fastest candidates in the whole decode")

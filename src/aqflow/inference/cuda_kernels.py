@@ -217,10 +217,8 @@ def cluster_candidate_configs(packed: "PackedWeights") -> list["KernelConfig"]:
     return configs
 
 
-def launch(x: torch.Tensor, packed: "PackedWeights", config: "KernelConfig", out: torch.Tensor,
-           workspace: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """x [T, in] contiguous, T <= 4 -> out [T, rows] (written in full). workspace (fp32) and counters
-    (int32) zero before and after."""
+def _checked(x: torch.Tensor, packed: "PackedWeights", config: "KernelConfig") -> torch.Tensor:
+    """x as the kernels take it (4-byte aligned) after checking that `config` fits x and packed."""
     if config.variant not in VARIANT_ENTRY_BITS:
         raise ValueError(f"not a CUDA LUT variant: {config.variant!r}")
     if not applies(packed, x.shape[0]):
@@ -233,14 +231,28 @@ def launch(x: torch.Tensor, packed: "PackedWeights", config: "KernelConfig", out
                          f"{'128 or 256' if cluster else f'a multiple of {ROWS_PER_BATCH}'}")
     if cluster and not cluster_takes(packed, x.shape[0]):
         raise ValueError(f"{config.label()}: the cluster kernel takes one token and at most {CLUSTER_MAX_GROUPS} groups")
+    return x.clone() if x.data_ptr() % 4 else x  # a view starting at an odd element: read as 4-byte words
+
+
+def _call_on_device(x: torch.Tensor, function, args: tuple) -> None:
+    if x.device.index is not None and x.device.index != torch.cuda.current_device():
+        with torch.cuda.device(x.device):
+            function(*args)
+    else:
+        function(*args)
+
+
+def launch(x: torch.Tensor, packed: "PackedWeights", config: "KernelConfig", out: torch.Tensor,
+           workspace: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """x [T, in] contiguous, T <= 4 -> out [T, rows] (written in full). workspace (fp32) and counters
+    (int32) zero before and after."""
+    x = _checked(x, packed, config)
     module = load_extension()
-    if x.data_ptr() % 4:  # a view starting at an odd element: the kernel reads input pairs as 4-byte words
-        x = x.clone()
     stream = torch.cuda.current_stream(x.device).cuda_stream
     chunks = config.block_groups // GROUPS_PER_CHUNK
     common = (x, packed.codes, packed.codebooks, packed.scales, packed.bias, out)
     pdl = dependent_launch.active()
-    if cluster:
+    if config.variant in CLUSTER_VARIANTS:
         function = module.lut_gemv_2x8_cluster
         args = (*common, list(packed.out_sizes), config.block_rows, chunks, VARIANT_ENTRY_BITS[config.variant],
                 pdl, stream)
@@ -248,9 +260,21 @@ def launch(x: torch.Tensor, packed: "PackedWeights", config: "KernelConfig", out
         function = module.lut_gemv_2x8
         args = (*common, workspace, counters, list(packed.out_sizes), config.block_rows, chunks,
                 VARIANT_ENTRY_BITS[config.variant], max_tokens_for(x.shape[0]), pdl, stream)
-    if x.device.index is not None and x.device.index != torch.cuda.current_device():
-        with torch.cuda.device(x.device):
-            function(*args)
-    else:
-        function(*args)
+    _call_on_device(x, function, args)
     return out
+
+
+def launch_open(x: torch.Tensor, packed: "PackedWeights", config: "KernelConfig", sums: torch.Tensor) -> torch.Tensor:
+    """x [T, in] contiguous, T <= 4: adds each row's unscaled sum of table entries into sums [T, rows] fp32
+    (zero before: no scales, no bias, nothing else written), for a caller that finishes them (`open_sums`).
+    The split-K kernel (cuda_lut32 / cuda_lut16) without its finishing pass."""
+    if config.variant in CLUSTER_VARIANTS:
+        raise ValueError(f"{config.label()}: open sums are the split-K kernel's (cuda_lut32, cuda_lut16)")
+    x = _checked(x, packed, config)
+    module = load_extension()
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    args = (x, packed.codes, packed.codebooks, packed.scales, packed.bias, sums, list(packed.out_sizes),
+            config.block_rows, config.block_groups // GROUPS_PER_CHUNK, VARIANT_ENTRY_BITS[config.variant],
+            max_tokens_for(x.shape[0]), dependent_launch.active(), stream)
+    _call_on_device(x, module.lut_gemv_2x8_open, args)
+    return sums

@@ -9,6 +9,10 @@ one product each first (`fuse_projections`), on a CPU too, where the step runs e
 
 `fuse_projections(model)` makes the q/k/v and gate/up projections of the Llama family (Llama,
 Mistral, Qwen2) one matrix product each: fewer kernels per token, for dense and quantized layers.
+
+A compiled CUDA step computes its 2-bit GEMVs with open sums (`aqflow.inference.open_sums`): the split-K
+kernel leaves scales, bias and cast to the compiled kernel that reads its output, and the step zeroes the
+sums after each token.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from aqflow.inference.dependent_launch import active as dependent_launch_active
 from aqflow.inference.dependent_launch import enabled as dependent_launch_enabled
 from aqflow.inference.dependent_launch import supported as dependent_launch_supported
 from aqflow.inference.layout import QuantizedWeights
+from aqflow.inference.open_sums import StepSums, open_sums_enabled
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class DecodeTimings:
     compile_error: str | None = None
     attention: str = "model's own"  # or decode_attention.IMPLEMENTATION: its one-token kernels decoded
     dependent_launch: bool = False  # kernels launched with programmatic dependent launch
+    open_sums: int = 0  # 2-bit linears that computed the decode steps with open sums (open_sums)
     cpu_layers: int = 0  # modules whose one-token forward ran through cpu_layers' kernels (a CPU decode)
 
     @property
@@ -85,16 +91,20 @@ class _DecodeStep:
     first_position] (generated [new_tokens] int64), position + 1."""
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], token: torch.Tensor,
-                 position: torch.Tensor, generated: torch.Tensor, first_position: int):
+                 position: torch.Tensor, generated: torch.Tensor, first_position: int,
+                 sums: StepSums | None = None):
         self.forward = forward
         self.token, self.position, self.generated = token, position, generated
         self.first_position = first_position
+        self.sums = sums  # open sums: zeroed after every step, for the next
 
     def __call__(self) -> None:
         next_token = self.forward(self.token, self.position).argmax(dim=-1)  # [1]
         self.generated.index_copy_(0, self.position.reshape(1) - self.first_position, next_token)
         self.token.copy_(next_token.view(1, 1))
         self.position.add_(1)
+        if self.sums is not None:
+            self.sums.zero()
 
 
 def profile_kernels(fn: Callable[[], None], device: torch.device) -> list[tuple[str, float]]:
@@ -121,7 +131,8 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
                   stop_tokens: Collection[int] | None = None, warmup_steps: int = 2,
                   profile: bool = False, fast_attention: bool | None = None,
                   dependent_launch: bool | None = None,
-                  cpu_layers: bool | None = None) -> tuple[torch.Tensor, DecodeTimings]:
+                  cpu_layers: bool | None = None,
+                  open_sums: bool | None = None) -> tuple[torch.Tensor, DecodeTimings]:
     """Greedy decoding of new_tokens tokens after input_ids [1, P] with a static KV cache.
 
     graphs: capture the decode step as a CUDA graph (default: on CUDA). compile: torch.compile the
@@ -148,20 +159,30 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     layer's RMSNorm, and its rotary embedding + cache update + attention, as one numba call each
     (`aqflow.inference.cpu_layers`: ~20 small torch operations a layer fewer); False leaves those modules'
     own forwards. timings.cpu_layers counts the modules switched.
+    open_sums: the CUDA 2-bit linears that run the split-K kernel compute a step's token with open sums
+    (`aqflow.inference.open_sums`: scales, bias and cast in the compiled step, the sums zeroed after each
+    step; default: where the step is compiled on CUDA). timings.open_sums counts them.
     """
     device = model_device(model)
     pdl_here = dependent_launch_supported(device)
     if dependent_launch and not pdl_here:
         raise ValueError(f"dependent_launch=True needs a CUDA device of compute capability >= 9.0, the model is "
                          f"on {device}")
+    if open_sums and device.type != "cuda":
+        raise ValueError(f"open_sums=True: open sums are the CUDA kernels', the model is on {device}")
     dependent_launch = pdl_here if dependent_launch is None else dependent_launch
+    graphs = device.type == "cuda" if graphs is None else graphs
+    compile = graphs if compile is None else compile
+    open_sums = compile and device.type == "cuda" if open_sums is None else open_sums
+    if fuse is None or fuse:
+        fuse_projections(model)  # idempotent: fused members are no longer nn.Linear or quantized linears
     with one_token_paths(model, fast_attention, compile, cpu_layers) as (implementation, switched), \
-            dependent_launch_enabled(dependent_launch):
+            dependent_launch_enabled(dependent_launch), open_sums_enabled(model, open_sums) as sums:
         tokens, timings = _greedy_decode(model, input_ids, new_tokens, graphs=graphs, on_token=on_token,
-                                         compile=compile, fuse=fuse, stop_tokens=stop_tokens,
-                                         warmup_steps=warmup_steps, profile=profile)
+                                         compile=compile, stop_tokens=stop_tokens, warmup_steps=warmup_steps,
+                                         profile=profile, sums=sums)
     return tokens, replace(timings, attention=implementation or "model's own", dependent_launch=dependent_launch,
-                           cpu_layers=switched)
+                           cpu_layers=switched, open_sums=len(sums.buffers) if sums is not None else 0)
 
 
 @contextlib.contextmanager
@@ -195,22 +216,18 @@ def one_token_paths(model: torch.nn.Module, fast_attention: bool | None = None, 
         yield implementation, switched
 
 
-def _greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, *, graphs: bool | None,
-                   on_token: Callable[[int], None] | None, compile: bool | None, fuse: bool | None,
+def _greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, *, graphs: bool,
+                   on_token: Callable[[int], None] | None, compile: bool,
                    stop_tokens: Collection[int] | None, warmup_steps: int,
-                   profile: bool) -> tuple[torch.Tensor, DecodeTimings]:
-    """greedy_decode with the model's attention as it is set."""
+                   profile: bool, sums: StepSums | None) -> tuple[torch.Tensor, DecodeTimings]:
+    """greedy_decode with the model's attention, fusion and open sums as they are set."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids {tuple(input_ids.shape)}: expected [1, prompt_tokens] (batch 1)")
     if new_tokens < 1:
         raise ValueError(f"new_tokens={new_tokens}: at least one token")
     device = model_device(model)
-    graphs = device.type == "cuda" if graphs is None else graphs
     if graphs and device.type != "cuda":
         raise ValueError(f"graphs=True needs a CUDA model, this one is on {device}")
-    compile = graphs if compile is None else compile
-    if fuse is None or fuse:
-        fuse_projections(model)  # idempotent: fused members are no longer nn.Linear or quantized linears
     model.eval()
     prompt_tokens = input_ids.shape[1]
     stop = frozenset(stop_tokens or ())
@@ -244,7 +261,7 @@ def _greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: 
     if compile:
         forward = torch.compile(forward, dynamic=False)
     # generated[0] is the prefill's token; the step at position P-1+k writes generated[k]
-    step = _DecodeStep(forward, token, position, generated, first_position=prompt_tokens - 1)
+    step = _DecodeStep(forward, token, position, generated, first_position=prompt_tokens - 1, sums=sums)
     compile_error: str | None = None
 
     def run_step() -> None:
@@ -408,6 +425,8 @@ def quantized_weights_of(module: torch.nn.Module) -> QuantizedWeights | None:
 class FusedQuantizedLinear(torch.nn.Module):
     """Several quantized linears of one input in one kernel launch (their codes concatenated by rows)."""
 
+    open_sums = None  # an open_sums.OpenSumsSite inside open_sums_enabled: one token computed with open sums
+
     def __init__(self, weights: Sequence[QuantizedWeights]):
         super().__init__()
         from aqflow.inference.packed import pack_weights
@@ -419,6 +438,8 @@ class FusedQuantizedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from aqflow.inference import gpu_kernels
 
+        if self.open_sums is not None and x.numel() == x.shape[-1]:
+            return self.open_sums(x)
         return gpu_kernels.packed_matmul(x, self.packed)
 
 

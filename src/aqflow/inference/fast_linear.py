@@ -44,6 +44,8 @@ class FastQuantizedLinear(nn.Module):
     "tiles" on other CPUs (cpu_kernels.tile_codes), "rows" on a GPU (row-major [out, G, M] as
     QuantizedWeights has them). A move between devices converts them, so there is always one copy."""
 
+    open_sums = None  # an open_sums.OpenSumsSite inside open_sums_enabled: one token on CUDA with open sums
+
     def __init__(self, w: QuantizedWeights):
         super().__init__()
         self.in_features = w.in_features
@@ -131,6 +133,8 @@ class FastQuantizedLinear(nn.Module):
                 out = cpu_kernels.lut_product(flat, operands)
             else:
                 out = cpu_kernels.dequantized_product(flat, operands)
+        elif flat.device.type == "cuda" and self.open_sums is not None and tokens == 1:
+            return self.open_sums(x)
         elif flat.device.type == "cuda" and tokens <= GPU_MAX_TOKENS:
             from aqflow.inference.gpu_kernels import quantized_matmul  # Triton: imported where CUDA runs
 

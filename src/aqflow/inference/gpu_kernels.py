@@ -474,6 +474,33 @@ def packed_matmul(x: torch.Tensor, packed: PackedWeights, *, config: KernelConfi
                              config.as_list() if config is not None else [])
 
 
+@torch.library.custom_op("aqflow::packed_open_sums", mutates_args=("sums",))
+def _packed_open_sums_op(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
+                         bias: torch.Tensor | None, out_sizes: list[int], config: list[int], sums: torch.Tensor) -> None:
+    packed = PackedWeights(codes, codebooks, scales, bias, tuple(out_sizes))
+    cuda_kernels.launch_open(x.contiguous(), packed, KernelConfig.from_list(config), sums)
+
+
+@_packed_open_sums_op.register_fake
+def _packed_open_sums_shape(x, codes, codebooks, scales, bias, out_sizes, config, sums):
+    return None
+
+
+def open_packed_matmul(x: torch.Tensor, packed: PackedWeights, config: list[int], sums: torch.Tensor) -> torch.Tensor:
+    """packed_matmul through the split-K CUDA kernel (`config`: a KernelConfig.as_list() of cuda_lut32 or
+    cuda_lut16) with open sums: x [..., in] (sums.shape[0] tokens) -> [..., rows].
+    The kernel adds the unscaled sums into sums [T, rows] fp32, which must be zero (`open_sums` zeroes them
+    once a decode step); the scales, the bias and the cast are torch operations that torch.compile folds
+    into whatever reads the output next."""
+    flat = x.reshape(-1, x.shape[-1])
+    _packed_open_sums_op(flat, packed.codes, packed.codebooks, packed.scales, packed.bias, list(packed.out_sizes),
+                         list(config), sums)
+    y = sums * packed.scales
+    if packed.bias is not None:
+        y = y + packed.bias
+    return y.to(x.dtype).view(*x.shape[:-1], packed.rows)
+
+
 def quantized_matmul(x: torch.Tensor, w: QuantizedWeights, *, config: KernelConfig | None = None) -> torch.Tensor:
     """x [T, in] (or [..., in]) -> [T, out] = x @ dense(w).T (+ bias): CUDA, few tokens (the decode path)."""
     return packed_matmul(x, as_packed(w), config=config)
@@ -622,6 +649,8 @@ class KernelQuantizedLinear(torch.nn.Module):
     lets `decode.fuse_projections` pack it with its siblings. Models the pipeline writes use the
     inference package's FastQuantizedLinear, which dispatches by device; this one serves benchmarks and tests."""
 
+    open_sums = None  # an open_sums.OpenSumsSite inside open_sums_enabled: one token computed with open sums
+
     def __init__(self, w: QuantizedWeights):
         super().__init__()
         self.in_features, self.out_features, self.nbits = w.in_features, w.out_features, w.nbits
@@ -634,4 +663,6 @@ class KernelQuantizedLinear(torch.nn.Module):
         return QuantizedWeights(self.codes, self.codebooks, self.scales, self.bias, self.nbits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.open_sums is not None and x.numel() == x.shape[-1]:
+            return self.open_sums(x)
         return quantized_matmul(x, self.quantized_weights())

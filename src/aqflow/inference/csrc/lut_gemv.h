@@ -19,7 +19,9 @@ struct LutGemvParams {
   const void* bias;         // [rows] or nullptr
   void* out;                // [tokens, rows], scalar type, row stride out_stride
   float* workspace;         // [tokens, rows] fp32, zero between launches (split-K sums)
-  int* counters;            // one per row block, zero between launches
+  int* counters;            // one per row block, zero between launches; nullptr: open sums (the scaled
+                            // outputs are not written: the unscaled sums are added into the workspace,
+                            // zero before the launch, and left there)
   int tokens;
   int rows;
   int groups;

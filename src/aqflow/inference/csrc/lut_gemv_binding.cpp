@@ -19,12 +19,12 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, i
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-// Checks the tensors both kernels take and fills their parameters (workspace and counters left null).
-// x [T, in] -> out [T, rows]; codes [rows, in / 8, 2] uint8; codebooks [n, 2, 256, 8]; scales [rows];
-// bias [rows] or None; out_sizes: the rows of each packed matrix (1..4, summing to rows).
+// Checks the tensors both kernels take and fills their parameters (out, workspace and counters left null).
+// x [T, in]; codes [rows, in / 8, 2] uint8; codebooks [n, 2, 256, 8]; scales [rows]; bias [rows] or None;
+// out_sizes: the rows of each packed matrix (1..4, summing to rows).
 aqflow::LutGemvParams checked_params(const char* name, const at::Tensor& x, const at::Tensor& codes,
                                      const at::Tensor& codebooks, const at::Tensor& scales,
-                                     const c10::optional<at::Tensor>& bias, const at::Tensor& out,
+                                     const c10::optional<at::Tensor>& bias,
                                      const std::vector<int64_t>& out_sizes, int64_t rows_per_cta,
                                      int64_t chunks_per_cta, int64_t entry_bits, int64_t max_tokens) {
   TORCH_CHECK(x.is_cuda(), name, ": x must be a CUDA tensor");
@@ -50,9 +50,6 @@ aqflow::LutGemvParams checked_params(const char* name, const at::Tensor& x, cons
               name, ": x and codes must be 4-byte aligned (the kernel reads input pairs and 4 code bytes)");
   const int64_t tokens = x.size(0);
   TORCH_CHECK(tokens >= 1 && tokens <= max_tokens, name, ": ", tokens, " tokens, this variant takes 1..", max_tokens);
-  TORCH_CHECK(out.device() == device && out.scalar_type() == scalar && out.dim() == 2 && out.size(0) == tokens &&
-                  out.size(1) == rows && out.stride(1) == 1,
-              "out must be [", tokens, ", ", rows, "] of x's dtype with unit column stride");
   const int64_t matrices = static_cast<int64_t>(out_sizes.size());
   TORCH_CHECK(matrices >= 1 && matrices <= aqflow::kLutMaxMatrices, "1..", aqflow::kLutMaxMatrices,
               " packed matrices, got ", matrices);
@@ -67,12 +64,10 @@ aqflow::LutGemvParams checked_params(const char* name, const at::Tensor& x, cons
   params.codebooks = codebooks.data_ptr();
   params.scales = scales.data_ptr();
   params.bias = bias.has_value() ? bias->data_ptr() : nullptr;
-  params.out = out.data_ptr();
   params.tokens = static_cast<int>(tokens);
   params.rows = static_cast<int>(rows);
   params.groups = static_cast<int>(groups);
   params.x_stride = static_cast<int>(x.stride(0));
-  params.out_stride = static_cast<int>(out.stride(0));
   params.rows_per_cta = static_cast<int>(rows_per_cta);
   params.chunks_per_cta = static_cast<int>(chunks_per_cta);
   params.num_matrices = static_cast<int>(matrices);
@@ -90,9 +85,35 @@ aqflow::LutGemvParams checked_params(const char* name, const at::Tensor& x, cons
   return params;
 }
 
+// out [T, rows] of x's dtype, unit column stride: where the kernels write y.
+void set_output(aqflow::LutGemvParams& params, const at::Tensor& x, const at::Tensor& out) {
+  TORCH_CHECK(out.device() == x.device() && out.scalar_type() == x.scalar_type() && out.dim() == 2 &&
+                  out.size(0) == params.tokens && out.size(1) == params.rows && out.stride(1) == 1,
+              "out must be [", params.tokens, ", ", params.rows, "] of x's dtype with unit column stride");
+  params.out = out.data_ptr();
+  params.out_stride = static_cast<int>(out.stride(0));
+}
+
+// fp32, contiguous, at least T * rows elements: the split-K sums.
+void set_workspace(aqflow::LutGemvParams& params, const at::Tensor& x, const at::Tensor& workspace, const char* what) {
+  TORCH_CHECK(workspace.device() == x.device() && workspace.scalar_type() == at::kFloat && workspace.is_contiguous() &&
+                  workspace.numel() >= static_cast<int64_t>(params.tokens) * params.rows,
+              what, " must be fp32 with at least tokens * rows elements");
+  params.workspace = workspace.data_ptr<float>();
+}
+
 int64_t splits_of(int64_t groups, int64_t chunks_per_cta) {
   const int64_t groups_per_cta = aqflow::kLutGroupsPerChunk * chunks_per_cta;
   return (groups + groups_per_cta - 1) / groups_per_cta;
+}
+
+void launch_split_k(const aqflow::LutGemvParams& params, const at::Tensor& x, int64_t chunks_per_cta,
+                    int64_t entry_bits, int64_t max_tokens, bool dependent_launch, int64_t stream) {
+  const int splits = static_cast<int>(splits_of(params.groups, chunks_per_cta));
+  const int status = aqflow::lut_gemv_2x8_launch(params, x.scalar_type() == at::kBFloat16 ? 0 : 1,
+                                                 static_cast<int>(entry_bits), static_cast<int>(max_tokens), splits,
+                                                 dependent_launch, reinterpret_cast<void*>(stream));
+  TORCH_CHECK(status == 0, "lut_gemv_2x8 launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(status)));
 }
 
 }  // namespace
@@ -105,24 +126,31 @@ void lut_gemv_2x8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
                   const at::Tensor& counters,
                   const std::vector<int64_t>& out_sizes, int64_t rows_per_cta, int64_t chunks_per_cta,
                   int64_t entry_bits, int64_t max_tokens, bool dependent_launch, int64_t stream) {
-  aqflow::LutGemvParams params = checked_params("lut_gemv_2x8", x, codes, codebooks, scales, bias, out, out_sizes,
+  aqflow::LutGemvParams params = checked_params("lut_gemv_2x8", x, codes, codebooks, scales, bias, out_sizes,
                                                 rows_per_cta, chunks_per_cta, entry_bits, max_tokens);
   TORCH_CHECK(rows_per_cta % 256 == 0, "rows_per_cta must be a positive multiple of 256");
-  const int64_t tokens = x.size(0), rows = codes.size(0);
-  TORCH_CHECK(workspace.device() == x.device() && workspace.scalar_type() == at::kFloat && workspace.is_contiguous() &&
-                  workspace.numel() >= tokens * rows,
-              "workspace must be fp32 with at least tokens * rows elements");
+  set_output(params, x, out);
+  set_workspace(params, x, workspace, "workspace");
   TORCH_CHECK(counters.device() == x.device() && counters.scalar_type() == at::kInt && counters.is_contiguous(),
               "counters must be int32");
   const int64_t blocks = params.block_start[params.num_matrices];
   TORCH_CHECK(counters.numel() >= blocks, "counters: ", counters.numel(), " slots for ", blocks, " row blocks");
-  params.workspace = workspace.data_ptr<float>();
   params.counters = counters.data_ptr<int>();
-  const int splits = static_cast<int>(splits_of(params.groups, chunks_per_cta));
-  const int status = aqflow::lut_gemv_2x8_launch(params, x.scalar_type() == at::kBFloat16 ? 0 : 1,
-                                                 static_cast<int>(entry_bits), static_cast<int>(max_tokens), splits,
-                                                 dependent_launch, reinterpret_cast<void*>(stream));
-  TORCH_CHECK(status == 0, "lut_gemv_2x8 launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(status)));
+  launch_split_k(params, x, chunks_per_cta, entry_bits, max_tokens, dependent_launch, stream);
+}
+
+// The split-K kernel with open sums: sums [T, rows] fp32, zero before the call, gains the unscaled sums
+// sum_j sum_m lut[j, m, code] of each row (no scales, no bias, no output written); the caller finishes them
+// and zeroes sums before the next call.
+void lut_gemv_2x8_open(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& codebooks,
+                       const at::Tensor& scales, const c10::optional<at::Tensor>& bias, const at::Tensor& sums,
+                       const std::vector<int64_t>& out_sizes, int64_t rows_per_cta, int64_t chunks_per_cta,
+                       int64_t entry_bits, int64_t max_tokens, bool dependent_launch, int64_t stream) {
+  aqflow::LutGemvParams params = checked_params("lut_gemv_2x8_open", x, codes, codebooks, scales, bias, out_sizes,
+                                                rows_per_cta, chunks_per_cta, entry_bits, max_tokens);
+  TORCH_CHECK(rows_per_cta % 256 == 0, "rows_per_cta must be a positive multiple of 256");
+  set_workspace(params, x, sums, "sums");
+  launch_split_k(params, x, chunks_per_cta, entry_bits, max_tokens, dependent_launch, stream);
 }
 
 // The cluster kernel (lut_gemv_cluster.cu), one token: rows_per_cta 256 (chunks_per_cta <= 4) or 128 (<= 8),
@@ -131,8 +159,9 @@ void lut_gemv_2x8_cluster(const at::Tensor& x, const at::Tensor& codes, const at
                           const at::Tensor& scales, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
                           const std::vector<int64_t>& out_sizes, int64_t rows_per_cta, int64_t chunks_per_cta,
                           int64_t entry_bits, bool dependent_launch, int64_t stream) {
-  aqflow::LutGemvParams params = checked_params("lut_gemv_2x8_cluster", x, codes, codebooks, scales, bias, out,
+  aqflow::LutGemvParams params = checked_params("lut_gemv_2x8_cluster", x, codes, codebooks, scales, bias,
                                                 out_sizes, rows_per_cta, chunks_per_cta, entry_bits, 1);
+  set_output(params, x, out);
   const int max_chunks = aqflow::lut_gemv_2x8_cluster_max_chunks(static_cast<int>(rows_per_cta));
   TORCH_CHECK(max_chunks > 0, "lut_gemv_2x8_cluster: rows_per_cta must be 128 or 256, got ", rows_per_cta);
   TORCH_CHECK(chunks_per_cta <= max_chunks, "lut_gemv_2x8_cluster: at most ", max_chunks, " chunks per CTA of ",
@@ -153,6 +182,7 @@ int64_t lut_gemv_2x8_shared_bytes(int64_t entry_bits, int64_t max_tokens, int64_
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lut_gemv_2x8", &lut_gemv_2x8, "2x8 AQLM lookup-table GEMV (a few tokens)");
+  m.def("lut_gemv_2x8_open", &lut_gemv_2x8_open, "the same, its unscaled sums added into a zeroed fp32 buffer");
   m.def("lut_gemv_2x8_cluster", &lut_gemv_2x8_cluster, "2x8 AQLM lookup-table GEMV, one token, split-K in a cluster");
   m.def("shared_bytes", &lut_gemv_2x8_shared_bytes, "dynamic shared memory of one CTA, bytes");
 }
