@@ -71,3 +71,8 @@ def test_a_decode_with_open_sums_makes_the_same_tokens():
     assert graphed.tolist() == closed.tolist() == compiled.tolist()
     splits = [gk.config_for(site.packed, 1).split for _, site in open_sums_sites(model)]
     assert max(splits) > 1  # the split-K path itself was exercised
+    token, position = prompt[:, :1].cuda(), torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    for forward in (model, torch.compile(model)):  # the open path is the one taken, eager and compiled
+        with open_sums_enabled(model) as sums, torch.inference_mode():
+            forward(input_ids=token, position_ids=position)
+            assert all(float(b.abs().sum()) > 0 for b in sums.buffers)

@@ -95,9 +95,11 @@ def open_sums_enabled(model: torch.nn.Module, enabled: bool = True) -> Iterator[
         return
     sites = open_sums_sites(model)
     for module, site in sites:
-        module.open_sums = site
+        # in the instance's __dict__, past nn.Module's registration: a registered submodule would not shadow the
+        # class attribute (None) that the forward reads
+        module.__dict__["open_sums"] = site
     try:
         yield StepSums([site.sums for _, site in sites])
     finally:
         for module, _ in sites:
-            del module.open_sums  # the class attribute (None) again
+            del module.__dict__["open_sums"]  # the class attribute (None) again
