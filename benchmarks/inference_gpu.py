@@ -190,8 +190,9 @@ def bench_kernels(shape_name: str, args, device, dtype, names, with_aqlm: bool) 
             + f"; {len(candidates)} candidates ({cuda_count} CUDA)")
         timing = "graph" if device.type == "cuda" else "launch"
         row["timing"] = timing
+        # timed as the decode runs them: the split-K candidates with open sums (greedy_decode's default on CUDA)
         tuned = gk.tune(packed, 1, configs=candidates, check=True, rtol=args.rtol, log=log if args.verbose else None,
-                        timing=timing)
+                        timing=timing, open_sums=not args.closed_sums_tuning)
         row["candidates"] = [{"config": c.label(), "us": None if s is None else s * 1e6, "note": note}
                              for c, s, note in tuned]
         timed = [(c, s) for c, s, _ in tuned if s is not None]
@@ -701,6 +702,8 @@ def main() -> None:
     parser.add_argument("--closed-sums-too", default="",
                         help="comma-separated shapes whose 2-bit model also decodes with the GEMVs finishing their "
                              "own sums (open_sums=False)")
+    parser.add_argument("--closed-sums-tuning", action="store_true",
+                        help="time the split-K candidates with their finishing pass (as before open sums)")
     parser.add_argument("--aqlm", action="store_true", help="also decode through aqlm's kernel (builds at first use)")
     parser.add_argument("--step-tune", type=int, default=0, metavar="N",
                         help="after the tuned decode, try each shape's N fastest candidates in the whole decode")

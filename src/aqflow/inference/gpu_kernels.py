@@ -566,14 +566,24 @@ def graph_replay_seconds(launch_all: Callable[[], None], launches: int, device: 
     return start.elapsed_time(end) / 1e3 / (replays * launches)
 
 
-def graph_seconds(x: torch.Tensor, packs: Sequence[PackedWeights], config: KernelConfig, replays: int = 10) -> float:
+def graph_seconds(x: torch.Tensor, packs: Sequence[PackedWeights], config: KernelConfig, replays: int = 10,
+                  open_sums: bool = False) -> float:
     """Seconds per launch of a CUDA graph of one launch per weight set, back to back: the way a decode
-    step replays them (no host launch, no L2 flush between launches, the next weights not in L2)."""
-    outs = [torch.empty(x.shape[0], p.rows, dtype=x.dtype, device=x.device) for p in packs]
+    step replays them (no host launch, no L2 flush between launches, the next weights not in L2).
+    open_sums: the split-K kernel (cuda_lut32/16) launched as a decode step with open sums runs it, without
+    its finishing pass (the sums, never zeroed here, only grow: the time does not depend on them)."""
+    from aqflow.inference.open_sums import SPLIT_K_VARIANTS
+
+    open_launch = open_sums and config.variant in SPLIT_K_VARIANTS
+    outs = [torch.zeros(x.shape[0], p.rows, dtype=torch.float32, device=x.device) if open_launch
+            else torch.empty(x.shape[0], p.rows, dtype=x.dtype, device=x.device) for p in packs]
 
     def launch_all() -> None:
         for p, out in zip(packs, outs):
-            _launch(x, p, config, out)
+            if open_launch:
+                cuda_kernels.launch_open(x, p, config, out)
+            else:
+                _launch(x, p, config, out)
 
     return graph_replay_seconds(launch_all, len(packs), x.device, replays)
 
@@ -587,13 +597,15 @@ def graph_copies(weight_bytes: int, device: torch.device) -> int:
 
 def tune(packed: PackedWeights, tokens: int = 1, *, configs: Sequence[KernelConfig] | None = None,
          check: bool = True, rtol: float = 2e-2, log=None,
-         deadline: float | None = None, timing: str = "launch") -> list[tuple[KernelConfig, float | None, str]]:
+         deadline: float | None = None, timing: str = "launch",
+         open_sums: bool = False) -> list[tuple[KernelConfig, float | None, str]]:
     """Times each candidate configuration on random inputs (after checking it against the dense
     reference, when check) and records the fastest for this shape. Returns (config, seconds or None,
     note) for every candidate; a candidate that fails or is wrong is skipped, not fatal; past deadline
     (a time.perf_counter() value) the remaining candidates are skipped. timing: 'launch' (do_bench of
     one launch, L2 flushed) or 'graph' (graph_seconds over enough code copies to pass the L2: what a
-    decode step sees; CUDA only)."""
+    decode step sees; CUDA only); with open_sums (graph timing) the split-K candidates are timed as a decode
+    step with open sums runs them (`graph_seconds`)."""
     if timing not in ("launch", "graph"):
         raise ValueError(f"timing must be 'launch' or 'graph', got {timing!r}")
     device = packed.codes.device
@@ -621,7 +633,8 @@ def tune(packed: PackedWeights, tokens: int = 1, *, configs: Sequence[KernelConf
                 if not error <= rtol:
                     results.append((config, None, f"rel. error {error:.2e} > {rtol}"))
                     continue
-            seconds = time_config(x, packed, config) if packs is None else graph_seconds(x, packs, config)
+            seconds = (time_config(x, packed, config) if packs is None
+                       else graph_seconds(x, packs, config, open_sums=open_sums))
             results.append((config, seconds, ""))
         except Exception as failure:  # noqa: BLE001 - one bad candidate must not stop tuning
             results.append((config, None, f"{type(failure).__name__}: {str(failure)[:200]}"))
