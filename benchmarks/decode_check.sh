@@ -15,7 +15,7 @@ PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
 lscpu | grep -E "Model name|^CPU\(s\)|Thread"
 TRITON_INTERPRET=0 timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/inference/test_cuda_kernels.py \
-  tests/inference/test_dependent_launch.py tests/inference/test_open_sums.py > "$out/tests.log" 2>&1
+  tests/inference/test_dependent_launch.py tests/inference/test_open_sums.py tests/inference/test_cuda_layers.py > "$out/tests.log" 2>&1
 echo "tests: $(tail -1 "$out/tests.log")"
 timeout $((budget + 60)) "$PY" benchmarks/inference_gpu.py --budget-seconds "$budget" --out "$out" > "$out/inference_gpu.log" 2>&1
 grep -E "decode compile\+graph|speed-up|logits vs" "$out/inference_gpu.log"

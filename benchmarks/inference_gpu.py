@@ -308,22 +308,23 @@ def resident_bytes(model) -> int:
 
 def decode_run(model, args, device, *, graphs: bool, compile: bool = False, new_tokens: int | None = None,
                fast_attention: bool | None = None, dependent_launch: bool | None = None,
-               open_sums: bool | None = None) -> dict:
+               open_sums: bool | None = None, cuda_layers: bool | None = None) -> dict:
     """One greedy decode through aqflow.inference.decode (projections already fused); with graphs, the
     kernels of one graphed step are profiled (an untimed step). fast_attention: greedy_decode's (default:
     its one-token attention kernels on CUDA; False: transformers' SDPA). dependent_launch: greedy_decode's
     (default: programmatic dependent launch on Hopper and later). open_sums: greedy_decode's (default: the
-    2-bit GEMVs of a compiled step leave their sums open)."""
+    2-bit GEMVs of a compiled step leave their sums open). cuda_layers: greedy_decode's (default: the
+    rotary embedding and the cache write inside the attention kernels)."""
     generator = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens), generator=generator)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     tokens, timings = greedy_decode(model, prompt, new_tokens or args.new_tokens, graphs=graphs, compile=compile,
                                     fuse=False, profile=graphs, fast_attention=fast_attention,
-                                    dependent_launch=dependent_launch, open_sums=open_sums)
+                                    dependent_launch=dependent_launch, open_sums=open_sums, cuda_layers=cuda_layers)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     result = {"mode": timings.mode, "attention": timings.attention, "dependent_launch": timings.dependent_launch,
-              "open_sums": timings.open_sums,
+              "open_sums": timings.open_sums, "cuda_layers": timings.cuda_layers,
               "decode_tokens_per_second": timings.decode_tokens_per_second,
               "ms_per_token": 1e3 / timings.decode_tokens_per_second, "timed_steps": timings.timed_steps,
               "capture_seconds": timings.capture_seconds, "peak_bytes": peak, "first_tokens": tokens[:8].tolist()}
@@ -332,7 +333,8 @@ def decode_run(model, args, device, *, graphs: bool, compile: bool = False, new_
     if timings.step_kernels:
         result["profile"] = summarize_kernels(timings.step_kernels)
     log(f"  decode {result['mode']:14s} ({timings.attention}{', PDL' if timings.dependent_launch else ''}"
-        f"{f', open sums {timings.open_sums}' if timings.open_sums else ''}) "
+        f"{f', open sums {timings.open_sums}' if timings.open_sums else ''}"
+        f"{f', rope in attention {timings.cuda_layers}' if timings.cuda_layers else ''}) "
         f"{result['decode_tokens_per_second']:8.1f} tokens/s "
         f"({result['ms_per_token']:.2f} ms/token; setup {timings.capture_seconds:.1f} s)"
         + (f"; one step: {profile_line(result['profile'])}" if "profile" in result else ""))
@@ -391,8 +393,9 @@ def note_compile_seconds(run: dict) -> None:
 
 def compiled_runs(record: dict, model, args, device, shape_name: str, quantized: bool = False) -> None:
     """compile+graph decodes into record: the default, then through SDPA (--sdpa-too, 3B), without
-    programmatic dependent launch (--pdl-off-too) and with the GEMVs finishing their own sums
-    (--closed-sums-too) where asked."""
+    programmatic dependent launch (--pdl-off-too), with the attention modules' own forwards around the
+    attention kernels (--stock-layers-too) and with the GEMVs finishing their own sums (--closed-sums-too)
+    where asked."""
     note_compile_seconds(guarded(record, "compile+graph", decode_run, model, args, device, graphs=True,
                                  compile=True))
     if args.sdpa_too and shape_name == "3b":
@@ -401,6 +404,9 @@ def compiled_runs(record: dict, model, args, device, shape_name: str, quantized:
     if args.pdl_off_too and shape_name in args.pdl_off_too.split(","):
         guarded(record, "compile+graph, no PDL", decode_run, model, args, device, graphs=True, compile=True,
                 dependent_launch=False)
+    if args.stock_layers_too and shape_name in args.stock_layers_too.split(","):
+        guarded(record, "compile+graph, stock layers", decode_run, model, args, device, graphs=True, compile=True,
+                cuda_layers=False)
     if quantized and args.closed_sums_too and shape_name in args.closed_sums_too.split(","):
         guarded(record, "compile+graph, closed sums", decode_run, model, args, device, graphs=True, compile=True,
                 open_sums=False)
@@ -702,6 +708,9 @@ def main() -> None:
     parser.add_argument("--closed-sums-too", default="",
                         help="comma-separated shapes whose 2-bit model also decodes with the GEMVs finishing their "
                              "own sums (open_sums=False)")
+    parser.add_argument("--stock-layers-too", default="",
+                        help="comma-separated shapes whose models (bf16 and 2-bit) also decode with the attention "
+                             "modules' own rotary embedding and cache write (cuda_layers=False)")
     parser.add_argument("--closed-sums-tuning", action="store_true",
                         help="time the split-K candidates with their finishing pass (as before open sums)")
     parser.add_argument("--aqlm", action="store_true", help="also decode through aqlm's kernel (builds at first use)")

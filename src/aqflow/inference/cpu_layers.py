@@ -33,6 +33,7 @@ from numba.extending import overload
 
 from aqflow.inference.cpu_attention import FASTMATH, as_float32, as_numba, attend_head
 from aqflow.inference.cpu_kernels import _bits_of_float32, _float32_from_bits
+from aqflow.inference.static_cache import static_layer
 
 NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
 ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention"})
@@ -144,30 +145,12 @@ def norm_forward_for(module: torch.nn.Module, original):
     return forward
 
 
-def _static_layer(cache, layer_index: int, dtype: torch.dtype):
-    """The cache's layer `layer_index` if it is a filled static layer of `dtype` (keys/values [1, Hkv, L,
-    D] and a cumulative_length tensor), else None."""
-    layers = getattr(cache, "layers", None)
-    if layers is None or layer_index >= len(layers):
-        return None
-    layer = layers[layer_index]
-    if type(layer).__name__ != "StaticLayer" or not getattr(layer, "is_initialized", False) \
-            or not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
-        return None
-    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-    if keys is None or values is None or keys.dtype != dtype or values.dtype != dtype or keys.shape[0] != 1:
-        return None
-    if not (keys.is_contiguous() and values.is_contiguous()):
-        return None
-    return layer
-
-
 def attention_forward_for(module: torch.nn.Module, original):
     """A forward for a Llama-style attention module: for one token with a static cache, the projections
     as they are and one rope_cache_attend call between them; `original` for the rest."""
     def forward(hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, past_key_values=None,
                 **kwargs):
-        layer = _static_layer(past_key_values, module.layer_idx, hidden_states.dtype) \
+        layer = static_layer(past_key_values, module.layer_idx, hidden_states.dtype) \
             if _one_cpu_token(hidden_states) and position_embeddings is not None else None
         cos, sin = position_embeddings if layer is not None else (None, None)
         if layer is None or cos.dtype != hidden_states.dtype or cos.shape[-1] != module.head_dim \

@@ -52,6 +52,7 @@ class DecodeTimings:
     dependent_launch: bool = False  # kernels launched with programmatic dependent launch
     open_sums: int = 0  # 2-bit linears that computed the decode steps with open sums (open_sums)
     cpu_layers: int = 0  # modules whose one-token forward ran through cpu_layers' kernels (a CPU decode)
+    cuda_layers: int = 0  # attention modules that rotated and cached inside the attention kernels (cuda_layers)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -131,7 +132,7 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
                   stop_tokens: Collection[int] | None = None, warmup_steps: int = 2,
                   profile: bool = False, fast_attention: bool | None = None,
                   dependent_launch: bool | None = None,
-                  cpu_layers: bool | None = None,
+                  cpu_layers: bool | None = None, cuda_layers: bool | None = None,
                   open_sums: bool | None = None) -> tuple[torch.Tensor, DecodeTimings]:
     """Greedy decoding of new_tokens tokens after input_ids [1, P] with a static KV cache.
 
@@ -159,6 +160,10 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     layer's RMSNorm, and its rotary embedding + cache update + attention, as one numba call each
     (`aqflow.inference.cpu_layers`: ~20 small torch operations a layer fewer); False leaves those modules'
     own forwards. timings.cpu_layers counts the modules switched.
+    cuda_layers: with the one-token attention kernels (fast_attention), each Llama-style attention module
+    rotates its query and key and writes the static cache inside those kernels
+    (`aqflow.inference.cuda_layers`: four small kernels a layer fewer; default: on); False leaves the
+    modules' own forwards around the attention call. timings.cuda_layers counts the modules switched.
     open_sums: the CUDA 2-bit linears that run the split-K kernel compute a step's token with open sums
     (`aqflow.inference.open_sums`: scales, bias and cast in the compiled step, the sums zeroed after each
     step; default: where the step is compiled on CUDA). timings.open_sums counts them.
@@ -176,21 +181,25 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     open_sums = compile and device.type == "cuda" if open_sums is None else open_sums
     if fuse is None or fuse:
         fuse_projections(model)  # idempotent: fused members are no longer nn.Linear or quantized linears
-    with one_token_paths(model, fast_attention, compile, cpu_layers) as (implementation, switched), \
+    fast_here = device.type == "cuda" if fast_attention is None else fast_attention
+    with one_token_paths(model, fast_attention, compile, cpu_layers, cuda_layers) as (implementation, switched), \
             dependent_launch_enabled(dependent_launch), open_sums_enabled(model, open_sums) as sums:
         tokens, timings = _greedy_decode(model, input_ids, new_tokens, graphs=graphs, on_token=on_token,
                                          compile=compile, stop_tokens=stop_tokens, warmup_steps=warmup_steps,
                                          profile=profile, sums=sums)
     return tokens, replace(timings, attention=implementation or "model's own", dependent_launch=dependent_launch,
-                           cpu_layers=switched, open_sums=len(sums.buffers) if sums is not None else 0)
+                           cpu_layers=0 if fast_here else switched, cuda_layers=switched if fast_here else 0,
+                           open_sums=len(sums.buffers) if sums is not None else 0)
 
 
 @contextlib.contextmanager
 def one_token_paths(model: torch.nn.Module, fast_attention: bool | None = None, compile: bool | None = None,
-                    cpu_layers: bool | None = None) -> Iterator[tuple[str | None, int]]:
-    """The one-token attention (and on a CPU the one-token layers) that decoding `model` runs inside, as
-    greedy_decode's fast_attention, compile and cpu_layers choose them; yields (the attention
-    implementation switched to, or None; how many modules cpu_layers switched). Restored after."""
+                    cpu_layers: bool | None = None,
+                    cuda_layers: bool | None = None) -> Iterator[tuple[str | None, int]]:
+    """The one-token attention (and its layers: cuda_layers with the attention kernels, cpu_layers on a CPU)
+    that decoding `model` runs inside, as greedy_decode's fast_attention, compile, cpu_layers and
+    cuda_layers choose them; yields (the attention implementation switched to, or None; how many modules
+    cpu_layers or cuda_layers switched). Restored after."""
     device = model_device(model)
     kernels_run_here = device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
     if fast_attention and not kernels_run_here:
@@ -201,6 +210,13 @@ def one_token_paths(model: torch.nn.Module, fast_attention: bool | None = None, 
         from aqflow.inference.decode_attention import decode_attention_enabled  # Triton: imported where used
 
         switch = decode_attention_enabled(model)
+        if cuda_layers is None or cuda_layers:
+            from aqflow.inference.cuda_layers import cuda_layers_enabled
+
+            layers = cuda_layers_enabled(model)
+    elif cuda_layers:
+        raise ValueError("cuda_layers=True: the attention layers with the rotary embedding inside run with the "
+                         f"one-token attention kernels (the model is on {device}, fast_attention={fast_attention})")
     elif device.type == "cpu" and fast_attention is None and not compile:  # torch.compile cannot trace numba
         from aqflow.inference.cpu_attention import cpu_attention_enabled
 

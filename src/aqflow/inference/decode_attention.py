@@ -40,10 +40,23 @@ BLOCK_L = 32  # cache positions per program: more programs, each one short round
 
 
 @triton.jit
+def _rotated(x_ptr, rows, row_ok, stride, cos, sin, D: tl.constexpr):
+    """Rows `rows` of x [*, D] (stride apart) after the rotary embedding, x * cos + rotate_half(x) * sin,
+    in fp32: [len(rows), D]."""
+    d = tl.arange(0, D)
+    partner = (d + D // 2) % D  # rotate_half: (-x[D/2:], x[:D/2])
+    sign = tl.where(d < D // 2, -1.0, 1.0)
+    x = tl.load(x_ptr + rows[:, None] * stride + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    other = tl.load(x_ptr + rows[:, None] * stride + partner[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    return x * cos[None, :] + sign[None, :] * other * sin[None, :]
+
+
+@triton.jit
 def _attention_split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, max_ptr, sum_ptr, part_ptr,
                   length, splits, scale, stride_qh, stride_kh, stride_kl, stride_vh, stride_vl,
+                  new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, position_ptr,
                   GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                  HAS_VALID: tl.constexpr, PDL: tl.constexpr):
+                  HAS_VALID: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     g = tl.arange(0, GROUP_P)
@@ -54,18 +67,36 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, max_ptr, sum_ptr, pa
     heads = kv_head * GROUP + g
     if PDL:  # everything below reads what the kernels before wrote (the query, the cache)
         tl.extra.cuda.gdc_wait()
-    q = tl.load(q_ptr + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
     k = tl.load(k_ptr + kv_head * stride_kh + pos[:, None] * stride_kl + d[None, :], mask=in_range[:, None],
                 other=0.0)
     # requested before the scores need k: both loads in flight at once (a program is one round trip)
     v = tl.load(v_ptr + kv_head * stride_vh + pos[:, None] * stride_vl + d[None, :], mask=in_range[:, None],
                 other=0.0)
+    if ROPE:  # q, k as projected: rotated here; the new key and value go into the cache at `position`
+        position = tl.load(position_ptr)
+        cos = tl.load(cos_ptr + d).to(tl.float32)
+        sin = tl.load(sin_ptr + d).to(tl.float32)
+        # the query stays in fp32; the key is rounded as the cache holds it (once, as torch.compile rounds it)
+        q = _rotated(q_ptr, heads, head_ok, stride_qh, cos, sin, D)
+        one = tl.arange(0, 1)
+        new_k = _rotated(new_k_ptr, kv_head + one, one == 0, D, cos, sin, D).to(k_ptr.dtype.element_ty)  # [1, D]
+        new_v = tl.load(new_v_ptr + kv_head * D + d)[None, :]
+        here = (pos == position)[:, None]
+        k = tl.where(here, new_k, k)  # the cache row may still hold the last step's: use the new one
+        v = tl.where(here, new_v, v)
+        if position // BLOCK == split:  # the program whose positions hold it writes it
+            tl.store(k_ptr + kv_head * stride_kh + position * stride_kl + d[None, :], new_k)
+            tl.store(v_ptr + kv_head * stride_vh + position * stride_vl + d[None, :], new_v)
+    else:
+        q = tl.load(q_ptr + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
     # fp32 operands: tf32 products of bf16/fp16 values are exact on tensor cores (and Triton's interpreter,
     # which the CPU tests use, mis-multiplies bf16 operands)
     scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale  # [GROUP_P, BLOCK]
     valid = in_range
     if HAS_VALID:
         valid = valid & (tl.load(valid_ptr + pos, mask=in_range, other=0) != 0)
+    elif ROPE:
+        valid = valid & (pos <= position)
     scores = tl.where(valid[None, :], scores, float("-inf"))
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -81,14 +112,17 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, max_ptr, sum_ptr, pa
 
 
 @triton.jit
-def _attention_combine_kernel(max_ptr, sum_ptr, part_ptr, out_ptr, splits, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                              PDL: tl.constexpr):
+def _attention_combine_kernel(max_ptr, sum_ptr, part_ptr, out_ptr, splits, position_ptr, D: tl.constexpr,
+                              BLOCK_S: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr):
     head = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
     ok = s < splits
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if ADVANCE:  # the cache's length moves on once every split has read it (they ran before this kernel)
+        if head == 0:
+            tl.store(position_ptr, tl.load(position_ptr) + 1)
     tops = tl.load(max_ptr + head * splits + s, mask=ok, other=float("-inf"))
     top = tl.max(tops, axis=0)
     weight = tl.where(tops == float("-inf"), 0.0, tl.exp(tops - top))
@@ -112,13 +146,10 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: t
         raise ValueError(f"decode_attention: valid must be bool [{length}], got {valid.dtype} {tuple(valid.shape)}")
 
 
-@torch.library.custom_op("aqflow::decode_attention", mutates_args=())
-def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None,
-                     scale: float) -> torch.Tensor:
-    """query [H, D] (one token), key/value [Hkv, L, D] (unit stride along D), valid [L] bool or None
-    (every position) -> [H, D] in query's dtype: softmax(scale q k^T over valid positions) v per head,
-    query head h reading key/value head h // (H / Hkv)."""
-    _check(query, key, value, valid)
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None, scale: float,
+            rope: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+    """The two kernels: query [H, D], key/value [Hkv, L, D] -> [H, D]. rope: (new key [Hkv, D], new value
+    [Hkv, D], cos [D], sin [D], position (one int64)) or None."""
     heads, dim = query.shape
     kv_heads, length, _ = key.shape
     group = heads // kv_heads
@@ -129,18 +160,58 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     query = query if query.stride(1) == 1 else query.contiguous()
     pdl = dependent_launch.active() and query.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
     launch = {"launch_pdl": True} if pdl else {}  # Triton's interpreter takes no such option
+    new_key, new_value, cos, sin, position = rope if rope is not None else (stats,) * 5
     _attention_split_kernel[(kv_heads, splits)](
         query, key, value, valid if valid is not None else stats, stats[0], stats[1], parts,
         length, splits, scale, query.stride(0), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        new_key, new_value, cos, sin, position,
         GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=dim, BLOCK=BLOCK_L,
-        HAS_VALID=valid is not None, PDL=pdl, num_warps=4, **launch)
-    _attention_combine_kernel[(heads,)](stats[0], stats[1], parts, out, splits, D=dim,
-                              BLOCK_S=max(2, triton.next_power_of_2(splits)), PDL=pdl, num_warps=4, **launch)
+        HAS_VALID=valid is not None, ROPE=rope is not None, PDL=pdl, num_warps=4, **launch)
+    _attention_combine_kernel[(heads,)](stats[0], stats[1], parts, out, splits, position, D=dim,
+                                        BLOCK_S=max(2, triton.next_power_of_2(splits)), ADVANCE=rope is not None,
+                                        PDL=pdl, num_warps=4, **launch)
     return out
+
+
+@torch.library.custom_op("aqflow::decode_attention", mutates_args=())
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None,
+                     scale: float) -> torch.Tensor:
+    """query [H, D] (one token), key/value [Hkv, L, D] (unit stride along D), valid [L] bool or None
+    (every position) -> [H, D] in query's dtype: softmax(scale q k^T over valid positions) v per head,
+    query head h reading key/value head h // (H / Hkv)."""
+    _check(query, key, value, valid)
+    return _attend(query, key, value, valid, scale, None)
 
 
 @decode_attention.register_fake
 def _(query, key, value, valid, scale):
+    return torch.empty_like(query)
+
+
+@torch.library.custom_op("aqflow::rope_cache_attention", mutates_args=("key_cache", "value_cache", "position"))
+def rope_cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, position: torch.Tensor,
+                         valid: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """One token's attention with its rotary embedding and cache write in the same two kernels: query [H, D],
+    key/value [Hkv, D] as projected, cos/sin [D] (the token's), key_cache/value_cache [1, Hkv, L, D] (a
+    static cache layer), position (0-d int64: the token's place in the cache, its length so far) -> [H, D]
+    = decode_attention(rope(query), cache with rope(key) and value written at position, valid, scale);
+    position + 1 after. valid [L] bool, or None: the positions up to `position`."""
+    kv_heads, dim = key.shape
+    keys, values = key_cache[0], value_cache[0]
+    _check(query, keys, values, valid)
+    if value.shape != key.shape or cos.shape != (dim,) or sin.shape != (dim,) or position.numel() != 1 \
+            or position.dtype != torch.int64 or keys.shape[0] != kv_heads:
+        raise ValueError(f"rope_cache_attention: key/value {tuple(key.shape)}/{tuple(value.shape)}, cos/sin "
+                         f"{tuple(cos.shape)}/{tuple(sin.shape)}, position {position.dtype} {tuple(position.shape)}, "
+                         f"cache {tuple(key_cache.shape)}: expected [Hkv, D] twice, [D] twice, one int64, "
+                         f"[1, Hkv, L, D]")
+    return _attend(query, keys, values, valid, scale,
+                   (key.contiguous(), value.contiguous(), cos.contiguous(), sin.contiguous(), position))
+
+
+@rope_cache_attention.register_fake
+def _(query, key, value, cos, sin, key_cache, value_cache, position, valid, scale):
     return torch.empty_like(query)
 
 

@@ -1,0 +1,88 @@
+"""The one-token attention of Llama-style layers on CUDA with the rotary embedding and the static cache's
+write done inside the attention's own two kernels.
+
+Why: in a compiled, graphed decode step each layer's attention module runs, around its projections, four
+small kernels before the two of `decode_attention`: the rotary embedding of the query, that of the key
+with its write into the static cache, the value's write, and the mask. On an H200 such a kernel costs
+~1-1.5 us in the step's chain, ~0.15 ms of a Llama-3.2-3B step of 1.45 ms (2-bit) or 2.55 ms (bf16).
+`decode_attention.rope_cache_attention` instead rotates the query and the new key in its split kernel,
+uses them, and has the program whose cache positions hold the new token write key and value; its combine
+kernel then moves the cache layer's length on.
+
+`cuda_layers_enabled(model)` replaces, for the block, the forward of every Llama, Mistral and Qwen2
+attention module without a sliding window: one token at batch 1 with a filled static cache goes the
+fused way (the projections stay the model's modules, dense or 2-bit, fused or not); anything else (a
+prompt, another cache, a mask that is not bool) goes through the module's own forward. Outputs equal the
+modules' own but for rounding: the rotary embedding is computed in float32 and rounded once, as
+torch.compile computes it (transformers' eager code rounds after each operation)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+
+from aqflow.inference.static_cache import static_layer
+
+ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention"})
+
+
+def _one_token(hidden: torch.Tensor) -> bool:
+    """hidden [1, 1, N] where the Triton kernels run (CUDA, or Triton's interpreter in tests)."""
+    kernels_run_here = hidden.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return kernels_run_here and hidden.dim() == 3 and hidden.shape[0] == 1 and hidden.shape[1] == 1
+
+
+def attention_forward_for(module: torch.nn.Module, original):
+    """A forward for a Llama-style attention module: for one token with a static cache, the projections as
+    they are and one rope_cache_attention call between them; `original` for the rest."""
+    from aqflow.inference.decode_attention import rope_cache_attention  # Triton: imported where used
+
+    def forward(hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, past_key_values=None,
+                **kwargs):
+        layer = static_layer(past_key_values, module.layer_idx, hidden_states.dtype) \
+            if _one_token(hidden_states) and position_embeddings is not None else None
+        if layer is None:
+            return original(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        cos, sin = position_embeddings
+        length = layer.keys.shape[2]
+        mask_ok = attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.numel() == length)
+        if not mask_ok or cos.numel() != module.head_dim or sin.numel() != module.head_dim \
+                or layer.cumulative_length.dtype != torch.int64 or layer.cumulative_length.numel() != 1:
+            return original(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        dim = module.head_dim
+        query = module.q_proj(hidden_states).reshape(-1, dim)
+        key = module.k_proj(hidden_states).reshape(-1, dim)
+        value = module.v_proj(hidden_states).reshape(-1, dim)
+        valid = None if attention_mask is None else attention_mask.reshape(-1)
+        out = rope_cache_attention(query, key, value, cos.reshape(-1), sin.reshape(-1), layer.keys, layer.values,
+                                   layer.cumulative_length, valid, float(module.scaling))
+        return module.o_proj(out.view(1, 1, -1)), None
+    return forward
+
+
+def _recognized(module: torch.nn.Module) -> bool:
+    return (type(module).__name__ in ATTENTIONS and getattr(module, "sliding_window", None) is None
+            and hasattr(module, "head_dim") and module.head_dim % 2 == 0)
+
+
+@contextlib.contextmanager
+def cuda_layers_enabled(model: torch.nn.Module) -> Iterator[int]:
+    """Within the block the model's attention modules that this file recognizes run their one-token forward
+    through rope_cache_attention; yields how many it switched. Restored after."""
+    switched = []
+    for module in model.modules():
+        if not _recognized(module):
+            continue
+        switched.append((module, module.__dict__.get("forward")))  # a forward set on the instance before ours
+        module.forward = attention_forward_for(module, module.forward)
+    try:
+        yield len(switched)
+    finally:
+        for module, previous in switched:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
