@@ -44,6 +44,19 @@ def tiny_llama(hidden: int = 32) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+def llama_with_kernel_linears(hidden: int, seed: int) -> tuple[LlamaForCausalLM, torch.Generator]:
+    """tiny_llama(hidden) in bf16 on CUDA with every decoder linear a random 2x8 KernelQuantizedLinear, and
+    the generator that drew the codes (for the prompt)."""
+    model = tiny_llama(hidden=hidden).to("cuda", torch.bfloat16)
+    generator = torch.Generator().manual_seed(seed)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear) and name.startswith("model.layers"):
+            w = random_2x8(module.out_features, module.in_features // 8, False, generator, "cuda", torch.bfloat16)
+            parent, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(parent), attribute, gk.KernelQuantizedLinear(w))
+    return model, generator
+
+
 def test_asking_for_it_on_a_cpu_is_an_error():
     model = tiny_llama()
     prompt = torch.randint(0, 97, (1, 4), generator=torch.Generator().manual_seed(1))
@@ -108,15 +121,7 @@ def test_chained_gemvs_read_what_the_kernel_before_wrote(variants):
 def test_graphed_decode_makes_the_same_tokens_with_it():
     """A tiny Llama with 2x8 kernel linears, decoded in a CUDA graph (GEMVs, one-token attention) with and
     without PDL: the same tokens."""
-    from aqflow.inference.gpu_kernels import KernelQuantizedLinear
-
-    model = tiny_llama(hidden=64).to("cuda", torch.bfloat16)
-    generator = torch.Generator().manual_seed(5)
-    for name, module in list(model.named_modules()):
-        if isinstance(module, torch.nn.Linear) and name.startswith("model.layers"):
-            w = random_2x8(module.out_features, module.in_features // 8, False, generator, "cuda", torch.bfloat16)
-            parent, _, attribute = name.rpartition(".")
-            setattr(model.get_submodule(parent), attribute, KernelQuantizedLinear(w))
+    model, generator = llama_with_kernel_linears(64, seed=5)
     prompt = torch.randint(0, 97, (1, 6), generator=generator)
     runs = {pdl: greedy_decode(model, prompt, 12, compile=False, dependent_launch=pdl) for pdl in (False, True)}
     assert runs[True][1].dependent_launch and not runs[False][1].dependent_launch

@@ -10,7 +10,7 @@ from aqflow.inference.decode import greedy_decode
 from aqflow.inference.open_sums import open_sums_enabled, open_sums_sites
 
 from tests.inference.test_cuda_kernels import assert_within_rounding, packed_reference, random_2x8
-from tests.inference.test_dependent_launch import tiny_llama
+from tests.inference.test_dependent_launch import llama_with_kernel_linears, tiny_llama
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -54,13 +54,7 @@ def test_a_decode_with_open_sums_makes_the_same_tokens():
     """A tiny Llama (512 wide: its linears split their groups between CTAs) with 2x8 kernel linears,
     decoded in a CUDA graph with and without open sums, and compiled with them: the same 12 tokens. A step
     that did not start from zeroed sums would add the last step's into its products."""
-    model = tiny_llama(hidden=512).to("cuda", torch.bfloat16)
-    generator = torch.Generator().manual_seed(8)
-    for name, module in list(model.named_modules()):
-        if isinstance(module, torch.nn.Linear) and name.startswith("model.layers"):
-            w = random_2x8(module.out_features, module.in_features // 8, False, generator, "cuda", torch.bfloat16)
-            parent, _, attribute = name.rpartition(".")
-            setattr(model.get_submodule(parent), attribute, gk.KernelQuantizedLinear(w))
+    model, generator = llama_with_kernel_linears(512, seed=8)
     prompt = torch.randint(0, 97, (1, 6), generator=generator)
     closed, closed_timings = greedy_decode(model, prompt, 12, compile=False, open_sums=False)
     graphed, graphed_timings = greedy_decode(model, prompt, 12, compile=False, open_sums=True)

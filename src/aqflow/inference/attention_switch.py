@@ -5,6 +5,10 @@ SDPA (the model's own and every distinct sub-config: the attention layers read t
 `implementation` instead, registered first with transformers as `forward` (an attention function of
 transformers' AttentionInterface signature) with SDPA's mask. Yields the implementation if it
 switched, None where no config was on SDPA; SDPA is restored after.
+
+`forwards_replaced(model, maker_for)`: within the block every module for which `maker_for(module)` gives a
+maker runs `maker(module, its forward)` as its forward (cpu_layers, cuda_layers); yields how many; the
+forwards come back after.
 """
 
 from __future__ import annotations
@@ -50,3 +54,26 @@ def attention_switched(model: torch.nn.Module, implementation: str, forward: Cal
     finally:
         for config in configs:
             config._attn_implementation = "sdpa"
+
+
+@contextlib.contextmanager
+def forwards_replaced(model: torch.nn.Module,
+                      maker_for: Callable[[torch.nn.Module], Callable | None]) -> Iterator[int]:
+    """Within the block each module of `model` for which maker_for(module) returns a maker (not None) has
+    the forward maker(module, its forward); yields how many modules; each gets its own forward back after
+    (one set on the instance before stays)."""
+    switched = []
+    for module in model.modules():
+        make = maker_for(module)
+        if make is None:
+            continue
+        switched.append((module, module.__dict__.get("forward")))  # a forward set on the instance before ours
+        module.forward = make(module, module.forward)
+    try:
+        yield len(switched)
+    finally:
+        for module, previous in switched:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -33,6 +32,7 @@ from numba.extending import overload
 
 from aqflow.inference.cpu_attention import FASTMATH, as_float32, as_numba, attend_head
 from aqflow.inference.cpu_kernels import _bits_of_float32, _float32_from_bits
+from aqflow.inference.attention_switch import forwards_replaced
 from aqflow.inference.static_cache import static_layer
 
 NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
@@ -190,22 +190,7 @@ def _recognized(module: torch.nn.Module):
     return None
 
 
-@contextlib.contextmanager
-def cpu_layers_enabled(model: torch.nn.Module) -> Iterator[int]:
+def cpu_layers_enabled(model: torch.nn.Module) -> contextlib.AbstractContextManager[int]:
     """Within the block the model's RMSNorm and attention modules that this file recognizes run
     their one-token forward through its kernels; yields how many modules it switched. Restored after."""
-    switched = []
-    for module in model.modules():
-        make = _recognized(module)
-        if make is None:
-            continue
-        switched.append((module, module.__dict__.get("forward")))  # a forward set on the instance before ours
-        module.forward = make(module, module.forward)
-    try:
-        yield len(switched)
-    finally:
-        for module, previous in switched:
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous
+    return forwards_replaced(model, _recognized)

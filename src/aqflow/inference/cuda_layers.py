@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
 
 import torch
 
+from aqflow.inference.attention_switch import forwards_replaced
 from aqflow.inference.static_cache import static_layer
 
 ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention"})
@@ -63,26 +63,15 @@ def attention_forward_for(module: torch.nn.Module, original):
     return forward
 
 
-def _recognized(module: torch.nn.Module) -> bool:
-    return (type(module).__name__ in ATTENTIONS and getattr(module, "sliding_window", None) is None
-            and hasattr(module, "head_dim") and module.head_dim % 2 == 0)
+def _recognized(module: torch.nn.Module):
+    """attention_forward_for for an attention module this file handles, else None."""
+    if (type(module).__name__ in ATTENTIONS and getattr(module, "sliding_window", None) is None
+            and hasattr(module, "head_dim") and module.head_dim % 2 == 0):
+        return attention_forward_for
+    return None
 
 
-@contextlib.contextmanager
-def cuda_layers_enabled(model: torch.nn.Module) -> Iterator[int]:
+def cuda_layers_enabled(model: torch.nn.Module) -> contextlib.AbstractContextManager[int]:
     """Within the block the model's attention modules that this file recognizes run their one-token forward
     through rope_cache_attention; yields how many it switched. Restored after."""
-    switched = []
-    for module in model.modules():
-        if not _recognized(module):
-            continue
-        switched.append((module, module.__dict__.get("forward")))  # a forward set on the instance before ours
-        module.forward = attention_forward_for(module, module.forward)
-    try:
-        yield len(switched)
-    finally:
-        for module, previous in switched:
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous
+    return forwards_replaced(model, _recognized)
