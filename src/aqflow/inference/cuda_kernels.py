@@ -42,6 +42,7 @@ SOURCES = ("lut_gemv_binding.cpp", "lut_gemv.cu", "lut_gemv_cluster.cu")
 EXTENSION_NAME = "aqflow_lut_gemv"
 VARIANT_ENTRY_BITS = {"cuda_lut32": 32, "cuda_lut16": 16, "cuda_cluster32": 32, "cuda_cluster16": 16}
 CLUSTER_VARIANTS = ("cuda_cluster32", "cuda_cluster16")
+SPLIT_K_VARIANTS = ("cuda_lut32", "cuda_lut16")  # the split-K kernel's: those that can leave their sums open
 CLUSTER_MAX_CHUNKS = {256: 4, 128: 8}  # rows per CTA -> most chunks a CTA holds codes of (lut_gemv_cluster.cu)
 CLUSTER_MAX_RANKS = 16
 ROWS_PER_BATCH = 256  # rows a CTA sweeps at a time (8 warps x 4 rows x 8 row slots); rows_per_cta is a multiple
@@ -268,8 +269,8 @@ def launch_open(x: torch.Tensor, packed: "PackedWeights", config: "KernelConfig"
     """x [T, in] contiguous, T <= 4: adds each row's unscaled sum of table entries into sums [T, rows] fp32
     (zero before: no scales, no bias, nothing else written), for a caller that finishes them (`open_sums`).
     The split-K kernel (cuda_lut32 / cuda_lut16) without its finishing pass."""
-    if config.variant in CLUSTER_VARIANTS:
-        raise ValueError(f"{config.label()}: open sums are the split-K kernel's (cuda_lut32, cuda_lut16)")
+    if config.variant not in SPLIT_K_VARIANTS:
+        raise ValueError(f"{config.label()}: open sums are the split-K kernel's ({', '.join(SPLIT_K_VARIANTS)})")
     x = _checked(x, packed, config)
     module = load_extension()
     stream = torch.cuda.current_stream(x.device).cuda_stream

@@ -572,9 +572,7 @@ def graph_seconds(x: torch.Tensor, packs: Sequence[PackedWeights], config: Kerne
     step replays them (no host launch, no L2 flush between launches, the next weights not in L2).
     open_sums: the split-K kernel (cuda_lut32/16) launched as a decode step with open sums runs it, without
     its finishing pass (the sums, never zeroed here, only grow: the time does not depend on them)."""
-    from aqflow.inference.open_sums import SPLIT_K_VARIANTS
-
-    open_launch = open_sums and config.variant in SPLIT_K_VARIANTS
+    open_launch = open_sums and config.variant in cuda_kernels.SPLIT_K_VARIANTS
     outs = [torch.zeros(x.shape[0], p.rows, dtype=torch.float32, device=x.device) if open_launch
             else torch.empty(x.shape[0], p.rows, dtype=x.dtype, device=x.device) for p in packs]
 

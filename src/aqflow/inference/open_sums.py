@@ -25,8 +25,6 @@ from typing import Iterator
 
 import torch
 
-SPLIT_K_VARIANTS = ("cuda_lut32", "cuda_lut16")  # the kernels that can leave their sums open
-
 
 class OpenSumsSite(torch.nn.Module):
     """One linear's open-sums product: its packed weights, its kernel configuration (one token) and its
@@ -71,7 +69,7 @@ def site_for(module: torch.nn.Module) -> OpenSumsSite | None:
     if not (packed.codes.is_cuda and cuda_kernels.applies(packed, 1)):
         return None
     config = gpu_kernels.config_for(packed, 1)
-    if config.variant not in SPLIT_K_VARIANTS:
+    if config.variant not in cuda_kernels.SPLIT_K_VARIANTS:
         return None
     return OpenSumsSite(packed, config.as_list())
 
