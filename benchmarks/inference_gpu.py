@@ -42,6 +42,7 @@ import torch
 
 from aqflow.inference import cuda_kernels
 from aqflow.inference import gpu_kernels as gk
+from aqflow.inference.attention_switch import forwards_replaced
 from aqflow.inference.decode import fuse_projections, greedy_decode
 from aqflow.inference.layout import QuantizedWeights
 
@@ -391,11 +392,19 @@ def note_compile_seconds(run: dict) -> None:
         COMPILE_SECONDS["estimate"] = max(COMPILE_SECONDS["estimate"] * 0.5, run["capture_seconds"] * 1.15)
 
 
+def _norm_to_identity(module: torch.nn.Module):
+    """For --floor-norms-too: an RMSNorm's forward made the identity (wrong tokens; what the step costs
+    without the norms' kernels, an upper bound on folding them into the GEMVs)."""
+    if not type(module).__name__.endswith("RMSNorm"):
+        return None
+    return lambda norm, original: (lambda hidden_states: hidden_states)
+
+
 def compiled_runs(record: dict, model, args, device, shape_name: str, quantized: bool = False) -> None:
     """compile+graph decodes into record: the default, then through SDPA (--sdpa-too, 3B), without
     programmatic dependent launch (--pdl-off-too), with the attention modules' own forwards around the
-    attention kernels (--stock-layers-too) and with the GEMVs finishing their own sums (--closed-sums-too)
-    where asked."""
+    attention kernels (--stock-layers-too), with every RMSNorm the identity (--floor-norms-too: a floor,
+    wrong tokens) and with the GEMVs finishing their own sums (--closed-sums-too) where asked."""
     note_compile_seconds(guarded(record, "compile+graph", decode_run, model, args, device, graphs=True,
                                  compile=True))
     if args.sdpa_too and shape_name == "3b":
@@ -407,6 +416,10 @@ def compiled_runs(record: dict, model, args, device, shape_name: str, quantized:
     if args.stock_layers_too and shape_name in args.stock_layers_too.split(","):
         guarded(record, "compile+graph, stock layers", decode_run, model, args, device, graphs=True, compile=True,
                 cuda_layers=False)
+    if args.floor_norms_too and shape_name in args.floor_norms_too.split(","):
+        with forwards_replaced(model, _norm_to_identity):
+            guarded(record, f"{FLOOR_PREFIX}: compile+graph, RMSNorms as identity", decode_run, model, args, device,
+                    graphs=True, compile=True)
     if quantized and args.closed_sums_too and shape_name in args.closed_sums_too.split(","):
         guarded(record, "compile+graph, closed sums", decode_run, model, args, device, graphs=True, compile=True,
                 open_sums=False)
@@ -513,9 +526,12 @@ def bench_model(shape_name: str, args, device, dtype, kernels: dict, build_threa
     return record
 
 
+FLOOR_PREFIX = "floor"  # runs that decode wrong tokens by design (--floor-norms-too): timed, never the best
+
+
 def best_rate(record: dict) -> float | None:
-    rates = [run["decode_tokens_per_second"] for run in record.values()
-             if isinstance(run, dict) and "decode_tokens_per_second" in run]
+    rates = [run["decode_tokens_per_second"] for key, run in record.items()
+             if isinstance(run, dict) and "decode_tokens_per_second" in run and not key.startswith(FLOOR_PREFIX)]
     return max(rates) if rates else None
 
 
@@ -711,6 +727,9 @@ def main() -> None:
     parser.add_argument("--stock-layers-too", default="",
                         help="comma-separated shapes whose models (bf16 and 2-bit) also decode with the attention "
                              "modules' own rotary embedding and cache write (cuda_layers=False)")
+    parser.add_argument("--floor-norms-too", default="",
+                        help="comma-separated shapes whose models also decode with every RMSNorm the identity "
+                             "(wrong tokens: the step without the norms' kernels, never counted as a result)")
     parser.add_argument("--closed-sums-tuning", action="store_true",
                         help="time the split-K candidates with their finishing pass (as before open sums)")
     parser.add_argument("--aqlm", action="store_true", help="also decode through aqlm's kernel (builds at first use)")
