@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The rotary embedding and the cache write inside the attention kernels (cuda_layers, issue 27), on one GPU
-# machine: the GPU tests of the decode kernels (CUDA GEMVs, PDL, open sums, the fused attention), stopping
-# if any fails; then the GPU decode benchmark at the 3B and 8B shapes, both models decoded with the fused
-# layers (the default) and again with the modules' own (--stock-layers-too), so the two compare on one
-# machine. Run from the repository root, detached if the call may not hold it:
+# The GPU decode figures of a change on one GPU machine (issue 27), in one device call: the GPU tests of
+# the decode kernels (CUDA GEMVs, PDL, open sums, the fused attention), stopping if any fails; then the
+# GPU decode benchmark at the 3B and 8B shapes with ARGS. The default ARGS, --stock-layers-too 3b,8b,
+# decode both models with the rotary embedding and cache write inside the attention kernels (the default)
+# and again with the modules' own layers, so the two compare on one machine (cuda_layers_h200/);
+# benchmarks/open_sums_check.sh runs it with --closed-sums-too. Run from the repository root, detached if
+# the call may not hold it:
 #   bash benchmarks/cuda_layers_check.sh OUT_DIR [GPU_BUDGET_SECONDS]
 # Writes OUT_DIR/{tests.log, inference_gpu.json, inference_gpu.log, done}.
 set -uo pipefail
@@ -20,7 +22,7 @@ echo "tests: $(tail -1 "$out/tests.log")"
 if ! grep -qE "[0-9]+ passed" "$out/tests.log" || grep -qE "[0-9]+ (failed|error)" "$out/tests.log"; then
   grep -E "^(FAILED|ERROR)" "$out/tests.log" | head; touch "$out/done"; exit 1
 fi
-timeout $((budget + 60)) "$PY" benchmarks/inference_gpu.py --models "${MODELS:-3b,8b}" --stock-layers-too 3b,8b \
+timeout $((budget + 60)) "$PY" benchmarks/inference_gpu.py --models "${MODELS:-3b,8b}" ${ARGS:---stock-layers-too 3b,8b} \
   --budget-seconds "$budget" --out "$out" > "$out/inference_gpu.log" 2>&1
 grep -E "decode compile\+graph|speed-up|logits vs" "$out/inference_gpu.log"
 touch "$out/done"

@@ -90,6 +90,20 @@ def packed_reference(ws: list[QuantizedWeights], x: torch.Tensor) -> tuple[torch
     return torch.cat(outputs, dim=-1), torch.cat(magnitudes, dim=-1)
 
 
+def qkv_like_case(seed: int, tokens: int):
+    """The kernels' test case on the GPU, built: three q/k/v-like matrices over 40 groups (700, 256 and 300
+    rows, biases on the first and last: a ragged last chunk and partial row blocks), packed, with the CUDA
+    extension loaded; x [tokens, 320] bf16. Returns (ws, packed, x, expected, magnitude) (packed_reference)."""
+    generator = torch.Generator().manual_seed(seed)
+    ws = [random_2x8(rows, 40, bias, generator, "cuda", torch.bfloat16)
+          for rows, bias in ((700, True), (256, False), (300, True))]
+    packed = gk.pack_weights(ws)
+    cuda_kernels.load_extension()
+    x = torch.randn(tokens, 320, generator=generator).to("cuda", torch.bfloat16)
+    expected, magnitude = packed_reference(ws, x)
+    return ws, packed, x, expected, magnitude
+
+
 def assert_within_rounding(out: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor, entry_bits: int,
                            config) -> None:
     """Each element within two bf16 steps of the float64 reference (fp32 tables), plus 2^-11 of the
@@ -109,13 +123,7 @@ def assert_within_rounding(out: torch.Tensor, expected: torch.Tensor, magnitude:
 def test_cuda_kernel_equals_dense_reference(variant, tokens):
     """q/k/v-like matrices packed into one launch, biases on two, a ragged last chunk (40 groups) and a
     partial row block; poisoned output; two launches in a row (the split-K state is left at zero)."""
-    generator = torch.Generator().manual_seed(2)
-    ws = [random_2x8(rows, 40, bias, generator, "cuda", torch.bfloat16)
-          for rows, bias in ((700, True), (256, False), (300, True))]
-    packed = gk.pack_weights(ws)
-    cuda_kernels.load_extension()
-    x = torch.randn(tokens, 320, generator=generator).to("cuda", torch.bfloat16)
-    expected, magnitude = packed_reference(ws, x)
+    ws, packed, x, expected, magnitude = qkv_like_case(seed=2, tokens=tokens)
     entry_bits = cuda_kernels.VARIANT_ENTRY_BITS[variant]
     tested = 0
     for chunks in (1, 2):
@@ -139,13 +147,7 @@ def test_cluster_kernel_equals_dense_reference(variant):
     """The cluster kernel on q/k/v-like packed matrices (biases on two, partial row blocks) over 40 groups:
     clusters of 3 (a ragged last chunk), 2 and 1 CTAs, 256 and 128 rows per CTA; poisoned output,
     two launches in a row."""
-    generator = torch.Generator().manual_seed(3)
-    ws = [random_2x8(rows, 40, bias, generator, "cuda", torch.bfloat16)
-          for rows, bias in ((700, True), (256, False), (300, True))]
-    packed = gk.pack_weights(ws)
-    cuda_kernels.load_extension()
-    x = torch.randn(1, 320, generator=generator).to("cuda", torch.bfloat16)
-    expected, magnitude = packed_reference(ws, x)
+    ws, packed, x, expected, magnitude = qkv_like_case(seed=3, tokens=1)
     configs = [gk.KernelConfig(variant, rows, 16 * chunks, -(-40 // (16 * chunks)), 8)
                for rows, chunks in ((256, 1), (256, 3), (128, 2), (128, 1))]
     assert sorted({c.split for c in configs}) == [1, 2, 3]

@@ -9,7 +9,7 @@ from aqflow.inference import cuda_kernels, gpu_kernels as gk
 from aqflow.inference.decode import greedy_decode
 from aqflow.inference.open_sums import open_sums_enabled, open_sums_sites
 
-from tests.inference.test_cuda_kernels import assert_within_rounding, packed_reference, random_2x8
+from tests.inference.test_cuda_kernels import assert_within_rounding, qkv_like_case
 from tests.inference.test_dependent_launch import llama_with_kernel_linears, tiny_llama
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -29,13 +29,7 @@ def test_open_sums_finished_by_torch_equal_the_dense_reference(variant):
     """q/k/v-like matrices, biases on two, a ragged last chunk and a partial row block, one and several
     splits: the product from open sums is within rounding of the float64 reference, and the sums it leaves
     are the unscaled ones."""
-    generator = torch.Generator().manual_seed(6)
-    ws = [random_2x8(rows, 40, bias, generator, "cuda", torch.bfloat16)
-          for rows, bias in ((700, True), (256, False), (300, True))]
-    packed = gk.pack_weights(ws)
-    cuda_kernels.load_extension()
-    x = torch.randn(1, 320, generator=generator).to("cuda", torch.bfloat16)
-    expected, magnitude = packed_reference(ws, x)
+    ws, packed, x, expected, magnitude = qkv_like_case(seed=6, tokens=1)
     entry_bits = cuda_kernels.VARIANT_ENTRY_BITS[variant]
     for chunks in (1, 2, 3):  # 3, 2 and 1 splits of the 40 groups
         config = cuda_kernels.make_config(packed, variant, 256, chunks)

@@ -19,7 +19,6 @@ torch.compile computes it (transformers' eager code rounds after each operation)
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
@@ -29,21 +28,16 @@ from aqflow.inference.static_cache import static_layer
 ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention"})
 
 
-def _one_token(hidden: torch.Tensor) -> bool:
-    """hidden [1, 1, N] where the Triton kernels run (CUDA, or Triton's interpreter in tests)."""
-    kernels_run_here = hidden.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return kernels_run_here and hidden.dim() == 3 and hidden.shape[0] == 1 and hidden.shape[1] == 1
-
-
 def attention_forward_for(module: torch.nn.Module, original):
     """A forward for a Llama-style attention module: for one token with a static cache, the projections as
     they are and one rope_cache_attention call between them; `original` for the rest."""
-    from aqflow.inference.decode_attention import rope_cache_attention  # Triton: imported where used
+    from aqflow.inference.decode_attention import kernels_run_here, rope_cache_attention  # Triton: where used
 
     def forward(hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, past_key_values=None,
                 **kwargs):
+        one_token = hidden_states.dim() == 3 and hidden_states.shape[:2] == (1, 1) and kernels_run_here(hidden_states)
         layer = static_layer(past_key_values, module.layer_idx, hidden_states.dtype) \
-            if _one_token(hidden_states) and position_embeddings is not None else None
+            if one_token and position_embeddings is not None else None
         if layer is None:
             return original(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
         cos, sin = position_embeddings

@@ -181,7 +181,7 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     open_sums = compile and device.type == "cuda" if open_sums is None else open_sums
     if fuse is None or fuse:
         fuse_projections(model)  # idempotent: fused members are no longer nn.Linear or quantized linears
-    fast_here = device.type == "cuda" if fast_attention is None else fast_attention
+    fast_here = _attention_kernels_chosen(device, fast_attention)
     with one_token_paths(model, fast_attention, compile, cpu_layers, cuda_layers) as (implementation, switched), \
             dependent_launch_enabled(dependent_launch), open_sums_enabled(model, open_sums) as sums:
         tokens, timings = _greedy_decode(model, input_ids, new_tokens, graphs=graphs, on_token=on_token,
@@ -190,6 +190,11 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     return tokens, replace(timings, attention=implementation or "model's own", dependent_launch=dependent_launch,
                            cpu_layers=0 if fast_here else switched, cuda_layers=switched if fast_here else 0,
                            open_sums=len(sums.buffers) if sums is not None else 0)
+
+
+def _attention_kernels_chosen(device: torch.device, fast_attention: bool | None) -> bool:
+    """Whether decoding attends through the one-token Triton kernels (decode_attention, with cuda_layers)."""
+    return device.type == "cuda" if fast_attention is None else fast_attention
 
 
 @contextlib.contextmanager
@@ -206,7 +211,7 @@ def one_token_paths(model: torch.nn.Module, fast_attention: bool | None = None, 
         raise ValueError(f"fast_attention=True: the one-token attention kernels run on CUDA (or under "
                          f"TRITON_INTERPRET=1), the model is on {device}")
     switch, layers = contextlib.nullcontext(None), contextlib.nullcontext(0)
-    if device.type == "cuda" if fast_attention is None else fast_attention:
+    if _attention_kernels_chosen(device, fast_attention):
         from aqflow.inference.decode_attention import decode_attention_enabled  # Triton: imported where used
 
         switch = decode_attention_enabled(model)
@@ -454,7 +459,7 @@ class FusedQuantizedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from aqflow.inference import gpu_kernels
 
-        if self.open_sums is not None and x.numel() == x.shape[-1]:
+        if self.open_sums is not None:
             return self.open_sums(x)
         return gpu_kernels.packed_matmul(x, self.packed)
 

@@ -227,14 +227,14 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return torch.einsum("hl,hld->hd", scores.softmax(dim=-1), v)
 
 
-def _kernels_run_here(tensor: torch.Tensor) -> bool:
+def kernels_run_here(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _decodable(query, key, attention_mask, dropout, kwargs) -> bool:
     """One query token, batch 1, where the kernels run, a bool [1, 1, 1, L] mask or none, and nothing the
     kernels do not do (dropout, soft-capping, sliding windows, sinks)."""
-    if query.shape[0] != 1 or query.shape[2] != 1 or dropout or not _kernels_run_here(query):
+    if query.shape[0] != 1 or query.shape[2] != 1 or dropout or not kernels_run_here(query):
         return False
     if any(kwargs.get(name) is not None for name in ("softcap", "sliding_window", "s_aux")):
         return False

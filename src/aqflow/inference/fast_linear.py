@@ -133,7 +133,7 @@ class FastQuantizedLinear(nn.Module):
                 out = cpu_kernels.lut_product(flat, operands)
             else:
                 out = cpu_kernels.dequantized_product(flat, operands)
-        elif flat.device.type == "cuda" and self.open_sums is not None and tokens == 1:
+        elif self.open_sums is not None:  # set on CUDA layers only (open_sums_enabled)
             return self.open_sums(x)
         elif flat.device.type == "cuda" and tokens <= GPU_MAX_TOKENS:
             from aqflow.inference.gpu_kernels import quantized_matmul  # Triton: imported where CUDA runs

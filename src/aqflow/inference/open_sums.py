@@ -27,21 +27,24 @@ import torch
 
 
 class OpenSumsSite(torch.nn.Module):
-    """One linear's open-sums product: its packed weights, its kernel configuration (one token) and its
-    sums buffer [1, rows] fp32, zero between steps."""
+    """One linear's product while open sums are on: its packed weights, its kernel configuration (one token)
+    and its sums buffer [1, rows] fp32, zero between steps. One token goes through open sums, more through
+    the linear's usual product (gpu_kernels.packed_matmul)."""
 
     def __init__(self, packed, config: list[int]):
         super().__init__()
         from aqflow.inference import gpu_kernels  # Triton: imported where CUDA runs
 
-        self._matmul = gpu_kernels.open_packed_matmul
+        self._kernels = gpu_kernels
         self.packed = packed
         self.config = list(config)
         self.register_buffer("sums", torch.zeros(1, packed.rows, dtype=torch.float32, device=packed.codes.device),
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.packed, self.config, self.sums)
+        if x.numel() != x.shape[-1]:
+            return self._kernels.packed_matmul(x, self.packed)
+        return self._kernels.open_packed_matmul(x, self.packed, self.config, self.sums)
 
 
 @dataclass
