@@ -55,7 +55,8 @@ def test_rope_cache_attention_equals_rotating_writing_and_attending():
     for at, mask in ((99, valid), (40, None), (5, None)):
         keys, values = cache_keys[None].clone(), cache_values[None].clone()
         position = torch.tensor(at, device=device)
-        out = rope_cache_attention(query, key, value, cos, sin, keys, values, position, mask, DIM ** -0.5)
+        qkv = torch.cat([query.reshape(-1), key.reshape(-1), value.reshape(-1)])
+        out = rope_cache_attention(qkv, cos, sin, keys, values, position, mask, DIM ** -0.5)
         expected_keys, expected_values = cache_keys.clone(), cache_values.clone()
         expected_keys[:, at], expected_values[:, at] = rotated(key, cos, sin), value
         others = torch.arange(LENGTH, device=device) != at

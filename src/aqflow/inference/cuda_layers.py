@@ -28,6 +28,20 @@ from aqflow.inference.static_cache import static_layer
 ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention"})
 
 
+def query_key_value(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The module's q, k and v projections of hidden [1, 1, N] as one tensor [Hq * D + 2 * Hkv * D]: the fused
+    product itself where the three are one (decode.fuse_projections), so it reaches the attention as one
+    buffer (torch.compile would otherwise write each part with a kernel of its own); else concatenated."""
+    members = (module.q_proj, module.k_proj, module.v_proj)
+    shared = [getattr(m, "shared_product", None) for m in members]
+    if all(s is not None for s in shared):
+        products = [s() for s in shared]
+        compute = products[0][0]
+        if all(p[0] is compute for p in products) and [p[1] for p in products] == [0, 1, 2] and products[0][2] == 3:
+            return compute(hidden).reshape(-1)
+    return torch.cat([m(hidden).reshape(-1) for m in members])
+
+
 def attention_forward_for(module: torch.nn.Module, original):
     """A forward for a Llama-style attention module: for one token with a static cache, the projections as
     they are and one rope_cache_attention call between them; `original` for the rest."""
@@ -46,12 +60,9 @@ def attention_forward_for(module: torch.nn.Module, original):
         if not mask_ok or cos.numel() != module.head_dim or sin.numel() != module.head_dim \
                 or layer.cumulative_length.dtype != torch.int64 or layer.cumulative_length.numel() != 1:
             return original(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
-        dim = module.head_dim
-        query = module.q_proj(hidden_states).reshape(-1, dim)
-        key = module.k_proj(hidden_states).reshape(-1, dim)
-        value = module.v_proj(hidden_states).reshape(-1, dim)
+        qkv = query_key_value(module, hidden_states)
         valid = None if attention_mask is None else attention_mask.reshape(-1)
-        out = rope_cache_attention(query, key, value, cos.reshape(-1), sin.reshape(-1), layer.keys, layer.values,
+        out = rope_cache_attention(qkv, cos.reshape(-1), sin.reshape(-1), layer.keys, layer.values,
                                    layer.cumulative_length, valid, float(module.scaling))
         return module.o_proj(out.view(1, 1, -1)), None
     return forward

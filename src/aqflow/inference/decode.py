@@ -417,6 +417,11 @@ class FusedProjectionMember(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._shared.part(x, self.index)
 
+    def shared_product(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], int, int]:
+        """(the fused product's module, this member's index in it, how many members it has): for a caller that
+        wants the whole product at once (cuda_layers: q, k and v as one tensor)."""
+        return self._shared.compute, self.index, len(self._shared.sizes)
+
 
 class FusedDenseLinear(torch.nn.Module):
     """Several nn.Linear (or CpuBf16Linear) of one input as one [sum(out), in] weight."""

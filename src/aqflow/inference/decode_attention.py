@@ -189,30 +189,35 @@ def _(query, key, value, valid, scale):
 
 
 @torch.library.custom_op("aqflow::rope_cache_attention", mutates_args=("key_cache", "value_cache", "position"))
-def rope_cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, position: torch.Tensor,
-                         valid: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """One token's attention with its rotary embedding and cache write in the same two kernels: query [H, D],
-    key/value [Hkv, D] as projected, cos/sin [D] (the token's), key_cache/value_cache [1, Hkv, L, D] (a
-    static cache layer), position (0-d int64: the token's place in the cache, its length so far) -> [H, D]
-    = decode_attention(rope(query), cache with rope(key) and value written at position, valid, scale);
-    position + 1 after. valid [L] bool, or None: the positions up to `position`."""
-    kv_heads, dim = key.shape
+def rope_cache_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
+                         value_cache: torch.Tensor, position: torch.Tensor, valid: torch.Tensor | None,
+                         scale: float) -> torch.Tensor:
+    """One token's attention with its rotary embedding and cache write in the same two kernels: qkv
+    [H * D + 2 * Hkv * D] the query, key and value as projected (one after another), cos/sin [D] (the
+    token's), key_cache/value_cache [1, Hkv, L, D] (a static cache layer), position (0-d int64: the token's
+    place in the cache, its length so far) -> [H, D] = decode_attention(rope(query), cache with rope(key)
+    and value written at position, valid, scale); position + 1 after. valid [L] bool, or None: the
+    positions up to `position`."""
+    _, kv_heads, _, dim = key_cache.shape
+    query_size = qkv.numel() - 2 * kv_heads * dim
+    if qkv.dim() != 1 or query_size <= 0 or query_size % dim or cos.shape != (dim,) or sin.shape != (dim,) \
+            or position.numel() != 1 or position.dtype != torch.int64 or value_cache.shape != key_cache.shape:
+        raise ValueError(f"rope_cache_attention: qkv {tuple(qkv.shape)}, cos/sin {tuple(cos.shape)}/"
+                         f"{tuple(sin.shape)}, position {position.dtype} {tuple(position.shape)}, caches "
+                         f"{tuple(key_cache.shape)}/{tuple(value_cache.shape)}: expected [H * D + 2 * Hkv * D], [D] "
+                         f"twice, one int64, [1, Hkv, L, D] twice")
+    qkv = qkv.contiguous()
+    query = qkv[:query_size].view(-1, dim)
+    key, value = qkv[query_size:].view(2, kv_heads, dim)  # views: no copy
     keys, values = key_cache[0], value_cache[0]
     _check(query, keys, values, valid)
-    if value.shape != key.shape or cos.shape != (dim,) or sin.shape != (dim,) or position.numel() != 1 \
-            or position.dtype != torch.int64 or keys.shape[0] != kv_heads:
-        raise ValueError(f"rope_cache_attention: key/value {tuple(key.shape)}/{tuple(value.shape)}, cos/sin "
-                         f"{tuple(cos.shape)}/{tuple(sin.shape)}, position {position.dtype} {tuple(position.shape)}, "
-                         f"cache {tuple(key_cache.shape)}: expected [Hkv, D] twice, [D] twice, one int64, "
-                         f"[1, Hkv, L, D]")
-    return _attend(query, keys, values, valid, scale,
-                   (key.contiguous(), value.contiguous(), cos.contiguous(), sin.contiguous(), position))
+    return _attend(query, keys, values, valid, scale, (key, value, cos.contiguous(), sin.contiguous(), position))
 
 
 @rope_cache_attention.register_fake
-def _(query, key, value, cos, sin, key_cache, value_cache, position, valid, scale):
-    return torch.empty_like(query)
+def _(qkv, cos, sin, key_cache, value_cache, position, valid, scale):
+    dim = key_cache.shape[-1]
+    return qkv.new_empty(((qkv.numel() - 2 * key_cache.shape[1] * dim) // dim, dim))
 
 
 def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None,
