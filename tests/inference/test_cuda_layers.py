@@ -75,6 +75,44 @@ def test_rope_cache_attention_equals_rotating_writing_and_attending():
         assert ((out.double() - expected).abs() <= 2 ** -7 * expected.abs() + 2 ** -10).all()
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rope_cache_attention_finishes_open_sums_as_the_projection_would(with_bias):
+    """q/k/v handed over as a 2-bit GEMV's open sums (fp32) with their scales (and bias): the same output
+    and cache as q/k/v finished first, (sums * scales + bias) rounded to bf16 (within a few bf16 steps where
+    the kernel's rounding or multiply-add may differ: the interpreter truncates); scales without fp32 sums are
+    refused by name."""
+    device = kernel_device()
+    query, cache_keys, cache_values, valid = (t.to(device) for t in masked_grouped_case(torch.bfloat16))
+    generator = torch.Generator().manual_seed(5)
+    rows = query.numel() + 2 * KV_HEADS * DIM
+    sums = (torch.randn(rows, generator=generator) * 4).to(device)
+    scales = (torch.rand(rows, generator=generator) * 0.5 + 0.1).to(device, torch.bfloat16)
+    bias = torch.randn(rows, generator=generator).to(device, torch.bfloat16) if with_bias else None
+    finished = sums * scales.float() + (bias.float() if with_bias else 0.0)
+    finished = finished.to(torch.bfloat16)
+    angles = torch.rand(DIM // 2, generator=generator) * 6.0
+    cos = torch.cat([angles, angles]).cos().to(device, torch.bfloat16)
+    sin = torch.cat([angles, angles]).sin().to(device, torch.bfloat16)
+    results = []
+    for qkv, finishing in ((finished, (None, None)), (sums, (scales, bias))):
+        keys, values = cache_keys[None].clone(), cache_values[None].clone()
+        position = torch.tensor(99, device=device)
+        out = rope_cache_attention(qkv, cos, sin, keys, values, position, valid, DIM ** -0.5, *finishing)
+        results.append((out, keys[0], values[0]))
+        assert out.dtype == torch.bfloat16 and int(position) == 100
+    (out_a, keys_a, values_a), (out_b, keys_b, values_b) = results
+    others = torch.arange(LENGTH, device=device) != 99
+    assert torch.equal(keys_a[:, others], keys_b[:, others]) and torch.equal(values_a[:, others], values_b[:, others])
+    # the new key and value, and the output, within a few bf16 steps of each head's largest entry (the rotation
+    # mixes entries rounded apart; 2^-8 relative on a GPU, where both round to nearest)
+    for a, b in ((keys_a[:, 99], keys_b[:, 99]), (values_a[:, 99], values_b[:, 99]), (out_a, out_b)):
+        largest = a.float().abs().amax(dim=-1, keepdim=True)
+        assert ((a.float() - b.float()).abs() <= 2 ** -5 * largest).all()
+    with pytest.raises(ValueError, match="rope_cache_attention"):
+        rope_cache_attention(finished, cos, sin, cache_keys[None].clone(), cache_values[None].clone(),
+                             torch.tensor(99, device=device), valid, DIM ** -0.5, scales, bias)
+
+
 @torch.inference_mode()
 def test_a_decode_through_the_fused_layers_makes_the_stock_tokens():
     """After the same prefill, one step's logits with the fused layers equal those through the stock layers

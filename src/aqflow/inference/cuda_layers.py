@@ -28,18 +28,25 @@ from aqflow.inference.static_cache import static_layer
 ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention"})
 
 
-def query_key_value(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The module's q, k and v projections of hidden [1, 1, N] as one tensor [Hq * D + 2 * Hkv * D]: the fused
+def query_key_value(module: torch.nn.Module,
+                    hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The module's q, k and v projections of hidden [1, 1, N] as one tensor [Hq * D + 2 * Hkv * D], with the
+    scales and bias (or None) that finish it, or two Nones where it is finished. One tensor: the fused
     product itself where the three are one (decode.fuse_projections), so it reaches the attention as one
-    buffer (torch.compile would otherwise write each part with a kernel of its own); else concatenated."""
+    buffer (torch.compile would otherwise write each part with a kernel of its own); else concatenated.
+    Where that product is a 2-bit GEMV with open sums (open_sums), its sums unfinished: the attention's
+    kernels finish them as they read them, and the step has no kernel that only finishes q, k and v."""
     members = (module.q_proj, module.k_proj, module.v_proj)
     shared = [getattr(m, "shared_product", None) for m in members]
     if all(s is not None for s in shared):
         products = [s() for s in shared]
         compute = products[0][0]
         if all(p[0] is compute for p in products) and [p[1] for p in products] == [0, 1, 2] and products[0][2] == 3:
-            return compute(hidden).reshape(-1)
-    return torch.cat([m(hidden).reshape(-1) for m in members])
+            site = getattr(compute, "open_sums", None)
+            if site is not None:
+                return site.unfinished(hidden).reshape(-1), site.packed.scales, site.packed.bias
+            return compute(hidden).reshape(-1), None, None
+    return torch.cat([m(hidden).reshape(-1) for m in members]), None, None
 
 
 def attention_forward_for(module: torch.nn.Module, original):
@@ -60,10 +67,10 @@ def attention_forward_for(module: torch.nn.Module, original):
         if not mask_ok or cos.numel() != module.head_dim or sin.numel() != module.head_dim \
                 or layer.cumulative_length.dtype != torch.int64 or layer.cumulative_length.numel() != 1:
             return original(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
-        qkv = query_key_value(module, hidden_states)
+        qkv, scales, bias = query_key_value(module, hidden_states)
         valid = None if attention_mask is None else attention_mask.reshape(-1)
         out = rope_cache_attention(qkv, cos.reshape(-1), sin.reshape(-1), layer.keys, layer.values,
-                                   layer.cumulative_length, valid, float(module.scaling))
+                                   layer.cumulative_length, valid, float(module.scaling), scales, bias)
         return module.o_proj(out.view(1, 1, -1)), None
     return forward
 

@@ -40,14 +40,30 @@ BLOCK_L = 32  # cache positions per program: more programs, each one short round
 
 
 @triton.jit
-def _rotated(x_ptr, rows, row_ok, stride, cos, sin, D: tl.constexpr):
-    """Rows `rows` of x [*, D] (stride apart) after the rotary embedding, x * cos + rotate_half(x) * sin,
-    in fp32: [len(rows), D]."""
+def _projected(x_ptr, scale_ptr, bias_ptr, offsets, ok, cache_ptr, FINISH: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """x at offsets in fp32: as stored, or (FINISH: x holds a 2-bit GEMV's open sums, fp32) finished as the
+    projection finishes them, sum * scale (+ bias) rounded to the cache's dtype (open_sums)."""
+    x = tl.load(x_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+    if FINISH:
+        x = x * tl.load(scale_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            x = x + tl.load(bias_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+        x = x.to(cache_ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rotated(x_ptr, scale_ptr, bias_ptr, rows, row_ok, stride, cos, sin, cache_ptr, D: tl.constexpr,
+             FINISH: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Rows `rows` of x [*, D] (stride apart; finished as _projected says) after the rotary embedding,
+    x * cos + rotate_half(x) * sin, in fp32: [len(rows), D]."""
     d = tl.arange(0, D)
     partner = (d + D // 2) % D  # rotate_half: (-x[D/2:], x[:D/2])
     sign = tl.where(d < D // 2, -1.0, 1.0)
-    x = tl.load(x_ptr + rows[:, None] * stride + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    other = tl.load(x_ptr + rows[:, None] * stride + partner[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    x = _projected(x_ptr, scale_ptr, bias_ptr, rows[:, None] * stride + d[None, :], row_ok[:, None], cache_ptr,
+                   FINISH, HAS_BIAS)
+    other = _projected(x_ptr, scale_ptr, bias_ptr, rows[:, None] * stride + partner[None, :], row_ok[:, None],
+                       cache_ptr, FINISH, HAS_BIAS)
     return x * cos[None, :] + sign[None, :] * other * sin[None, :]
 
 
@@ -55,8 +71,10 @@ def _rotated(x_ptr, rows, row_ok, stride, cos, sin, D: tl.constexpr):
 def _attention_split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, max_ptr, sum_ptr, part_ptr,
                   length, splits, scale, stride_qh, stride_kh, stride_kl, stride_vh, stride_vl,
                   new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, position_ptr,
+                  q_scale_ptr, k_scale_ptr, v_scale_ptr, q_bias_ptr, k_bias_ptr, v_bias_ptr,
                   GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                  HAS_VALID: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
+                  HAS_VALID: tl.constexpr, ROPE: tl.constexpr, FINISH: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  PDL: tl.constexpr):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     g = tl.arange(0, GROUP_P)
@@ -77,10 +95,13 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, max_ptr, sum_ptr, pa
         cos = tl.load(cos_ptr + d).to(tl.float32)
         sin = tl.load(sin_ptr + d).to(tl.float32)
         # the query stays in fp32; the key is rounded as the cache holds it (once, as torch.compile rounds it)
-        q = _rotated(q_ptr, heads, head_ok, stride_qh, cos, sin, D)
+        # (FINISH: q, k, v are the open sums of the fused 2-bit q/k/v GEMV, finished here as they are read)
+        q = _rotated(q_ptr, q_scale_ptr, q_bias_ptr, heads, head_ok, stride_qh, cos, sin, k_ptr, D, FINISH, HAS_BIAS)
         one = tl.arange(0, 1)
-        new_k = _rotated(new_k_ptr, kv_head + one, one == 0, D, cos, sin, D).to(k_ptr.dtype.element_ty)  # [1, D]
-        new_v = tl.load(new_v_ptr + kv_head * D + d)[None, :]
+        new_k = _rotated(new_k_ptr, k_scale_ptr, k_bias_ptr, kv_head + one, one == 0, D, cos, sin, k_ptr, D, FINISH,
+                         HAS_BIAS).to(k_ptr.dtype.element_ty)  # [1, D]
+        new_v = _projected(new_v_ptr, v_scale_ptr, v_bias_ptr, kv_head * D + d, d < D, k_ptr, FINISH,
+                           HAS_BIAS).to(v_ptr.dtype.element_ty)[None, :]
         here = (pos == position)[:, None]
         k = tl.where(here, new_k, k)  # the cache row may still hold the last step's: use the new one
         v = tl.where(here, new_v, v)
@@ -147,26 +168,31 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: t
 
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None, scale: float,
-            rope: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
-    """The two kernels: query [H, D], key/value [Hkv, L, D] -> [H, D]. rope: (new key [Hkv, D], new value
-    [Hkv, D], cos [D], sin [D], position (one int64)) or None."""
+            rope: tuple[torch.Tensor, ...] | None,
+            finish: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...] | None] | None = None) -> torch.Tensor:
+    """The two kernels: query [H, D], key/value [Hkv, L, D] -> [H, D] (query's dtype; key's with finish). rope: (new key [Hkv, D],
+    new value [Hkv, D], cos [D], sin [D], position (one int64)) or None. finish (with rope): query, new key
+    and new value are open sums (fp32), finished with ((q, k, v scales), (q, k, v biases) or None), each
+    shaped as what it finishes."""
     heads, dim = query.shape
     kv_heads, length, _ = key.shape
     group = heads // kv_heads
     splits = triton.cdiv(length, BLOCK_L)
     stats = torch.empty(2, heads * splits, dtype=torch.float32, device=query.device)
     parts = torch.empty(heads * splits, dim, dtype=torch.float32, device=query.device)
-    out = torch.empty(heads, dim, dtype=query.dtype, device=query.device)
+    out = torch.empty(heads, dim, dtype=key.dtype if finish is not None else query.dtype, device=query.device)
     query = query if query.stride(1) == 1 else query.contiguous()
     pdl = dependent_launch.active() and query.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
     launch = {"launch_pdl": True} if pdl else {}  # Triton's interpreter takes no such option
     new_key, new_value, cos, sin, position = rope if rope is not None else (stats,) * 5
+    scales, biases = finish if finish is not None else ((stats,) * 3, None)
     _attention_split_kernel[(kv_heads, splits)](
         query, key, value, valid if valid is not None else stats, stats[0], stats[1], parts,
         length, splits, scale, query.stride(0), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        new_key, new_value, cos, sin, position,
+        new_key, new_value, cos, sin, position, *scales, *(biases if biases is not None else scales),
         GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=dim, BLOCK=BLOCK_L,
-        HAS_VALID=valid is not None, ROPE=rope is not None, PDL=pdl, num_warps=4, **launch)
+        HAS_VALID=valid is not None, ROPE=rope is not None, FINISH=finish is not None, HAS_BIAS=biases is not None,
+        PDL=pdl, num_warps=4, **launch)
     _attention_combine_kernel[(heads,)](stats[0], stats[1], parts, out, splits, position, D=dim,
                                         BLOCK_S=max(2, triton.next_power_of_2(splits)), ADVANCE=rope is not None,
                                         PDL=pdl, num_warps=4, **launch)
@@ -191,33 +217,50 @@ def _(query, key, value, valid, scale):
 @torch.library.custom_op("aqflow::rope_cache_attention", mutates_args=("key_cache", "value_cache", "position"))
 def rope_cache_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
                          value_cache: torch.Tensor, position: torch.Tensor, valid: torch.Tensor | None,
-                         scale: float) -> torch.Tensor:
+                         scale: float, qkv_scales: torch.Tensor | None = None,
+                         qkv_bias: torch.Tensor | None = None) -> torch.Tensor:
     """One token's attention with its rotary embedding and cache write in the same two kernels: qkv
     [H * D + 2 * Hkv * D] the query, key and value as projected (one after another), cos/sin [D] (the
     token's), key_cache/value_cache [1, Hkv, L, D] (a static cache layer), position (0-d int64: the token's
     place in the cache, its length so far) -> [H, D] = decode_attention(rope(query), cache with rope(key)
     and value written at position, valid, scale); position + 1 after. valid [L] bool, or None: the
-    positions up to `position`."""
+    positions up to `position`. qkv_scales (and qkv_bias, or None), shaped as qkv: qkv holds the open sums
+    (fp32) of a fused 2-bit q/k/v GEMV, and the kernel finishes them as open_packed_matmul would,
+    (qkv * qkv_scales + qkv_bias) rounded to the cache's dtype (`open_sums`: no kernel of its own)."""
     _, kv_heads, _, dim = key_cache.shape
     query_size = qkv.numel() - 2 * kv_heads * dim
+    finishing = [t for t in (qkv_scales, qkv_bias) if t is not None]
     if qkv.dim() != 1 or query_size <= 0 or query_size % dim or cos.shape != (dim,) or sin.shape != (dim,) \
-            or position.numel() != 1 or position.dtype != torch.int64 or value_cache.shape != key_cache.shape:
-        raise ValueError(f"rope_cache_attention: qkv {tuple(qkv.shape)}, cos/sin {tuple(cos.shape)}/"
+            or position.numel() != 1 or position.dtype != torch.int64 or value_cache.shape != key_cache.shape \
+            or any(t.shape != qkv.shape for t in finishing) or (qkv_bias is not None and qkv_scales is None) \
+            or (qkv_scales is not None and qkv.dtype != torch.float32):
+        raise ValueError(f"rope_cache_attention: qkv {qkv.dtype} {tuple(qkv.shape)}, cos/sin {tuple(cos.shape)}/"
                          f"{tuple(sin.shape)}, position {position.dtype} {tuple(position.shape)}, caches "
-                         f"{tuple(key_cache.shape)}/{tuple(value_cache.shape)}: expected [H * D + 2 * Hkv * D], [D] "
-                         f"twice, one int64, [1, Hkv, L, D] twice")
-    qkv = qkv.contiguous()
-    query = qkv[:query_size].view(-1, dim)
-    key, value = qkv[query_size:].view(2, kv_heads, dim)  # views: no copy
+                         f"{tuple(key_cache.shape)}/{tuple(value_cache.shape)}, scales/bias "
+                         f"{[tuple(t.shape) for t in finishing]}: expected [H * D + 2 * Hkv * D], [D] twice, one "
+                         f"int64, [1, Hkv, L, D] twice, and scales (then fp32 sums in qkv) and bias shaped as qkv")
     keys, values = key_cache[0], value_cache[0]
+    query, key, value = _split_heads(qkv.contiguous(), query_size, kv_heads, dim)
     _check(query, keys, values, valid)
-    return _attend(query, keys, values, valid, scale, (key, value, cos.contiguous(), sin.contiguous(), position))
+    finish = None
+    if qkv_scales is not None:
+        scales = _split_heads(qkv_scales.contiguous(), query_size, kv_heads, dim)
+        biases = _split_heads(qkv_bias.contiguous(), query_size, kv_heads, dim) if qkv_bias is not None else None
+        finish = (scales, biases)
+    return _attend(query, keys, values, valid, scale, (key, value, cos.contiguous(), sin.contiguous(), position),
+                   finish)
+
+
+def _split_heads(qkv: torch.Tensor, query_size: int, kv_heads: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """qkv [H * D + 2 * Hkv * D] contiguous -> views query [H, D], key [Hkv, D], value [Hkv, D] (no copy)."""
+    key, value = qkv[query_size:].view(2, kv_heads, dim)
+    return qkv[:query_size].view(-1, dim), key, value
 
 
 @rope_cache_attention.register_fake
-def _(qkv, cos, sin, key_cache, value_cache, position, valid, scale):
+def _(qkv, cos, sin, key_cache, value_cache, position, valid, scale, qkv_scales=None, qkv_bias=None):
     dim = key_cache.shape[-1]
-    return qkv.new_empty(((qkv.numel() - 2 * key_cache.shape[1] * dim) // dim, dim))
+    return key_cache.new_empty(((qkv.numel() - 2 * key_cache.shape[1] * dim) // dim, dim))
 
 
 def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None,

@@ -486,16 +486,21 @@ def _packed_open_sums_shape(x, codes, codebooks, scales, bias, out_sizes, config
     return None
 
 
+def open_packed_sums(x: torch.Tensor, packed: PackedWeights, config: list[int], sums: torch.Tensor) -> torch.Tensor:
+    """The split-K CUDA kernel (`config`: a KernelConfig.as_list() of cuda_lut32 or cuda_lut16) adding the
+    unscaled sums of x [..., in] (sums.shape[0] tokens) into sums [T, rows] fp32, which must be zero
+    (`open_sums` zeroes them once a decode step). Returns sums, for a reader that finishes them itself
+    (sums * scales (+ bias), cast: open_packed_matmul, or the attention kernels)."""
+    _packed_open_sums_op(x.reshape(-1, x.shape[-1]), packed.codes, packed.codebooks, packed.scales, packed.bias,
+                         list(packed.out_sizes), list(config), sums)
+    return sums
+
+
 def open_packed_matmul(x: torch.Tensor, packed: PackedWeights, config: list[int], sums: torch.Tensor) -> torch.Tensor:
-    """packed_matmul through the split-K CUDA kernel (`config`: a KernelConfig.as_list() of cuda_lut32 or
-    cuda_lut16) with open sums: x [..., in] (sums.shape[0] tokens) -> [..., rows].
-    The kernel adds the unscaled sums into sums [T, rows] fp32, which must be zero (`open_sums` zeroes them
-    once a decode step); the scales, the bias and the cast are torch operations that torch.compile folds
-    into whatever reads the output next."""
-    flat = x.reshape(-1, x.shape[-1])
-    _packed_open_sums_op(flat, packed.codes, packed.codebooks, packed.scales, packed.bias, list(packed.out_sizes),
-                         list(config), sums)
-    y = sums * packed.scales
+    """packed_matmul through the split-K CUDA kernel with open sums (open_packed_sums): x [..., in] ->
+    [..., rows]; the scales, the bias and the cast are torch operations that torch.compile folds into
+    whatever reads the output next."""
+    y = open_packed_sums(x, packed, config, sums) * packed.scales
     if packed.bias is not None:
         y = y + packed.bias
     return y.to(x.dtype).view(*x.shape[:-1], packed.rows)

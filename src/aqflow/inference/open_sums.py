@@ -46,6 +46,10 @@ class OpenSumsSite(torch.nn.Module):
             return self._kernels.packed_matmul(x, self.packed)
         return self._kernels.open_packed_matmul(x, self.packed, self.config, self.sums)
 
+    def unfinished(self, x: torch.Tensor) -> torch.Tensor:
+        """One token x [..., in] -> its sums [1, rows] fp32, unscaled (a reader finishes them: cuda_layers)."""
+        return self._kernels.open_packed_sums(x, self.packed, self.config, self.sums)
+
 
 @dataclass
 class StepSums:
