@@ -5,7 +5,7 @@ cores), gathered from the result files that measured them, each named in `source
 
     python3 benchmarks/inference_summary.py --gpu benchmarks/results/qkv_finish_h200/c/inference_gpu.json \\
         --cpu benchmarks/results/cpu_int16_h200/call1/decode.json benchmarks/results/cpu_int16_h200/call2/decode.json \\
-        --out benchmarks/results/inference_h200.json
+        benchmarks/results/cpu_int16_h200/call3/decode.json --out benchmarks/results/inference_h200.json
 
 Why several CPU files: one lease is one machine of the kind, and these machines' decode speeds move by up
 to ±20 % between machines and rounds (dense bf16 alone 7.4-11.4 tokens/s), so `cpu_decode_speedup_3b` is

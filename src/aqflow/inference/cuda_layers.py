@@ -7,7 +7,9 @@ with its write into the static cache, the value's write, and the mask. On an H20
 ~1-1.5 us in the step's chain, ~0.15 ms of a Llama-3.2-3B step of 1.45 ms (2-bit) or 2.55 ms (bf16).
 `decode_attention.rope_cache_attention` instead rotates the query and the new key in its split kernel,
 uses them, and has the program whose cache positions hold the new token write key and value; its combine
-kernel then moves the cache layer's length on.
+kernel then moves the cache layer's length on. q, k and v reach the op as one buffer (the fused product
+itself), and a 2-bit product computed with open sums (`open_sums`) as its unfinished sums, which the split
+kernel finishes as it reads them: no kernel of the step only finishes q, k and v.
 
 `cuda_layers_enabled(model)` replaces, for the block, the forward of every Llama, Mistral and Qwen2
 attention module without a sliding window: one token at batch 1 with a filled static cache goes the

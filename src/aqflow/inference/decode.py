@@ -11,8 +11,8 @@ one product each first (`fuse_projections`), on a CPU too, where the step runs e
 Mistral, Qwen2) one matrix product each: fewer kernels per token, for dense and quantized layers.
 
 A compiled CUDA step computes its 2-bit GEMVs with open sums (`aqflow.inference.open_sums`): the split-K
-kernel leaves scales, bias and cast to the compiled kernel that reads its output, and the step zeroes the
-sums after each token.
+kernel leaves scales, bias and cast to the compiled kernel that reads its output (for the fused q/k/v, the
+attention's own kernel: `aqflow.inference.cuda_layers`), and the step zeroes the sums after each token.
 """
 
 from __future__ import annotations
