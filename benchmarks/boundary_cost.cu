@@ -150,7 +150,8 @@ int main(int argc, char** argv) {
     for (bool work : {false, true}) {
       rows.push_back({"graph of kernels", ctas, work, chain_microseconds(buffers, ctas, work, false, stream)});
       rows.push_back({"graph of kernels, PDL", ctas, work, chain_microseconds(buffers, ctas, work, true, stream)});
-      rows.push_back({"one kernel, grid barriers", ctas, work, persistent_microseconds(buffers, count, ctas, work, stream)});
+      rows.push_back({"one kernel, grid barriers", ctas, work,
+                      persistent_microseconds(buffers, count, ctas, work, stream)});
     }
   }
   std::FILE* json = std::fopen(out_path, "w");

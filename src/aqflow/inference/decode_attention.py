@@ -170,10 +170,10 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: t
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None, scale: float,
             rope: tuple[torch.Tensor, ...] | None,
             finish: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...] | None] | None = None) -> torch.Tensor:
-    """The two kernels: query [H, D], key/value [Hkv, L, D] -> [H, D] (query's dtype; key's with finish). rope: (new key [Hkv, D],
-    new value [Hkv, D], cos [D], sin [D], position (one int64)) or None. finish (with rope): query, new key
-    and new value are open sums (fp32), finished with ((q, k, v scales), (q, k, v biases) or None), each
-    shaped as what it finishes."""
+    """The two kernels: query [H, D], key/value [Hkv, L, D] -> [H, D] (query's dtype; key's with finish).
+    rope: (new key [Hkv, D], new value [Hkv, D], cos [D], sin [D], position (one int64)) or None. finish
+    (with rope): query, new key and new value are open sums (fp32), finished with ((q, k, v scales),
+    (q, k, v biases) or None), each shaped as what it finishes."""
     heads, dim = query.shape
     kv_heads, length, _ = key.shape
     group = heads // kv_heads
@@ -260,7 +260,8 @@ def _split_heads(qkv: torch.Tensor, query_size: int, kv_heads: int, dim: int) ->
 @rope_cache_attention.register_fake
 def _(qkv, cos, sin, key_cache, value_cache, position, valid, scale, qkv_scales=None, qkv_bias=None):
     dim = key_cache.shape[-1]
-    return key_cache.new_empty(((qkv.numel() - 2 * key_cache.shape[1] * dim) // dim, dim))
+    dtype = key_cache.dtype if qkv_scales is not None else qkv.dtype  # as _attend makes it
+    return qkv.new_empty(((qkv.numel() - 2 * key_cache.shape[1] * dim) // dim, dim), dtype=dtype)
 
 
 def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None,
