@@ -7,9 +7,6 @@
 set -euo pipefail
 out=${1:?OUT_DIR}
 variants=$(mktemp -d)
-mkdir -p "$variants/k3" && cp -r src "$variants/k3/src"
-kernel="$variants/k3/src/aqflow/inference/csrc/lut_gemv.cu"
-ahead="constexpr int kAhead = kTokens == 1 ? 2 : 1;"
-grep -qF "$ahead" "$kernel"
-sed -i "s/$ahead/constexpr int kAhead = kTokens == 1 ? 3 : 1;/" "$kernel"
+python3 benchmarks/source_variant.py src "$variants/k3/src" aqflow/inference/csrc/lut_gemv.cu \
+  "constexpr int kAhead = kTokens == 1 ? 2 : 1;" "constexpr int kAhead = kTokens == 1 ? 3 : 1;"
 MODELS=3b,8b BUDGET=200 bash benchmarks/decode_ab.sh "$out" a=src k3="$variants/k3/src"
