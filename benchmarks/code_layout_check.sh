@@ -4,7 +4,10 @@
 # each code row's 32-byte slice of a chunk (four rows, four cache lines per load), and a copy that reads
 # each (256-row batch, 16-group chunk) step as one contiguous 8 KB tile (one 128-byte line per load). The
 # codes are random and the copy reads them in the tiled order without re-laying them out: its sums are
-# wrong, its work (loads, look-ups, additions) is the same. Run from the repository root:
+# wrong, its work (loads, look-ups, additions) is the same. It measured the kernel of commit be76f3a
+# (results/code_layout_h200/); since then the codes lie in tiles for real (packed.in_tiles), its edit no longer
+# applies and the script stops naming the missing text (run it from a checkout of be76f3a). Run from the
+# repository root:
 #   bash benchmarks/code_layout_check.sh OUT_DIR
 set -euo pipefail
 out=${1:?OUT_DIR}

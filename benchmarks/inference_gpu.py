@@ -45,6 +45,11 @@ from aqflow.inference import gpu_kernels as gk
 from aqflow.inference.attention_switch import forwards_replaced
 from aqflow.inference.decode import fuse_projections, greedy_decode
 from aqflow.inference.layout import QuantizedWeights
+try:
+    from aqflow.inference.packed import in_tiles
+except ImportError:  # a source tree from before tiled codes (benchmarks/decode_ab.sh runs older trees too)
+    def in_tiles(packed):
+        return packed
 
 SHAPES = {
     "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
@@ -170,7 +175,7 @@ def bench_kernels(shape_name: str, args, device, dtype, names, with_aqlm: bool) 
         outs, in_features = linear_shapes(shape)[name]
         row = results[name] = {"out": sum(outs), "in": in_features}
         ws = [random_quantized(o, in_features, device, dtype, generator) for o in outs]
-        packed = gk.pack_weights(ws)
+        packed = in_tiles(gk.pack_weights(ws))  # as the decode holds them (decode.FusedQuantizedLinear)
         x = torch.randn(1, in_features, device=device, generator=generator).to(dtype)
         dense = torch.randn(sum(outs), in_features, device=device, generator=generator).to(dtype) * 0.02
         bf16_seconds = gk.median_seconds(lambda weight=dense: torch.nn.functional.linear(x, weight))

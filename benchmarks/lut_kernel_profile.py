@@ -31,7 +31,7 @@ from inference_gpu import SHAPES, linear_shapes, random_quantized  # noqa: E402
 
 from aqflow.inference import cuda_kernels  # noqa: E402
 from aqflow.inference import gpu_kernels as gk  # noqa: E402
-from aqflow.inference.packed import VARIANTS, KernelConfig  # noqa: E402
+from aqflow.inference.packed import VARIANTS, KernelConfig, in_tiles  # noqa: E402
 
 DECODE_LINEARS = ("qkv (fused)", "o_proj", "gate+up (fused)", "down_proj")
 
@@ -49,7 +49,7 @@ def parse_label(label: str) -> KernelConfig:
 
 def packed_copies(outs: list[int], in_features: int, copies: int, generator) -> list[gk.PackedWeights]:
     dtype = torch.bfloat16
-    return [gk.pack_weights([random_quantized(o, in_features, "cuda", dtype, generator) for o in outs])
+    return [in_tiles(gk.pack_weights([random_quantized(o, in_features, "cuda", dtype, generator) for o in outs]))
             for _ in range(copies)]
 
 

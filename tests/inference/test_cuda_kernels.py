@@ -157,3 +157,44 @@ def test_cluster_kernel_equals_dense_reference(variant):
             gk._launch(x, packed, config, out)
             assert gk.relative_error(out, expected) < 1e-2, config
             assert_within_rounding(out, expected, magnitude, cuda_kernels.VARIANT_ENTRY_BITS[variant], config)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tiled_codes_give_the_same_outputs():
+    """Codes in tiles (packed.in_tiles): the split-K kernel (one and three tokens, both table kinds, 256- and
+    512-row CTAs across the matrices' bounds, a ragged last chunk of CTAs, with open sums too) and the cluster
+    kernel (256 and 128 rows) give what they give on row-major codes: to the bit with one split; with several,
+    whose atomic additions land in any order, within an fp32 rounding of the sums (a bf16 step of the outputs).
+    A code read from the wrong place changes an output by about its own size."""
+    from aqflow.inference.packed import in_tiles
+
+    generator = torch.Generator().manual_seed(5)
+    ws = [random_2x8(rows, 48, bias, generator, "cuda", torch.bfloat16) for rows, bias in ((512, True), (256, False), (768, True))]
+    packed = gk.pack_weights(ws)
+    tiled = in_tiles(packed)
+    assert tiled.tiled
+    cuda_kernels.load_extension()
+    for tokens in (1, 3):
+        x = torch.randn(tokens, 384, generator=generator).to("cuda", torch.bfloat16)
+        configs = [cuda_kernels.make_config(packed, variant, rows, chunks) for variant in cuda_kernels.SPLIT_K_VARIANTS
+                   for rows in (256, 512) for chunks in (1, 2)
+                   if cuda_kernels.shared_bytes(cuda_kernels.VARIANT_ENTRY_BITS[variant], tokens, chunks)
+                   <= cuda_kernels.MAX_SHARED_BYTES]  # what candidate_configs offers
+        if tokens == 1:
+            configs += [gk.KernelConfig(variant, rows, 16 * chunks, -(-48 // (16 * chunks)), 8)
+                        for variant in cuda_kernels.CLUSTER_VARIANTS for rows, chunks in ((256, 2), (128, 1))]
+        for config in configs:
+            outs = []
+            for operand in (packed, tiled):
+                out = torch.full((tokens, packed.rows), float("nan"), dtype=torch.bfloat16, device="cuda")
+                outs.append(gk._launch(x, operand, config, out))
+                if config.variant in cuda_kernels.SPLIT_K_VARIANTS:
+                    sums = torch.zeros(tokens, packed.rows, dtype=torch.float32, device="cuda")
+                    outs.append(cuda_kernels.launch_open(x, operand, config, sums))
+            half = len(outs) // 2
+            for row_major, in_tiles_ in zip(outs[:half], outs[half:]):
+                if config.split == 1:
+                    assert torch.equal(row_major, in_tiles_), config
+                else:
+                    torch.testing.assert_close(in_tiles_, row_major, rtol=2.0 ** -7, atol=1e-3, msg=str(config))
+            assert not torch.isnan(outs[0]).any(), config

@@ -88,20 +88,16 @@ def test_fused_projections_give_equal_logits(build):
     assert tokens.tolist() == hf_greedy(model, sequence, 5)
 
 
-def test_quantized_model_decodes_as_its_dense_equivalent():
-    """A tiny Llama whose projections are 2x8 kernel linears (Triton's interpreter here) decodes the
-    same tokens, with the same logits, as the model holding their dense weights; fused q/k/v and
-    gate/up (one launch each) too."""
+def quantized_twins(config: LlamaConfig, seed: int = 3) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """(a Llama whose decoder projections are random 2x8 kernel linears, the same Llama holding their dense
+    weights)."""
     from aqflow.inference.gpu_kernels import KernelQuantizedLinear
     from aqflow.inference.layout import QuantizedWeights, dense_weight
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None,
-                         pad_token_id=None)
     quantized, dense = LlamaForCausalLM(config).eval(), LlamaForCausalLM(config).eval()
     dense.load_state_dict(quantized.state_dict())
-    generator = torch.Generator().manual_seed(3)
+    generator = torch.Generator().manual_seed(seed)
     for (name, module), dense_module in zip(list(quantized.named_modules()), list(dense.modules())):
         if isinstance(module, torch.nn.Linear) and name.startswith("model.layers"):
             w = QuantizedWeights(
@@ -111,6 +107,17 @@ def test_quantized_model_decodes_as_its_dense_equivalent():
             parent, _, attribute = name.rpartition(".")
             setattr(quantized.get_submodule(parent), attribute, KernelQuantizedLinear(w))
             dense_module.weight.data = dense_weight(w)
+    return quantized, dense
+
+
+def test_quantized_model_decodes_as_its_dense_equivalent():
+    """A tiny Llama whose projections are 2x8 kernel linears (Triton's interpreter here) decodes the
+    same tokens, with the same logits, as the model holding their dense weights; fused q/k/v and
+    gate/up (one launch each) too."""
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None,
+                         pad_token_id=None)
+    quantized, dense = quantized_twins(config)
     sequence = prompt(5)
     with torch.no_grad():
         torch.testing.assert_close(quantized(sequence).logits, dense(sequence).logits, rtol=1e-4, atol=1e-4)
@@ -121,6 +128,27 @@ def test_quantized_model_decodes_as_its_dense_equivalent():
     assert type(quantized.model.layers[0].self_attn.q_proj.fused).__name__ == "FusedQuantizedLinear"
     with torch.no_grad():
         torch.testing.assert_close(quantized(sequence).logits, dense(sequence).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_quantized_projections_read_tiled_codes_after_fusing():
+    """Where a 2-bit projection's rows and groups are whole tiles (256 x 16), fuse_projections leaves it reading
+    tiled codes: gate/up fused, o_proj and down_proj each an operand of its own; q/k/v (k and v have 128 rows)
+    stays row-major. The logits and greedy tokens stay those of the dense twin."""
+    config = LlamaConfig(vocab_size=97, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None,
+                         pad_token_id=None)
+    quantized, dense = quantized_twins(config)
+    fuse_projections(quantized)
+    layer = quantized.model.layers[0]
+    assert layer.mlp.gate_proj.fused.packed.tiled and not layer.self_attn.q_proj.fused.packed.tiled
+    for single in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert type(single).__name__ == "FusedQuantizedLinear" and single.packed.tiled
+    sequence = prompt(3)
+    with torch.no_grad():
+        torch.testing.assert_close(quantized(sequence).logits, dense(sequence).logits, rtol=1e-4, atol=1e-4)
+    expected, _ = greedy_decode(dense, sequence, 2)
+    tokens, _ = greedy_decode(quantized, sequence, 2, fuse=False)
+    assert tokens.tolist() == expected.tolist()
 
 
 def test_failed_compile_falls_back_to_the_plain_step(monkeypatch):

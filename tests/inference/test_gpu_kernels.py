@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from aqflow.inference import gpu_kernels as gk
-from aqflow.inference.packed import can_pack, pack_weights
+from aqflow.inference.packed import can_pack, can_tile, in_tiles, pack_weights, packed_dense_weight, row_major_codes
 from aqflow.inference.layout import QuantizedWeights, code_container, reference_linear
 
 
@@ -71,6 +71,41 @@ def test_fused_matrices_equal_each_alone(rng):
     lut = run_poisoned(x[:1], packed, gk.KernelConfig("lut", 8, 4, 2, 4))
     torch.testing.assert_close(lut.double(), expected[:1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gk.fused_quantized_matmul(x, ws).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tiled_codes_hold_each_tile_contiguous(rng):
+    """in_tiles: tile (a, b) is rows 256a.. x groups 16b.., row by row; the row-major codes come back; operands
+    whose matrices or groups are not whole tiles stay as they are."""
+    ws = [random_weights(rows, 48, 2, 8, 8, bias=False, generator=rng) for rows in (256, 512)]
+    packed = pack_weights(ws)
+    tiled = in_tiles(packed)
+    assert tiled.tiled and tiled.codes.shape == (3, 3, 256, 16, 2) and tiled.codes.is_contiguous()
+    assert (tiled.rows, tiled.num_groups, tiled.num_codebooks) == (768, 48, 2)
+    assert torch.equal(tiled.codes[2, 1], packed.codes[512:768, 16:32])
+    assert torch.equal(row_major_codes(tiled), packed.codes)
+    torch.testing.assert_close(packed_dense_weight(tiled), packed_dense_weight(packed), rtol=0, atol=0)
+    for rows, groups in ((320, 48), (256, 40)):
+        untileable = gk.as_packed(random_weights(rows, groups, 2, 8, 8, bias=False, generator=rng))
+        assert not can_tile(untileable) and in_tiles(untileable) is untileable
+    assert not can_tile(pack_weights([random_weights(rows, 16, 2, 8, 8, bias=False, generator=rng)
+                                      for rows in (384, 128)]))  # 512 rows, but the first matrix straddles tiles
+
+
+# (config, tokens): row blocks across and within tiles (a ragged last one), group steps across tiles
+TILED_CASES = [(gk.KernelConfig("direct", 512, 16, 2, 4), 3), (gk.KernelConfig("direct", 64, 32, 1, 4), 1),
+               (gk.KernelConfig("lut", 64, 8, 2, 4), 1), (gk.KernelConfig("direct16", 128, 16, 1, 4), 1), (None, 12)]
+
+
+@pytest.mark.parametrize("config, tokens", TILED_CASES, ids=[f"{c.label() if c else 'dense'}-{t}" for c, t in TILED_CASES])
+def test_tiled_codes_give_the_same_outputs(config, tokens, rng):
+    """The kernels (and, past 8 tokens, the dense product) read tiled codes to the same bits as row-major ones."""
+    ws = [random_weights(rows, 32, 2, 8, 8, bias=bias, generator=rng) for rows, bias in ((256, True), (512, False))]
+    packed = pack_weights(ws)
+    x = torch.randn(tokens, packed.in_features, generator=rng)
+    if config is None:
+        assert torch.equal(gk.packed_matmul(x, in_tiles(packed)), gk.packed_matmul(x, packed))
+    else:
+        assert torch.equal(run_poisoned(x, in_tiles(packed), config), run_poisoned(x, packed, config))
 
 
 def test_pack_refuses_mixed_geometries(rng):

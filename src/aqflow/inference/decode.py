@@ -449,15 +449,16 @@ def quantized_weights_of(module: torch.nn.Module) -> QuantizedWeights | None:
 
 
 class FusedQuantizedLinear(torch.nn.Module):
-    """Several quantized linears of one input in one kernel launch (their codes concatenated by rows)."""
+    """One or several quantized linears of one input in one kernel launch (their codes concatenated by rows),
+    held as the kernels read them fastest: the codes in tiles where their shape allows (`packed.in_tiles`)."""
 
     open_sums = None  # an open_sums.OpenSumsSite inside open_sums_enabled: one token computed with open sums
 
     def __init__(self, weights: Sequence[QuantizedWeights]):
         super().__init__()
-        from aqflow.inference.packed import pack_weights
+        from aqflow.inference.packed import in_tiles, pack_weights
 
-        self.packed = pack_weights(weights)
+        self.packed = in_tiles(pack_weights(weights))
         for name, tensor in self.packed.tensors().items():
             self.register_buffer(name, tensor, persistent=False)
 
@@ -472,13 +473,32 @@ class FusedQuantizedLinear(torch.nn.Module):
 _LLAMA_FAMILY_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 
 
+def _kernel_operand(module: torch.nn.Module) -> torch.nn.Module | None:
+    """A quantized linear on CUDA (or in Triton's interpreter) as a FusedQuantizedLinear of its own, whose codes
+    lie in the kernels' tiles; None where its codes cannot be tiled or it is no such linear."""
+    from aqflow.inference import gpu_kernels
+    from aqflow.inference.fast_linear import FastQuantizedLinear
+    from aqflow.inference.packed import as_packed, can_tile
+
+    if isinstance(module, (FusedQuantizedLinear, FusedProjectionMember)):
+        return None
+    if type(module) is FastQuantizedLinear and module.codes.device.type == "cpu":
+        return None  # the CPU kernels' own layouts (never Triton's interpreter)
+    weights = quantized_weights_of(module)
+    if weights is None or not (weights.codes.is_cuda or gpu_kernels._interpreting()) or not can_tile(as_packed(weights)):
+        return None
+    return FusedQuantizedLinear([weights])
+
+
 def fuse_projections(model: torch.nn.Module) -> list[str]:
     """Replaces, in every decoder layer of a Llama-family model (Llama, Mistral, Qwen2), q/k/v and
     gate/up by members of one fused product: one GEMV for nn.Linear (cuBLAS, or BLAS on a CPU) and for
     CpuBf16Linear (numba's bf16 GEMV), one quantized kernel launch for quantized linears on CUDA
     (modules with `quantized_weights()`), one register-kernel call for FastQuantizedLinear held as
     column tiles on a CPU (FusedColumnsLinear). Groups mixing kinds, and other quantized layers on a
-    CPU, stay unfused. Returns the names of the fused groups."""
+    CPU, stay unfused. On CUDA the decoder layers' other quantized linears (o_proj, down_proj) become a
+    FusedQuantizedLinear of their own too, so that every 2-bit product reads its codes in tiles. Returns
+    the names of the fused groups."""
     fused: list[str] = []
     for layer_name, layer in _decoder_layers(model):
         for block_name, names in _LLAMA_FAMILY_GROUPS:
@@ -495,6 +515,10 @@ def fuse_projections(model: torch.nn.Module) -> list[str]:
                 setattr(block, name, FusedProjectionMember(shared, index, member.in_features, member.out_features,
                                                            owner if index == 0 else None))
             fused.append(f"{layer_name}.{block_name}.{'+'.join(names)}")
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if (operand := _kernel_operand(child)) is not None:
+                    setattr(parent, name, operand)
     return fused
 
 

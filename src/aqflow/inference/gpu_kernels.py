@@ -42,25 +42,37 @@ import triton.language as tl
 
 from aqflow.inference import cuda_kernels
 from aqflow.inference.layout import QuantizedWeights
-from aqflow.inference.packed import VARIANTS, KernelConfig, PackedWeights, as_packed, pack_weights, packed_dense_weight
+from aqflow.inference.packed import (TILE_GROUPS, TILE_ROWS, VARIANTS, KernelConfig, PackedWeights, as_packed,
+                                     code_rows, pack_weights, packed_dense_weight)
 
 MAX_KERNEL_TOKENS = 8  # above: dequantize and use cuBLAS (prefill)
 MAX_LUT_CODEWORDS = 256
 
 
-# ---------------------------------------------------------------- packed weights
-
 # ---------------------------------------------------------------- kernels
+
+_TILE_ROWS = tl.constexpr(TILE_ROWS)  # the tiled code layout (packed.in_tiles)
+_TILE_GROUPS = tl.constexpr(TILE_GROUPS)
+
 
 @triton.jit
 def _code_columns(codes_ptr, rows, group0, ROWS, G, M: tl.constexpr, MP: tl.constexpr, BLOCK_G: tl.constexpr,
-                  IN_RANGE: tl.constexpr):
+                  IN_RANGE: tl.constexpr, TILED: tl.constexpr):
     """codes of rows [BLOCK_O] for groups group0.. [BLOCK_G] -> [BLOCK_O, BLOCK_G*MP] int32, column
     j*MP + m holding codebook m of group group0 + j (0 where masked or m >= M). IN_RANGE: every row
-    and group of every tile exists (no mask, so the loads can be wide)."""
+    and group of every tile exists (no mask, so the loads can be wide). TILED: the codes lie in tiles
+    of 256 rows x 16 groups ([ROWS/256, G/16, 256, 16, M], packed.in_tiles), else [ROWS, G, M]."""
     row_offsets = rows.to(tl.int64) * (G * M)
     cols = tl.arange(0, BLOCK_G * MP)
-    if M == MP:
+    if TILED:
+        groups = group0 + cols // MP
+        books = cols % MP
+        tile_rows = rows.to(tl.int64) // _TILE_ROWS
+        offsets = ((tile_rows[:, None] * (G // _TILE_GROUPS) + (groups // _TILE_GROUPS)[None, :]) * (_TILE_ROWS * _TILE_GROUPS * M)
+                   + ((rows % _TILE_ROWS) * (_TILE_GROUPS * M))[:, None] + ((groups % _TILE_GROUPS) * M + books)[None, :])
+        mask = (rows[:, None] < ROWS) & (groups[None, :] < G) & (books[None, :] < M)
+        codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
+    elif M == MP:
         # one contiguous run of BLOCK_G*M codes per row
         ptrs = codes_ptr + row_offsets[:, None] + group0 * M + cols[None, :]
         if IN_RANGE:
@@ -133,9 +145,9 @@ def _direct_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, part
                    T, ROWS, G, groups_per_split, SPLIT, bound1, bound2, bound3, stride_xt, stride_ot,
                    M: tl.constexpr, MP: tl.constexpr, K: tl.constexpr, GS: tl.constexpr, GP: tl.constexpr,
                    TP: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr,
-                   IN_RANGE: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+                   IN_RANGE: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, TILED: tl.constexpr,
                    HALF_MATH: tl.constexpr = False):
-    """x [T, G*GS]; codes [ROWS, G, M]; codebooks [n, M, K, GS] -> out [T, ROWS]. Grid (row blocks, SPLIT);
+    """x [T, G*GS]; codes [ROWS, G, M] (or tiled: _code_columns); codebooks [n, M, K, GS] -> out [T, ROWS]. Grid (row blocks, SPLIT);
     a program takes groups_per_split (a multiple of BLOCK_G) groups.
 
     A step's tile is [BLOCK_O rows, BLOCK_G*MP codes]: each code is a column of its own (codebook m
@@ -156,7 +168,7 @@ def _direct_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, part
     group_end = tl.minimum(group_start + groups_per_split, G)
     group0 = group_start
     while group0 < group_start + groups_per_split:  # a while loop: runtime bounds run in the interpreter too
-        codes = _code_columns(codes_ptr, rows, group0, ROWS, G, M, MP, BLOCK_G, IN_RANGE)
+        codes = _code_columns(codes_ptr, rows, group0, ROWS, G, M, MP, BLOCK_G, IN_RANGE, TILED)
         cb_ptrs = cb_ptr + (book_base + codes)[:, :, None] * GS + ii[None, None, :]
         # a mask that varies along the g axis would split a codeword's load into single elements
         if GS == GP and M == MP:
@@ -215,7 +227,7 @@ def _lut_kernel(lut_ptr, codes_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, 
                 ROWS, G, groups_per_split, SPLIT, bound1, bound2, bound3,
                 M: tl.constexpr, MP: tl.constexpr, K: tl.constexpr,
                 BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr,
-                IN_RANGE: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
+                IN_RANGE: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, TILED: tl.constexpr):
     """One token: out[rows] = scales * sum over groups and codebooks of lut[n(row), j, m, codes[row, j, m]]."""
     pid_o = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -232,7 +244,7 @@ def _lut_kernel(lut_ptr, codes_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, 
     group_end = tl.minimum(group_start + groups_per_split, G)
     group0 = group_start
     while group0 < group_start + groups_per_split:
-        codes = _code_columns(codes_ptr, rows, group0, ROWS, G, M, MP, BLOCK_G, IN_RANGE)
+        codes = _code_columns(codes_ptr, rows, group0, ROWS, G, M, MP, BLOCK_G, IN_RANGE, TILED)
         groups = group0 + col_group
         entry = entry0 + group0 * (M * K) + codes
         if IN_RANGE and M == MP:
@@ -404,7 +416,7 @@ def _launch(x: torch.Tensor, packed: PackedWeights, config: KernelConfig, out: t
     common = dict(M=m, MP=triton.next_power_of_2(m), K=k, BLOCK_O=config.block_rows,
                   BLOCK_G=config.block_groups, SPLIT_K=split > 1, ATOMIC=atomic,
                   IN_RANGE=packed.rows % config.block_rows == 0 and groups == split * groups_per_split,
-                  HAS_BIAS=packed.bias is not None,
+                  HAS_BIAS=packed.bias is not None, TILED=packed.tiled,
                   num_warps=config.num_warps)
     if config.variant == "lut":
         if not lut_applies(packed, tokens):
@@ -465,7 +477,7 @@ def _packed_matmul_op(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Ten
 
 @_packed_matmul_op.register_fake
 def _packed_matmul_shape(x, codes, codebooks, scales, bias, out_sizes, config):
-    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+    return x.new_empty((*x.shape[:-1], code_rows(codes)))
 
 
 def packed_matmul(x: torch.Tensor, packed: PackedWeights, *, config: KernelConfig | None = None) -> torch.Tensor:

@@ -74,9 +74,10 @@ __device__ __forceinline__ void load_codes(const LutGemvParams& p, uint32_t (&wo
   const int g = g_begin + kGroupsPerChunk * chunk + 2 * i;
   const int first_row = batch_row + warp * 4 + row_in_warp;
   const unsigned int* code_words = reinterpret_cast<const unsigned int*>(p.codes);
-  const unsigned int row_words = static_cast<unsigned int>(p.groups) / 2;  // 2 bytes a group
-  const unsigned int first = first_row * row_words + g / 2;
-  const unsigned int slot_words = kWarps * 4 * row_words;
+  const unsigned int first = code_word_index(p, first_row, g);
+  // slot n's rows lie n * 32 rows on: in tiles, within the batch's own tile (a batch is one tile of rows)
+  static_assert(kRowsPerBatch == kLutTileRows, "a batch of rows is one tile of rows");
+  const unsigned int slot_words = kWarps * 4 * (p.tiled ? kGroupsPerChunk / 2 : static_cast<unsigned int>(p.groups) / 2);
   if (batch_row + kRowsPerBatch <= row_end && g_begin + kGroupsPerChunk * (chunk + 1) <= g_end) {
 #pragma unroll
     for (int n = 0; n < kRowSlots; ++n) words[n] = __ldcs(code_words + first + n * slot_words);  // read once

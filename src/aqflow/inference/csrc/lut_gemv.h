@@ -8,12 +8,13 @@ namespace aqflow {
 constexpr int kLutMaxMatrices = 4;
 constexpr int kLutMaxClusterRanks = 16;  // a non-portable cluster size, allowed on Hopper
 constexpr int kLutGroupsPerChunk = 16;  // input groups per table chunk
+constexpr int kLutTileRows = 256;       // tiled codes: tiles of 256 rows x 16 groups (packed.py, in_tiles)
 
 // y[t, row] = scales[row] * sum_j sum_m lut_t[j, m, codes[row, j, m]] (+ bias[row]) for the rows of up to
 // four matrices packed one after another (q/k/v, gate/up), each with its own codebooks.
 struct LutGemvParams {
   const void* x;            // [tokens, groups * 8], scalar type, row stride x_stride
-  const uint8_t* codes;     // [rows, groups, 2] uint8
+  const uint8_t* codes;     // [rows, groups, 2] uint8, or tiled: [rows / 256, groups / 16, 256, 16, 2]
   const void* codebooks;    // [num_matrices, 2, 256, 8], scalar type
   const void* scales;       // [rows], scalar type
   const void* bias;         // [rows] or nullptr
@@ -30,6 +31,7 @@ struct LutGemvParams {
   int rows_per_cta;         // a multiple of kLutRowsPerBatch
   int chunks_per_cta;       // chunks of 16 input groups whose tables a CTA holds
   int num_matrices;
+  int tiled;                // codes in tiles (every matrix's rows and the groups whole tiles)
   int row_start[kLutMaxMatrices + 1];    // first row of each matrix; row_start[num_matrices] = rows
   int block_start[kLutMaxMatrices + 1];  // first row block of each matrix
 };

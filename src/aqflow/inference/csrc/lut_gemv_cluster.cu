@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_cluster_kernel(const
       const int row = row_begin + (n * kWarps + warp) * 4 + row_in_warp;
       codes[c][n] = 0u;
       if (c < chunks && row < row_end && g < g_end)
-        codes[c][n] = __ldcs(reinterpret_cast<const unsigned int*>(p.codes + static_cast<size_t>(row) * p.groups * 2 + g * 2));
+        codes[c][n] = __ldcs(reinterpret_cast<const unsigned int*>(p.codes) + code_word_index(p, row, g));
     }
   }
   // the row this thread finishes: one of its own slots when the cluster is one CTA, else a slice of the block

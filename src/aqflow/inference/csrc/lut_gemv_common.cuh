@@ -69,6 +69,17 @@ struct ScalarOps<__half> {
   }
 };
 
+// The 32-bit word of codes holding groups g, g+1 (g even) of `row`, as an index from p.codes: row-major codes
+// [rows, groups, 2] or tiled [rows / 256, groups / 16, 256, 16, 2]. In tiles, the 32 rows a warp's load takes
+// (4 rows x 8 words of one chunk) are 128 contiguous bytes, one cache line instead of four.
+__device__ __forceinline__ unsigned int code_word_index(const LutGemvParams& p, int row, int g) {
+  const unsigned int row_words = static_cast<unsigned int>(p.groups) / 2;
+  if (!p.tiled) return static_cast<unsigned int>(row) * row_words + g / 2;
+  constexpr unsigned int kTileWords = kLutTileRows * kGroupsPerChunk / 2;
+  const unsigned int tile = static_cast<unsigned int>(row / kLutTileRows) * (p.groups / kGroupsPerChunk) + g / kGroupsPerChunk;
+  return tile * kTileWords + (row % kLutTileRows) * (kGroupsPerChunk / 2) + (g % kGroupsPerChunk) / 2;
+}
+
 // Inputs 2tq, 2tq+1 of group g for token t (zero past the CTA's groups or the tokens given).
 template <typename Scalar>
 __device__ __forceinline__ uint32_t input_pair(const LutGemvParams& p, int t, int g, int tq, int g_end) {
