@@ -74,14 +74,20 @@ def test_fused_matrices_equal_each_alone(rng):
 
 
 def test_tiled_codes_hold_each_tile_contiguous(rng):
-    """in_tiles: tile (a, b) is rows 256a.. x groups 16b.., row by row; the row-major codes come back; operands
-    whose matrices or groups are not whole tiles stay as they are."""
+    """in_tiles: tile (a, b) is rows 256a.. x groups 16b.., in the CUDA kernel's thread order (thread q, i takes
+    rows q + 32s, s < 8, groups 2i, 2i+1: 32 contiguous bytes); the row-major codes come back; operands whose
+    matrices or groups are not whole tiles stay as they are."""
     ws = [random_weights(rows, 48, 2, 8, 8, bias=False, generator=rng) for rows in (256, 512)]
     packed = pack_weights(ws)
     tiled = in_tiles(packed)
-    assert tiled.tiled and tiled.codes.shape == (3, 3, 256, 16, 2) and tiled.codes.is_contiguous()
+    assert tiled.tiled and tiled.codes.shape == (3, 3, 32, 8, 8, 2, 2) and tiled.codes.is_contiguous()
     assert (tiled.rows, tiled.num_groups, tiled.num_codebooks) == (768, 48, 2)
-    assert torch.equal(tiled.codes[2, 1], packed.codes[512:768, 16:32])
+    q, i = 5, 3  # rows 512 + 5 + 32s, groups 16 + 6, 7 of tile (2, 1)
+    thread = packed.codes[512 + q:768:32, 16 + 2 * i:16 + 2 * i + 2]  # [8 slots, 2 groups, 2 codebooks]
+    assert torch.equal(tiled.codes[2, 1, q, i], thread)
+    flat = tiled.codes.flatten()
+    start = ((2 * 3 + 1) * 32 + q) * 8 * 32 + i * 32  # bytes: tile (2, 1), thread q, word pair i
+    assert torch.equal(flat[start:start + 32], thread.flatten())
     assert torch.equal(row_major_codes(tiled), packed.codes)
     torch.testing.assert_close(packed_dense_weight(tiled), packed_dense_weight(packed), rtol=0, atol=0)
     for rows, groups in ((320, 48), (256, 40)):

@@ -61,15 +61,18 @@ def _code_columns(codes_ptr, rows, group0, ROWS, G, M: tl.constexpr, MP: tl.cons
     """codes of rows [BLOCK_O] for groups group0.. [BLOCK_G] -> [BLOCK_O, BLOCK_G*MP] int32, column
     j*MP + m holding codebook m of group group0 + j (0 where masked or m >= M). IN_RANGE: every row
     and group of every tile exists (no mask, so the loads can be wide). TILED: the codes lie in tiles
-    of 256 rows x 16 groups ([ROWS/256, G/16, 256, 16, M], packed.in_tiles), else [ROWS, G, M]."""
+    of 256 rows x 16 groups ([ROWS/256, G/16, 32, 8, 8, 2, M], packed.tiled_codes), else [ROWS, G, M]."""
     row_offsets = rows.to(tl.int64) * (G * M)
     cols = tl.arange(0, BLOCK_G * MP)
     if TILED:
         groups = group0 + cols // MP
         books = cols % MP
         tile_rows = rows.to(tl.int64) // _TILE_ROWS
+        in_rows, in_groups = rows % _TILE_ROWS, groups % _TILE_GROUPS
+        row_part = (in_rows % 32) * (128 * M) + (in_rows // 32) * (2 * M)  # q, slot
+        group_part = (in_groups // 2) * (16 * M) + (in_groups % 2) * M + books  # i, group % 2, codebook
         offsets = ((tile_rows[:, None] * (G // _TILE_GROUPS) + (groups // _TILE_GROUPS)[None, :]) * (_TILE_ROWS * _TILE_GROUPS * M)
-                   + ((rows % _TILE_ROWS) * (_TILE_GROUPS * M))[:, None] + ((groups % _TILE_GROUPS) * M + books)[None, :])
+                   + row_part[:, None] + group_part[None, :])
         mask = (rows[:, None] < ROWS) & (groups[None, :] < G) & (books[None, :] < M)
         codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
     elif M == MP:

@@ -13,23 +13,28 @@ from aqflow.inference.layout import QuantizedWeights
 
 MAX_FUSED_MATRICES = 4
 
-# The kernels' tiled code layout: tiles of TILE_ROWS rows x TILE_GROUPS input groups, each contiguous. A GPU
-# kernel's warp then reads 128 contiguous bytes where row-major codes gave it four 32-byte pieces of four
-# rows, four cache lines: 2-bit decode 7 % (3B) and 6 % (8B) faster on an H200 (results/tiled_codes_h200/).
+# The kernels' tiled code layout: tiles of TILE_ROWS rows x TILE_GROUPS input groups, each contiguous, and
+# inside a tile the codes in the order the CUDA kernel's threads take them. Its thread (q, i) of a 256-row
+# batch takes rows q, q + 32, ..., q + 224 (8 row slots) and groups 2i, 2i+1 of a 16-group chunk: their 8 x
+# 4 code bytes lie together, two 16-byte loads, and a warp's load is 512 contiguous bytes where row-major
+# codes gave it 32-byte pieces of 16 rows. Order within a tile: [q 32][i 8][slot 8][group % 2][codebook]
+# (row = 32 slot + q, group = 2i + group % 2). H200 2-bit decode: tiles +7 % (3B) / +6 % (8B) over
+# row-major codes (results/tiled_codes_h200/), the thread order in them +3 % more (8B, code_loads_h200/).
 TILE_ROWS = 256
 TILE_GROUPS = 16
+_TILE_DIMS = 7  # [row tiles, group tiles, q, i, slot, group % 2, codebook]
 
 
 def code_rows(codes: torch.Tensor) -> int:
-    """Output rows of codes, row-major [rows, G, M] or tiled [rows/256, G/16, 256, 16, M]."""
-    return codes.shape[0] * codes.shape[2] if codes.dim() == 5 else codes.shape[0]
+    """Output rows of codes, row-major [rows, G, M] or tiled (tiled_codes)."""
+    return codes.shape[0] * TILE_ROWS if codes.dim() == _TILE_DIMS else codes.shape[0]
 
 
 @dataclass(frozen=True)
 class PackedWeights:
     """One or several AQLM linears of the same input (same groups, codebook count and size) as one
     kernel operand: codes [rows, G, M] (uint8 or int32, the matrices' rows one after another) or the
-    same codes in tiles, [rows / TILE_ROWS, G / TILE_GROUPS, TILE_ROWS, TILE_GROUPS, M] (`in_tiles`),
+    same codes in tiles, [rows / 256, G / 16, 32, 8, 8, 2, M] (`in_tiles`, `tiled_codes`),
     codebooks [n, M, K, g], scales [rows], bias [rows] or None; out_sizes: the rows of each matrix."""
 
     codes: torch.Tensor
@@ -40,7 +45,7 @@ class PackedWeights:
 
     @property
     def tiled(self) -> bool:
-        return self.codes.dim() == 5
+        return self.codes.dim() == _TILE_DIMS
 
     @property
     def rows(self) -> int:
@@ -48,7 +53,7 @@ class PackedWeights:
 
     @property
     def num_groups(self) -> int:
-        return self.codes.shape[1] * self.codes.shape[3] if self.tiled else self.codes.shape[1]
+        return self.codes.shape[1] * TILE_GROUPS if self.tiled else self.codes.shape[1]
 
     @property
     def num_codebooks(self) -> int:
@@ -122,18 +127,18 @@ def can_tile(packed: PackedWeights) -> bool:
 
 
 def tiled_codes(codes: torch.Tensor) -> torch.Tensor:
-    """codes [rows, G, M] -> [rows / 256, G / 16, 256, 16, M] (a contiguous copy): tile (a, b) holds rows
-    256a.. and groups 16b.., row by row."""
+    """codes [rows, G, M] -> [rows / 256, G / 16, 32, 8, 8, 2, M] (a contiguous copy): element
+    [a, b, q, i, s, h, m] is codebook m of row 256a + 32s + q, group 16b + 2i + h."""
     rows, groups, m = codes.shape
-    return (codes.view(rows // TILE_ROWS, TILE_ROWS, groups // TILE_GROUPS, TILE_GROUPS, m)
-            .permute(0, 2, 1, 3, 4).contiguous())
+    return (codes.view(rows // TILE_ROWS, 8, 32, groups // TILE_GROUPS, 8, 2, m)  # [a, s, q, b, i, h, m]
+            .permute(0, 3, 2, 4, 1, 5, 6).contiguous())
 
 
 def row_major_codes(packed: PackedWeights) -> torch.Tensor:
     """The codes as [rows, G, M] (a copy where they are tiled)."""
     if not packed.tiled:
         return packed.codes
-    return packed.codes.permute(0, 2, 1, 3, 4).reshape(packed.rows, packed.num_groups, packed.num_codebooks)
+    return packed.codes.permute(0, 4, 2, 1, 3, 5, 6).reshape(packed.rows, packed.num_groups, packed.num_codebooks)
 
 
 def in_tiles(packed: PackedWeights) -> PackedWeights:

@@ -75,12 +75,20 @@ __device__ __forceinline__ void load_codes(const LutGemvParams& p, uint32_t (&wo
   const int first_row = batch_row + warp * 4 + row_in_warp;
   const unsigned int* code_words = reinterpret_cast<const unsigned int*>(p.codes);
   const unsigned int first = code_word_index(p, first_row, g);
-  // slot n's rows lie n * 32 rows on: in tiles, within the batch's own tile (a batch is one tile of rows)
-  static_assert(kRowsPerBatch == kLutTileRows, "a batch of rows is one tile of rows");
-  const unsigned int slot_words = kWarps * 4 * (p.tiled ? kGroupsPerChunk / 2 : static_cast<unsigned int>(p.groups) / 2);
-  if (batch_row + kRowsPerBatch <= row_end && g_begin + kGroupsPerChunk * (chunk + 1) <= g_end) {
+  // slot n's rows lie n * 32 rows on: in tiles, the next word (a batch is one tile of rows, whose 8 row slots
+  // of a thread lie together: code_word_index), row-major 32 rows of words on
+  static_assert(kRowsPerBatch == kLutTileRows && kRowSlots == 8, "a batch of rows is one tile of rows");
+  const unsigned int slot_words = p.tiled ? 1u : kWarps * 4 * (static_cast<unsigned int>(p.groups) / 2);
+  if (batch_row + kRowsPerBatch <= row_end && g_begin + kGroupsPerChunk * (chunk + 1) <= g_end) {  // read once:
+    if (p.tiled) {  // 32 aligned bytes: two 16-byte loads
+      const uint4* slots = reinterpret_cast<const uint4*>(code_words + first);
+      const uint4 low = __ldcs(slots), high = __ldcs(slots + 1);
+      words[0] = low.x, words[1] = low.y, words[2] = low.z, words[3] = low.w;
+      words[4] = high.x, words[5] = high.y, words[6] = high.z, words[7] = high.w;
+      return;
+    }
 #pragma unroll
-    for (int n = 0; n < kRowSlots; ++n) words[n] = __ldcs(code_words + first + n * slot_words);  // read once
+    for (int n = 0; n < kRowSlots; ++n) words[n] = __ldcs(code_words + first + n * slot_words);
     return;
   }
 #pragma unroll

@@ -14,7 +14,7 @@ constexpr int kLutTileRows = 256;       // tiled codes: tiles of 256 rows x 16 g
 // four matrices packed one after another (q/k/v, gate/up), each with its own codebooks.
 struct LutGemvParams {
   const void* x;            // [tokens, groups * 8], scalar type, row stride x_stride
-  const uint8_t* codes;     // [rows, groups, 2] uint8, or tiled: [rows / 256, groups / 16, 256, 16, 2]
+  const uint8_t* codes;     // [rows, groups, 2] uint8, or tiled: [rows / 256, groups / 16, 32, 8, 8, 2, 2]
   const void* codebooks;    // [num_matrices, 2, 256, 8], scalar type
   const void* scales;       // [rows], scalar type
   const void* bias;         // [rows] or nullptr

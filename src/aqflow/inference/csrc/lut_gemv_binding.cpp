@@ -20,7 +20,7 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, i
 }
 
 // Checks the tensors both kernels take and fills their parameters (out, workspace and counters left null).
-// x [T, in]; codes [rows, in / 8, 2] uint8, or tiled [rows / 256, in / 128, 256, 16, 2]; codebooks [n, 2, 256, 8]; scales [rows]; bias [rows] or None;
+// x [T, in]; codes [rows, in / 8, 2] uint8, or tiled [rows / 256, in / 128, 32, 8, 8, 2, 2] (packed.py); codebooks [n, 2, 256, 8]; scales [rows]; bias [rows] or None;
 // out_sizes: the rows of each packed matrix (1..4, summing to rows).
 aqflow::LutGemvParams checked_params(const char* name, const at::Tensor& x, const at::Tensor& codes,
                                      const at::Tensor& codebooks, const at::Tensor& scales,
@@ -32,16 +32,15 @@ aqflow::LutGemvParams checked_params(const char* name, const at::Tensor& x, cons
   const at::ScalarType scalar = x.scalar_type();
   TORCH_CHECK(scalar == at::kBFloat16 || scalar == at::kHalf, name, ": x must be bfloat16 or float16, got ", scalar);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) % 2 == 0, name, ": x must be [T, in] with unit, even strides");
-  const bool tiled = codes.dim() == 5;
-  check_tensor(codes, "codes", at::kByte, tiled ? 5 : 3, device);
+  const bool tiled = codes.dim() == 7;
+  check_tensor(codes, "codes", at::kByte, tiled ? 7 : 3, device);
   check_tensor(codebooks, "codebooks", scalar, 4, device);
   check_tensor(scales, "scales", scalar, 1, device);
-  const int64_t rows = tiled ? codes.size(0) * codes.size(2) : codes.size(0);
-  const int64_t groups = tiled ? codes.size(1) * codes.size(3) : codes.size(1);
+  const int64_t rows = tiled ? codes.size(0) * aqflow::kLutTileRows : codes.size(0);
+  const int64_t groups = tiled ? codes.size(1) * aqflow::kLutGroupsPerChunk : codes.size(1);
   TORCH_CHECK(codes.size(-1) == 2, "codes: 2 codebooks expected, got ", codes.size(-1));
-  TORCH_CHECK(!tiled || (codes.size(2) == aqflow::kLutTileRows && codes.size(3) == aqflow::kLutGroupsPerChunk),
-              "tiled codes must be [rows / ", aqflow::kLutTileRows, ", groups / ", aqflow::kLutGroupsPerChunk, ", ",
-              aqflow::kLutTileRows, ", ", aqflow::kLutGroupsPerChunk, ", 2], got ", codes.sizes());
+  TORCH_CHECK(!tiled || (codes.size(2) == 32 && codes.size(3) == 8 && codes.size(4) == 8 && codes.size(5) == 2),
+              "tiled codes must be [rows / 256, groups / 16, 32, 8, 8, 2, 2], got ", codes.sizes());
   TORCH_CHECK(codebooks.size(1) == 2 && codebooks.size(2) == 256 && codebooks.size(3) == 8,
               "codebooks must be [n, 2, 256, 8], got ", codebooks.sizes());
   TORCH_CHECK(x.size(1) == groups * 8, "x has ", x.size(1), " features, the codes take ", groups * 8);

@@ -70,14 +70,17 @@ struct ScalarOps<__half> {
 };
 
 // The 32-bit word of codes holding groups g, g+1 (g even) of `row`, as an index from p.codes: row-major codes
-// [rows, groups, 2] or tiled [rows / 256, groups / 16, 256, 16, 2]. In tiles, the 32 rows a warp's load takes
-// (4 rows x 8 words of one chunk) are 128 contiguous bytes, one cache line instead of four.
+// [rows, groups, 2], or tiled [rows / 256, groups / 16, 32, 8, 8, 2, 2] (packed.py, tiled_codes): in a tile
+// of 256 rows x 16 groups, word (q, i, s) holds row 32s + q, groups 2i, 2i+1. The words a thread of the
+// split-K kernel takes in one step (row slots s = 0..7 of its q, its i) are then 32 contiguous bytes.
 __device__ __forceinline__ unsigned int code_word_index(const LutGemvParams& p, int row, int g) {
   const unsigned int row_words = static_cast<unsigned int>(p.groups) / 2;
   if (!p.tiled) return static_cast<unsigned int>(row) * row_words + g / 2;
   constexpr unsigned int kTileWords = kLutTileRows * kGroupsPerChunk / 2;
+  constexpr unsigned int kSlotsPerTile = kLutTileRows / 32;
   const unsigned int tile = static_cast<unsigned int>(row / kLutTileRows) * (p.groups / kGroupsPerChunk) + g / kGroupsPerChunk;
-  return tile * kTileWords + (row % kLutTileRows) * (kGroupsPerChunk / 2) + (g % kGroupsPerChunk) / 2;
+  const unsigned int in_tile = row % kLutTileRows, pair = (g % kGroupsPerChunk) / 2;
+  return tile * kTileWords + ((in_tile % 32) * (kGroupsPerChunk / 2) + pair) * kSlotsPerTile + in_tile / 32;
 }
 
 // Inputs 2tq, 2tq+1 of group g for token t (zero past the CTA's groups or the tokens given).
