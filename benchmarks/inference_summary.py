@@ -3,7 +3,7 @@ top-level keys `gpu_decode_speedup_3b`, `gpu_decode_speedup_8b` (2 bpp over the 
 the same model on the card) and `cpu_decode_speedup_3b` (over the best dense decode on the box's CPU
 cores), gathered from the result files that measured them, each named in `sources`.
 
-    python3 benchmarks/inference_summary.py --gpu benchmarks/results/qkv_finish_h200/c/inference_gpu.json \\
+    python3 benchmarks/inference_summary.py --gpu benchmarks/results/thread_tiles_h200/b/inference_gpu.json \\
         --cpu benchmarks/results/cpu_int16_h200/call1/decode.json benchmarks/results/cpu_int16_h200/call2/decode.json \\
         benchmarks/results/cpu_int16_h200/call3/decode.json --out benchmarks/results/inference_h200.json
 
