@@ -169,7 +169,8 @@ def test_tiled_codes_give_the_same_outputs():
     from aqflow.inference.packed import in_tiles
 
     generator = torch.Generator().manual_seed(5)
-    ws = [random_2x8(rows, 48, bias, generator, "cuda", torch.bfloat16) for rows, bias in ((512, True), (256, False), (768, True))]
+    ws = [random_2x8(rows, 48, bias, generator, "cuda", torch.bfloat16)
+          for rows, bias in ((512, True), (256, False), (768, True))]
     packed = gk.pack_weights(ws)
     tiled = in_tiles(packed)
     assert tiled.tiled

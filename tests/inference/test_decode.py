@@ -110,6 +110,15 @@ def quantized_twins(config: LlamaConfig, seed: int = 3) -> tuple[LlamaForCausalL
     return quantized, dense
 
 
+def assert_decodes_as(quantized, dense, sequence: torch.Tensor, new_tokens: int) -> None:
+    """The same logits on `sequence` and the same greedy tokens (the quantized model unfused by the decode)."""
+    with torch.no_grad():
+        torch.testing.assert_close(quantized(sequence).logits, dense(sequence).logits, rtol=1e-4, atol=1e-4)
+    expected, _ = greedy_decode(dense, sequence, new_tokens)
+    tokens, _ = greedy_decode(quantized, sequence, new_tokens, fuse=False)
+    assert tokens.tolist() == expected.tolist()
+
+
 def test_quantized_model_decodes_as_its_dense_equivalent():
     """A tiny Llama whose projections are 2x8 kernel linears (Triton's interpreter here) decodes the
     same tokens, with the same logits, as the model holding their dense weights; fused q/k/v and
@@ -119,11 +128,7 @@ def test_quantized_model_decodes_as_its_dense_equivalent():
                          pad_token_id=None)
     quantized, dense = quantized_twins(config)
     sequence = prompt(5)
-    with torch.no_grad():
-        torch.testing.assert_close(quantized(sequence).logits, dense(sequence).logits, rtol=1e-4, atol=1e-4)
-    expected, _ = greedy_decode(dense, sequence, 3)
-    tokens, _ = greedy_decode(quantized, sequence, 3, fuse=False)
-    assert tokens.tolist() == expected.tolist()
+    assert_decodes_as(quantized, dense, sequence, 3)
     assert len(fuse_projections(quantized)) == 2
     assert type(quantized.model.layers[0].self_attn.q_proj.fused).__name__ == "FusedQuantizedLinear"
     with torch.no_grad():
@@ -143,12 +148,7 @@ def test_quantized_projections_read_tiled_codes_after_fusing():
     assert layer.mlp.gate_proj.fused.packed.tiled and not layer.self_attn.q_proj.fused.packed.tiled
     for single in (layer.self_attn.o_proj, layer.mlp.down_proj):
         assert type(single).__name__ == "FusedQuantizedLinear" and single.packed.tiled
-    sequence = prompt(3)
-    with torch.no_grad():
-        torch.testing.assert_close(quantized(sequence).logits, dense(sequence).logits, rtol=1e-4, atol=1e-4)
-    expected, _ = greedy_decode(dense, sequence, 2)
-    tokens, _ = greedy_decode(quantized, sequence, 2, fuse=False)
-    assert tokens.tolist() == expected.tolist()
+    assert_decodes_as(quantized, dense, prompt(3), 2)
 
 
 def test_failed_compile_falls_back_to_the_plain_step(monkeypatch):

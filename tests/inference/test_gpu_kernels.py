@@ -102,7 +102,8 @@ TILED_CASES = [(gk.KernelConfig("direct", 512, 16, 2, 4), 3), (gk.KernelConfig("
                (gk.KernelConfig("lut", 64, 8, 2, 4), 1), (gk.KernelConfig("direct16", 128, 16, 1, 4), 1), (None, 12)]
 
 
-@pytest.mark.parametrize("config, tokens", TILED_CASES, ids=[f"{c.label() if c else 'dense'}-{t}" for c, t in TILED_CASES])
+@pytest.mark.parametrize("config, tokens", TILED_CASES,
+                         ids=[f"{c.label() if c else 'dense'}-{t}" for c, t in TILED_CASES])
 def test_tiled_codes_give_the_same_outputs(config, tokens, rng):
     """The kernels (and, past 8 tokens, the dense product) read tiled codes to the same bits as row-major ones."""
     ws = [random_weights(rows, 32, 2, 8, 8, bias=bias, generator=rng) for rows, bias in ((256, True), (512, False))]

@@ -71,8 +71,8 @@ def _code_columns(codes_ptr, rows, group0, ROWS, G, M: tl.constexpr, MP: tl.cons
         in_rows, in_groups = rows % _TILE_ROWS, groups % _TILE_GROUPS
         row_part = (in_rows % 32) * (128 * M) + (in_rows // 32) * (2 * M)  # q, slot
         group_part = (in_groups // 2) * (16 * M) + (in_groups % 2) * M + books  # i, group % 2, codebook
-        offsets = ((tile_rows[:, None] * (G // _TILE_GROUPS) + (groups // _TILE_GROUPS)[None, :]) * (_TILE_ROWS * _TILE_GROUPS * M)
-                   + row_part[:, None] + group_part[None, :])
+        tiles = tile_rows[:, None] * (G // _TILE_GROUPS) + (groups // _TILE_GROUPS)[None, :]
+        offsets = tiles * (_TILE_ROWS * _TILE_GROUPS * M) + row_part[:, None] + group_part[None, :]
         mask = (rows[:, None] < ROWS) & (groups[None, :] < G) & (books[None, :] < M)
         codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
     elif M == MP:
@@ -150,8 +150,8 @@ def _direct_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, part
                    TP: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr,
                    IN_RANGE: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, TILED: tl.constexpr,
                    HALF_MATH: tl.constexpr = False):
-    """x [T, G*GS]; codes [ROWS, G, M] (or tiled: _code_columns); codebooks [n, M, K, GS] -> out [T, ROWS]. Grid (row blocks, SPLIT);
-    a program takes groups_per_split (a multiple of BLOCK_G) groups.
+    """x [T, G*GS]; codes [ROWS, G, M] (or tiled: _code_columns); codebooks [n, M, K, GS] -> out [T, ROWS].
+    Grid (row blocks, SPLIT); a program takes groups_per_split (a multiple of BLOCK_G) groups.
 
     A step's tile is [BLOCK_O rows, BLOCK_G*MP codes]: each code is a column of its own (codebook m
     of group j at column j*MP + m), whose codeword is dotted with group j's inputs; the sums stay per

@@ -20,8 +20,9 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, i
 }
 
 // Checks the tensors both kernels take and fills their parameters (out, workspace and counters left null).
-// x [T, in]; codes [rows, in / 8, 2] uint8, or tiled [rows / 256, in / 128, 32, 8, 8, 2, 2] (packed.py); codebooks [n, 2, 256, 8]; scales [rows]; bias [rows] or None;
-// out_sizes: the rows of each packed matrix (1..4, summing to rows).
+// x [T, in]; codes [rows, in / 8, 2] uint8, or tiled [rows / 256, in / 128, 32, 8, 8, 2, 2] (packed.py);
+// codebooks [n, 2, 256, 8]; scales [rows]; bias [rows] or None; out_sizes: the rows of each packed matrix (1..4,
+// summing to rows).
 aqflow::LutGemvParams checked_params(const char* name, const at::Tensor& x, const at::Tensor& codes,
                                      const at::Tensor& codebooks, const at::Tensor& scales,
                                      const c10::optional<at::Tensor>& bias,

@@ -78,7 +78,8 @@ __device__ __forceinline__ unsigned int code_word_index(const LutGemvParams& p, 
   if (!p.tiled) return static_cast<unsigned int>(row) * row_words + g / 2;
   constexpr unsigned int kTileWords = kLutTileRows * kGroupsPerChunk / 2;
   constexpr unsigned int kSlotsPerTile = kLutTileRows / 32;
-  const unsigned int tile = static_cast<unsigned int>(row / kLutTileRows) * (p.groups / kGroupsPerChunk) + g / kGroupsPerChunk;
+  const unsigned int tile =
+      static_cast<unsigned int>(row / kLutTileRows) * (p.groups / kGroupsPerChunk) + g / kGroupsPerChunk;
   const unsigned int in_tile = row % kLutTileRows, pair = (g % kGroupsPerChunk) / 2;
   return tile * kTileWords + ((in_tile % 32) * (kGroupsPerChunk / 2) + pair) * kSlotsPerTile + in_tile / 32;
 }
