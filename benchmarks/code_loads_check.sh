@@ -6,7 +6,9 @@
 #   k3     three steps in flight;
 #   v4     each thread's 8 words as two 16-byte loads (a warp's load: four lines); the words a thread gets
 #          are not its rows' (the tile is not laid out for it), so its sums are wrong, its work is the same.
-# Run from the repository root: bash benchmarks/code_loads_check.sh OUT_DIR
+# It measured the kernel of commit 6b89d1a (results/code_loads_h200/). Main has since taken v4's loads with
+# the tiles laid out for them, so the v4 edit no longer applies and the script stops naming the missing text
+# (run it from a checkout of 6b89d1a). Run from the repository root: bash benchmarks/code_loads_check.sh OUT_DIR
 set -euo pipefail
 out=${1:?OUT_DIR}
 export CONFIGS=${CONFIGS:-benchmarks/results/tiled_codes_h200/b/inference_gpu.json} SHAPES=${SHAPES:-8b}

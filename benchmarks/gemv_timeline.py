@@ -4,9 +4,12 @@ time of each phase, from stamps the kernel itself takes.
 Needs the extension built from a copy with `benchmarks/patches/gemv_timeline.patch` applied (its
 binding gains `timeline()`): thread 0 of every CTA stamps the SM clock and the global timer at kernel
 entry, after requesting its first codes and loading the codebooks, when the PDL wait returns, when
-the first input word arrives, when the tables are built (after the barrier), after the first batch of
-rows and at the end (after a last barrier), and appends a record to a ring of 131,072.
-`benchmarks/gemv_timeline_check.sh` applies the patch to a copy and runs this.
+the first input word arrives, then its first codebook word, when the tables are built (after the
+barrier), after the first batch of rows and at the end (after a last barrier), and appends a record to a
+ring of 131,072.
+`benchmarks/gemv_timeline_check.sh` applies the patch to a copy and runs this. (The results of session 30,
+results/gemv_timeline_h200/, code_layout_h200/ and code_loads_h200/, came from its first form, without the
+codebook stamp: their build includes the wait for the codebooks.)
 
 A Llama of each shape with random 2x8 codes decodes through `greedy_decode` (compile + graph, open sums,
 PDL: the decode as benchmarked), the GEMVs on the configurations of `--configs` (an inference_gpu.json's
@@ -16,8 +19,8 @@ PDL: the decode as benchmarked), the GEMVs on the configurations of `--configs` 
 - exposed: from the PDL wait's return (the kernel before is done) to the launch's last CTA end, the
   part of the step the GEMV holds alone;
 - the CTA phases: request (codes requested, codebooks loaded), wait (PDL), x (the first input word's
-  latency after the wait), build (tables and barrier), batch1 (the first batch of rows' look-ups), rest
-  (later batches, the sums' additions, the last barrier);
+  latency after the wait), codebooks (then its first codebook word's), build (tables and barrier),
+  batch1 (the first batch of rows' look-ups), rest (later batches, the sums' additions, the last barrier);
 - late: CTAs that started after the launch's first CTA had ended (a second wave).
 
     python benchmarks/gemv_timeline.py --shapes 3b,8b --configs CONFIGS.json --out OUT_DIR
@@ -43,25 +46,28 @@ from aqflow.inference import cuda_kernels  # noqa: E402
 from aqflow.inference import gpu_kernels as gk  # noqa: E402
 from aqflow.inference.decode import fuse_projections, greedy_decode  # noqa: E402
 
-STAMPS = ("entry", "request", "wait", "x", "build", "batch1", "end")
-PHASES = ("request", "wait", "x", "build", "batch1", "rest")  # each from the stamp before it to its own
+STAMPS = ("entry", "request", "wait", "x", "codebooks", "build", "batch1", "end")
+PHASES = ("request", "wait", "x", "codebooks", "build", "batch1", "rest")  # each from the stamp before it to its own
+END = len(STAMPS) - 1
 LAUNCH_GAP_NS = 100_000  # a linear's launches in successive steps lie ~1 ms apart
 
 
 def records_of(raw: torch.Tensor, count: int) -> list[dict]:
-    """raw [N, 16] int64 as the binding returns it -> the written records, oldest first by entry time."""
+    """raw [N, 16] int64 as the binding returns it -> the written records, oldest first by entry time. A
+    record: codes address, where, len(STAMPS) global-timer stamps, then 32-bit words: the clock stamps, rows."""
     n = min(count, raw.shape[0])
     rows = raw[:n].tolist()
     found = []
+    first_word = 2 + len(STAMPS)
     for r in rows:
         where = r[1] & 0xFFFFFFFFFFFFFFFF
         cycles = []
-        for word in r[9:13]:
+        for word in r[first_word:16]:
             word &= 0xFFFFFFFFFFFFFFFF
             cycles += [word & 0xFFFFFFFF, word >> 32]
         found.append({"codes": r[0], "block": where & 0xFFFF, "split": (where >> 16) & 0xFFFF,
-                      "sm": (where >> 32) & 0xFFFF, "splits": where >> 48, "ns": r[2:9],
-                      "cycles": cycles[:7], "rows": cycles[7]})
+                      "sm": (where >> 32) & 0xFFFF, "splits": where >> 48, "ns": r[2:first_word],
+                      "cycles": cycles[:len(STAMPS)], "rows": cycles[len(STAMPS)]})
     return sorted(found, key=lambda rec: rec["ns"][0])
 
 
@@ -89,25 +95,25 @@ def cycle_span(rec: dict, a: int, b: int) -> int:
 
 def launch_summary(launch: list[dict], ghz: float) -> dict:
     """One launch: its CTAs, exposed time and per-phase medians (microseconds)."""
-    first_end = min(rec["ns"][6] for rec in launch)
+    first_end = min(rec["ns"][END] for rec in launch)
     wait_over = statistics.median(rec["ns"][2] for rec in launch)
     phases = {name: [cycle_span(rec, k, k + 1) / ghz / 1e3 for rec in launch] for k, name in enumerate(PHASES)}
     return {
         "ctas": len(launch), "rows": sum(rec["rows"] for rec in launch if rec["split"] == 0),
         "splits": launch[0]["splits"],
-        "exposed_us": (max(rec["ns"][6] for rec in launch) - wait_over) / 1e3,
-        "span_us": (max(rec["ns"][6] for rec in launch) - min(rec["ns"][0] for rec in launch)) / 1e3,
+        "exposed_us": (max(rec["ns"][END] for rec in launch) - wait_over) / 1e3,
+        "span_us": (max(rec["ns"][END] for rec in launch) - min(rec["ns"][0] for rec in launch)) / 1e3,
         "late_ctas": sum(rec["ns"][0] > first_end for rec in launch),
         "phase_median_us": {name: statistics.median(v) for name, v in phases.items()},
         "phase_max_us": {name: max(v) for name, v in phases.items()},
-        "cta_us_median": statistics.median(cycle_span(rec, 0, 6) for rec in launch) / ghz / 1e3,
+        "cta_us_median": statistics.median(cycle_span(rec, 0, END) for rec in launch) / ghz / 1e3,
     }
 
 
 def clock_ghz(records: list[dict]) -> float:
     """SM clock: cycles over nanoseconds, entry to end, summed over the CTAs."""
-    cycles = sum(cycle_span(rec, 0, 6) for rec in records)
-    ns = sum(rec["ns"][6] - rec["ns"][0] for rec in records)
+    cycles = sum(cycle_span(rec, 0, END) for rec in records)
+    ns = sum(rec["ns"][END] - rec["ns"][0] for rec in records)
     return cycles / ns
 
 
