@@ -473,19 +473,29 @@ class FusedQuantizedLinear(torch.nn.Module):
 _LLAMA_FAMILY_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 
 
-def _kernel_operand(module: torch.nn.Module) -> torch.nn.Module | None:
-    """A quantized linear on CUDA (or in Triton's interpreter) as a FusedQuantizedLinear of its own, whose codes
-    lie in the kernels' tiles; None where its codes cannot be tiled or it is no such linear."""
-    from aqflow.inference import gpu_kernels
+def _held_for_cpu_kernels(module: torch.nn.Module) -> bool:
+    """A FastQuantizedLinear on a CPU: its codes in the CPU kernels' own layouts (never Triton's interpreter)."""
     from aqflow.inference.fast_linear import FastQuantizedLinear
+
+    return type(module) is FastQuantizedLinear and module.codes.device.type == "cpu"
+
+
+def _gpu_kernels_take(weights: QuantizedWeights) -> bool:
+    """The GPU kernels run these weights: on CUDA, or in Triton's interpreter (tests)."""
+    from aqflow.inference import gpu_kernels
+
+    return weights.codes.is_cuda or gpu_kernels._interpreting()
+
+
+def _kernel_operand(module: torch.nn.Module) -> torch.nn.Module | None:
+    """A quantized linear the GPU kernels run as a FusedQuantizedLinear of its own, whose codes lie in the
+    kernels' tiles; None where its codes cannot be tiled or it is no such linear."""
     from aqflow.inference.packed import as_packed, can_tile
 
-    if isinstance(module, (FusedQuantizedLinear, FusedProjectionMember)):
+    if isinstance(module, (FusedQuantizedLinear, FusedProjectionMember)) or _held_for_cpu_kernels(module):
         return None
-    if type(module) is FastQuantizedLinear and module.codes.device.type == "cpu":
-        return None  # the CPU kernels' own layouts (never Triton's interpreter)
     weights = quantized_weights_of(module)
-    if weights is None or not (weights.codes.is_cuda or gpu_kernels._interpreting()) or not can_tile(as_packed(weights)):
+    if weights is None or not _gpu_kernels_take(weights) or not can_tile(as_packed(weights)):
         return None
     return FusedQuantizedLinear([weights])
 
@@ -532,7 +542,7 @@ def _decoder_layers(model: torch.nn.Module):
 
 
 def _fused_owner(members: Sequence[torch.nn.Module]) -> torch.nn.Module | None:
-    from aqflow.inference.fast_linear import CpuBf16Linear, FastQuantizedLinear, FusedColumnsLinear, fused_columns_fit
+    from aqflow.inference.fast_linear import CpuBf16Linear, FusedColumnsLinear, fused_columns_fit
 
     if all(type(m) is torch.nn.Linear for m in members) or all(type(m) is CpuBf16Linear for m in members):
         if len({m.in_features for m in members}) != 1:
@@ -541,14 +551,12 @@ def _fused_owner(members: Sequence[torch.nn.Module]) -> torch.nn.Module | None:
         return fused if type(members[0]) is torch.nn.Linear else CpuBf16Linear(fused)
     if fused_columns_fit(members):  # 2-bit layers on a CPU: one register-kernel call for all
         return FusedColumnsLinear(list(members))
-    if any(type(m) is FastQuantizedLinear and m.codes.device.type == "cpu" for m in members):
-        return None  # other CPU layouts: the numba kernels, one call a layer (never Triton's interpreter)
+    if any(_held_for_cpu_kernels(m) for m in members):
+        return None  # other CPU layouts: the numba kernels, one call a layer
     weights = [quantized_weights_of(m) for m in members]
     if all(w is not None for w in weights):
-        from aqflow.inference import gpu_kernels
         from aqflow.inference.packed import can_pack
 
-        # the kernels run on CUDA (or in Triton's interpreter, in tests)
-        if (weights[0].codes.is_cuda or gpu_kernels._interpreting()) and can_pack(weights):
+        if _gpu_kernels_take(weights[0]) and can_pack(weights):
             return FusedQuantizedLinear(weights)
     return None

@@ -62,22 +62,10 @@ def _code_columns(codes_ptr, rows, group0, ROWS, G, M: tl.constexpr, MP: tl.cons
     j*MP + m holding codebook m of group group0 + j (0 where masked or m >= M). IN_RANGE: every row
     and group of every tile exists (no mask, so the loads can be wide). TILED: the codes lie in tiles
     of 256 rows x 16 groups ([ROWS/256, G/16, 32, 8, 8, 2, M], packed.tiled_codes), else [ROWS, G, M]."""
-    row_offsets = rows.to(tl.int64) * (G * M)
     cols = tl.arange(0, BLOCK_G * MP)
-    if TILED:
-        groups = group0 + cols // MP
-        books = cols % MP
-        tile_rows = rows.to(tl.int64) // _TILE_ROWS
-        in_rows, in_groups = rows % _TILE_ROWS, groups % _TILE_GROUPS
-        row_part = (in_rows % 32) * (128 * M) + (in_rows // 32) * (2 * M)  # q, slot
-        group_part = (in_groups // 2) * (16 * M) + (in_groups % 2) * M + books  # i, group % 2, codebook
-        tiles = tile_rows[:, None] * (G // _TILE_GROUPS) + (groups // _TILE_GROUPS)[None, :]
-        offsets = tiles * (_TILE_ROWS * _TILE_GROUPS * M) + row_part[:, None] + group_part[None, :]
-        mask = (rows[:, None] < ROWS) & (groups[None, :] < G) & (books[None, :] < M)
-        codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
-    elif M == MP:
+    if M == MP and not TILED:
         # one contiguous run of BLOCK_G*M codes per row
-        ptrs = codes_ptr + row_offsets[:, None] + group0 * M + cols[None, :]
+        ptrs = codes_ptr + rows.to(tl.int64)[:, None] * (G * M) + group0 * M + cols[None, :]
         if IN_RANGE:
             codes = tl.load(ptrs)
         else:
@@ -85,9 +73,16 @@ def _code_columns(codes_ptr, rows, group0, ROWS, G, M: tl.constexpr, MP: tl.cons
     else:
         groups = group0 + cols // MP
         books = cols % MP
-        ptrs = codes_ptr + row_offsets[:, None] + (groups * M + books)[None, :]
+        if TILED:
+            in_rows, in_groups = rows % _TILE_ROWS, groups % _TILE_GROUPS
+            row_part = (in_rows % 32) * (128 * M) + (in_rows // 32) * (2 * M)  # q, slot
+            group_part = (in_groups // 2) * (16 * M) + (in_groups % 2) * M + books  # i, group % 2, codebook
+            tiles = (rows.to(tl.int64) // _TILE_ROWS)[:, None] * (G // _TILE_GROUPS) + (groups // _TILE_GROUPS)[None, :]
+            offsets = tiles * (_TILE_ROWS * _TILE_GROUPS * M) + row_part[:, None] + group_part[None, :]
+        else:
+            offsets = rows.to(tl.int64)[:, None] * (G * M) + (groups * M + books)[None, :]
         mask = (rows[:, None] < ROWS) & (groups[None, :] < G) & (books[None, :] < M)
-        codes = tl.load(ptrs, mask=mask, other=0)
+        codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
     return codes.to(tl.int32)
 
 
