@@ -144,10 +144,10 @@ __global__ void __launch_bounds__(kThreads, ctas_per_multiprocessor(kTokens))
   constexpr int kAhead = kTokens == 1 ? 2 : 1;
   uint32_t codes[kAhead + 1][kRowSlots];
   StepCursor next{row_begin, 0};
+  uint32_t b[8];
+  load_codebook_fragments(codebooks, b);  // first: the build needs them before the look-ups need codes
 #pragma unroll
   for (int a = 0; a < kAhead; ++a) request_step(p, codes[a], next, row_end, chunks, g_begin, g_end);  // during the build
-  uint32_t b[8];
-  load_codebook_fragments(codebooks, b);
   wait_for_prior_kernel();  // x and the workspace may come from the kernel before this one
   build_tables<Scalar, kHalfEntries, kTokens>(p, b, g_begin, g_end, units, smem);
   __syncthreads();

@@ -56,7 +56,10 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_cluster_kernel(const
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row_in_warp = lane >> 3, i = lane & 7;
 
-  // 1. every request at once: codes (streamed past the caches), then what the build and the end need
+  // 1. every request at once: the codebooks (the build's first need, lut_gemv_common.cuh), codes (streamed past
+  // the caches), then what the end needs
+  uint32_t b[8];
+  load_codebook_fragments(codebooks, b);
   uint32_t codes[kMaxChunks][kSlots];
 #pragma unroll
   for (int c = 0; c < kMaxChunks; ++c) {
@@ -80,8 +83,6 @@ __global__ void __launch_bounds__(kThreads, 2) lut_gemv_2x8_cluster_kernel(const
     scale = ScalarOps<Scalar>::to_float(static_cast<const Scalar*>(p.scales)[row_begin + my_row_local]);
     if (p.bias != nullptr) bias = ScalarOps<Scalar>::to_float(static_cast<const Scalar*>(p.bias)[row_begin + my_row_local]);
   }
-  uint32_t b[8];
-  load_codebook_fragments(codebooks, b);
   wait_for_prior_kernel();  // x may come from the kernel before this one; the weights above may not
   InputFragments a[kMaxUnits];
 #pragma unroll
