@@ -26,19 +26,13 @@
 # the plain variants' speeds are what counts. It measured commit 202cfe7 (results/build_phase_h200/: calls
 # 1-3 ran variants "m f g cb r", "m f x" and "m f k kx" with TIMELINE "m f", "x", "kx"). Main has since
 # taken f (the codebooks requested first), so the edits of f, g, x, k and kx no longer apply and the script
-# stops naming the missing text (run it from a checkout of 202cfe7); m, cb and r still apply. Run from the
+# stops naming the missing text (run it from a checkout of 202cfe7); m and r still apply. Run from the
 # repository root:
 #   bash benchmarks/build_phase_check.sh OUT_DIR [VARIANT ...]
 set -euo pipefail
-out=$(mkdir -p "${1:?OUT_DIR}" && cd "$1" && pwd)
-shift
-names=${*:-m f g cb r}
+names=${*:2}
+names=${names:-m f g cb r}
 timelines=${TIMELINE-m f}
-configs=$(pwd)/${CONFIGS:-benchmarks/results/thread_tiles_h200/b/inference_gpu.json}
-work=$(mktemp -d)
-mkdir -p "$work/plain" "$work/patched"
-cp -r src "$work/plain/src" && cp -r src "$work/patched/src"
-(cd "$work/patched" && git apply "$OLDPWD/benchmarks/patches/gemv_timeline.patch")
 kernel=aqflow/inference/csrc/lut_gemv.cu common=aqflow/inference/csrc/lut_gemv_common.cuh
 requests="#pragma unroll
   for (int a = 0; a < kAhead; ++a) request_step(p, codes[a], next, row_end, chunks, g_begin, g_end);  // during the build
@@ -51,11 +45,6 @@ codebooks_first="  uint32_t b[8];
 ldg="    b[q] = __ldg(words + (((gid & 1) * kCodewords + k) * 8 + 2 * tq) / 2);"
 volatile_load() {  # $1: the PTX load
   echo "    asm volatile(\"$1 %0, [%1];\" : \"=r\"(b[q]) : \"l\"(words + (((gid & 1) * kCodewords + k) * 8 + 2 * tq) / 2));"
-}
-edit() {  # base dest file old new [old new ...]: a copy of base/src as dest/src with the edits
-  local base=$1 dest=$2 file=$3
-  shift 3
-  python3 benchmarks/source_variant.py "$base/src" "$dest/src" "$file" "$@"
 }
 replicate() {  # base dest: 8 copies of every codebook in memory, a CTA reading copy (x + y) % 8 of its block
   edit "$1" "$1.r1" "$kernel" \
@@ -121,23 +110,4 @@ make_variant() {  # name base dest
     *) echo "unknown variant $name" >&2; exit 2 ;;
   esac
 }
-runs=""
-for name in $names; do make_variant "$name" "$work/plain" "$work/$name"; runs="$runs $name"; done
-for name in $timelines; do make_variant "$name" "$work/patched" "$work/t_$name"; runs="$runs t_$name"; done
-nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
-for run in $runs; do  # the extensions in parallel
-  (TORCH_EXTENSIONS_DIR="$work/ext_$run" PYTHONPATH="$work/$run/src" MAX_JOBS=4 \
-     python3 -c "from aqflow.inference import cuda_kernels; cuda_kernels.load_extension()" > "$out/build_$run.log" 2>&1 ||
-     echo "build of $run failed") &
-done
-wait
-decode() {  # run label tokens
-  mkdir -p "$out/$2"
-  TORCH_EXTENSIONS_DIR="$work/ext_$1" PYTHONPATH="$work/$1/src:benchmarks" PYTHONUNBUFFERED=1 timeout 240 \
-    python3 benchmarks/gemv_timeline.py --shapes "${SHAPES:-3b,8b}" --configs "$configs" --new-tokens "$3" \
-    --out "$out/$2" 2>&1 | grep -v "Warning\|warn(" > "$out/$2/gemv_timeline.txt" || true
-  echo "== $2"; grep -E "tok/s|^(qkv|o|gate\+up|down) |max" "$out/$2/gemv_timeline.txt" || tail -5 "$out/$2/gemv_timeline.txt"
-}
-for name in $names; do decode "$name" "$name" 256; done
-case " $names " in *" m "*) decode m m_again 256 ;; esac
-for name in $timelines; do decode "t_$name" "t_$name" 64; done
+source benchmarks/variant_speeds.sh "${1:?OUT_DIR}"
