@@ -117,11 +117,11 @@ __device__ __forceinline__ InputFragments input_fragments(const LutGemvParams& p
 // of codewords 4 (w + 8q) .. +3, q < 8. codebooks: [2, 256, 8] of one matrix.
 //
 // Volatile loads (read-only path), so that they are issued where the kernel asks for them: the first thing a
-// CTA requests. As plain __ldg, ptxas issued them after the PDL wait (fewer registers held across it). In a
-// decode step they take ~1.3-1.5 us from request to arrival where x takes ~0.5 (eight copies of them, read
-// by different CTAs, change nothing: not an L2 hot spot; likely device memory, as the step's other weights
-// stream through L2 between two uses). Requested first, the 3B decode gains 2.6-2.8 % and the 8B 1.8-1.9 %
-// (H200, three machines, results/build_phase_h200/).
+// CTA requests. As plain __ldg, ptxas issued them after the PDL wait (presumably to hold fewer registers
+// across it). In a decode step they take ~1.3-1.5 us from request to arrival where x takes ~0.5. Eight copies
+// of them, read by different CTAs, gained under 1 % and left them as late: not an L2 hot spot, likely device
+// memory, as the step's other weights stream through L2 between two uses. Requested first, the 3B decode
+// gains 2.6-2.8 % and the 8B 1.8-1.9 % (H200, three machines, results/build_phase_h200/).
 template <typename Scalar>
 __device__ __forceinline__ void load_codebook_fragments(const Scalar* codebooks, uint32_t (&b)[8]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
