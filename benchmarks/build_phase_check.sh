@@ -94,14 +94,7 @@ make_variant() {  # name base dest
 " && rm -rf "$dest.1" ;;
     k) make_variant f "$base" "$dest.0" && replicate "$dest.0" "$dest" && rm -rf "$dest.0" ;;
     kx) make_variant x "$base" "$dest.0" && replicate "$dest.0" "$dest" && rm -rf "$dest.0" ;;
-    cb) edit "$base" "$dest" "$common" \
-          "  const uint32_t* words = reinterpret_cast<const uint32_t*>(codebooks);" \
-          "  const uint32_t* words = reinterpret_cast<const uint32_t*>(codebooks);
-  uint64_t keep;  // the codebooks stay in L2 from one decode step to the next
-  asm volatile(\"createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\" : \"=l\"(keep));" \
-          "$ldg" \
-          "    asm volatile(\"ld.global.nc.L2::cache_hint.b32 %0, [%1], %2;\" : \"=r\"(b[q])
-                 : \"l\"(words + (((gid & 1) * kCodewords + k) * 8 + 2 * tq) / 2), \"l\"(keep));" ;;
+    cb) codebooks_evict_last "$base" "$dest" "$ldg" ;;
     r) edit "$base" "$dest" "$kernel" \
          "  const int row_begin = p.row_start[matrix] + (blockIdx.x - p.block_start[matrix]) * p.rows_per_cta;
   const int row_end = min(p.row_start[matrix + 1], row_begin + p.rows_per_cta);" \

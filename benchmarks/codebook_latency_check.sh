@@ -29,15 +29,7 @@ make_variant() {  # name base dest
   local name=$1 base=$2 dest=$3
   case $name in
     m) mkdir -p "$dest" && cp -r "$base/src" "$dest/src" ;;
-    keep) edit "$base" "$dest" "$common" \
-            "  const uint32_t* words = reinterpret_cast<const uint32_t*>(codebooks);" \
-            "  const uint32_t* words = reinterpret_cast<const uint32_t*>(codebooks);
-  uint64_t keep;  // the codebooks stay in L2 from one decode step to the next
-  asm volatile(\"createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\" : \"=l\"(keep));" \
-            "    asm volatile(\"ld.global.nc.b32 %0, [%1];\"
-                 : \"=r\"(b[q]) : \"l\"(words + (((gid & 1) * kCodewords + k) * 8 + 2 * tq) / 2));" \
-            "    asm volatile(\"ld.global.nc.L2::cache_hint.b32 %0, [%1], %2;\" : \"=r\"(b[q])
-                 : \"l\"(words + (((gid & 1) * kCodewords + k) * 8 + 2 * tq) / 2), \"l\"(keep));" ;;
+    keep) codebooks_evict_last "$base" "$dest" ;;
     x) edit "$base" "$dest" "$kernel" \
          "int g_begin, int g_end, int units," "int g_begin, int g_end, int units, const InputFragments& first," \
          "      const InputFragments a = input_fragments<Scalar, kHalfEntries>(p, t, g0, g_end);" \

@@ -1,7 +1,8 @@
 # Sourced, not run: the machinery of a kernel-variant check (build_phase_check.sh, codebook_latency_check.sh),
 # in one device call. The check sets `names` (variants whose decode speed is measured) and `timelines` (variants
 # also measured with benchmarks/patches/gemv_timeline.patch applied: the split-K CTAs' phases) and defines
-# make_variant NAME BASE DEST, which writes DEST/src: a copy of BASE/src with the variant's edits (`edit` below;
+# make_variant NAME BASE DEST, which writes DEST/src: a copy of BASE/src with the variant's edits (`edit` and
+# the shared edits of benchmarks/kernel_edits.sh;
 # `m` conventionally the code as it is). Then, with the output folder as the argument:
 #   source benchmarks/variant_speeds.sh OUT_DIR
 # every variant is made from src/ as it is and, for `timelines`, from a patched copy; all extensions build in
@@ -15,11 +16,7 @@ work=$(mktemp -d)
 mkdir -p "$work/plain" "$work/patched"
 cp -r src "$work/plain/src" && cp -r src "$work/patched/src"
 (cd "$work/patched" && git apply "$OLDPWD/benchmarks/patches/gemv_timeline.patch")
-edit() {  # base dest file old new [old new ...]: a copy of base/src as dest/src with the edits
-  local base=$1 dest=$2 file=$3
-  shift 3
-  python3 benchmarks/source_variant.py "$base/src" "$dest/src" "$file" "$@"
-}
+source benchmarks/kernel_edits.sh  # edit, and edits the checks share
 runs=""
 for name in $names; do make_variant "$name" "$work/plain" "$work/$name"; runs="$runs $name"; done
 for name in $timelines; do make_variant "$name" "$work/patched" "$work/t_$name"; runs="$runs t_$name"; done
