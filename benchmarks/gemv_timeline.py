@@ -7,10 +7,11 @@ entry, after requesting its first codes and loading the codebooks, when the PDL 
 the first input word arrives, then its first codebook word, when the tables are built (after the
 barrier), after the first batch of rows and at the end (after a last barrier), and appends a record to a
 ring of 131,072.
-`benchmarks/gemv_timeline_check.sh` applies the patch to a copy and runs this. On a copy without the
-patch it reports only each shape's decode speed (benchmarks/build_phase_check.sh times variants so). (The results of session 30,
-results/gemv_timeline_h200/, code_layout_h200/ and code_loads_h200/, came from its first form, without the
-codebook stamp: their build includes the wait for the codebooks.)
+`benchmarks/gemv_timeline_check.sh` applies the patch to a copy and runs this (results in OUT_DIR/t_m/).
+On a copy without the patch it reports only each shape's decode speed (benchmarks/variant_speeds.sh times
+variants so). (The results of session 30, results/gemv_timeline_h200/, code_layout_h200/ and
+code_loads_h200/, came from its first form, without the codebook stamp: their build includes the wait for
+the codebooks.)
 
 A Llama of each shape with random 2x8 codes decodes through `greedy_decode` (compile + graph, open sums,
 PDL: the decode as benchmarked), the GEMVs on the configurations of `--configs` (an inference_gpu.json's

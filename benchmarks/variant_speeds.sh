@@ -1,20 +1,20 @@
-# Sourced, not run: the machinery of a kernel-variant check (build_phase_check.sh, codebook_latency_check.sh),
-# in one device call. The check sets `names` (variants whose decode speed is measured) and `timelines` (variants
-# also measured with benchmarks/patches/gemv_timeline.patch applied: the split-K CTAs' phases) and defines
-# make_variant NAME BASE DEST, which writes DEST/src: a copy of BASE/src with the variant's edits (`edit` and
-# the shared edits of benchmarks/kernel_edits.sh;
-# `m` conventionally the code as it is). Then, with the output folder as the argument:
+# Sourced, not run: the machinery of a kernel-variant check (build_phase_check.sh, codebook_latency_check.sh,
+# gemv_timeline_check.sh), in one device call. The check sets `names` (variants whose decode speed is measured)
+# and `timelines` (variants also measured with benchmarks/patches/gemv_timeline.patch applied: the split-K CTAs'
+# phases) and defines make_variant NAME BASE DEST, which writes DEST/src: a copy of BASE/src with the variant's
+# edits (`edit` and the shared edits of benchmarks/kernel_edits.sh; `m` conventionally the code as it is).
+# Then, with the output folder as the argument:
 #   source benchmarks/variant_speeds.sh OUT_DIR
-# every variant is made from src/ as it is and, for `timelines`, from a patched copy; all extensions build in
-# parallel; each plain variant decodes both shapes (benchmarks/gemv_timeline.py: SHAPES, default 3b,8b; the
-# GEMVs on the configurations of CONFIGS; 256 new tokens), `m` again last to show the spread between runs,
-# then each patched one (64 tokens). Each run writes OUT_DIR/NAME/gemv_timeline.{txt,json} (a device call
-# returns only a few files: tar OUT_DIR).
+# every variant is made from src/ as it is (or the folder SRC names) and, for `timelines`, from a patched
+# copy; all extensions build in parallel; each plain variant decodes both shapes (benchmarks/gemv_timeline.py:
+# SHAPES, default 3b,8b; the GEMVs on the configurations of CONFIGS; 256 new tokens), `m` again last to show
+# the spread between runs, then each patched one (64 tokens). Each run writes OUT_DIR/NAME/gemv_timeline.{txt,
+# json}, a patched one OUT_DIR/t_NAME/ (a device call returns only a few files: tar OUT_DIR).
 out=$(mkdir -p "${1:?OUT_DIR}" && cd "$1" && pwd)
 configs=$(pwd)/${CONFIGS:-benchmarks/results/thread_tiles_h200/b/inference_gpu.json}
 work=$(mktemp -d)
 mkdir -p "$work/plain" "$work/patched"
-cp -r src "$work/plain/src" && cp -r src "$work/patched/src"
+cp -r "${SRC:-src}" "$work/plain/src" && cp -r "${SRC:-src}" "$work/patched/src"
 (cd "$work/patched" && git apply "$OLDPWD/benchmarks/patches/gemv_timeline.patch")
 source benchmarks/kernel_edits.sh  # edit, and edits the checks share
 runs=""
