@@ -121,17 +121,22 @@ __device__ __forceinline__ InputFragments input_fragments(const LutGemvParams& p
 // across it). In a decode step they take ~1.3-1.5 us from request to arrival where x takes ~0.5. Eight copies
 // of them, read by different CTAs, gained under 1 % and left them as late: not an L2 hot spot, likely device
 // memory, as the step's other weights stream through L2 between two uses. Requested first, the 3B decode
-// gains 2.6-2.8 % and the 8B 1.8-1.9 % (H200, three machines, results/build_phase_h200/).
+// gains 2.6-2.8 % and the 8B 1.8-1.9 % (H200, three machines, results/build_phase_h200/). With an L2
+// evict-last policy, so that they may stay in L2 from one decode step to the next while the step's codes stream
+// past (1.8 MB of codebooks at 8B): +1.2-1.5 % (3B), +0.7-0.8 % (8B) more on two machines
+// (results/codebooks_first_h200/, results/codebook_latency_h200/).
 template <typename Scalar>
 __device__ __forceinline__ void load_codebook_fragments(const Scalar* codebooks, uint32_t (&b)[8]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gid = lane >> 2, tq = lane & 3;
   const uint32_t* words = reinterpret_cast<const uint32_t*>(codebooks);
+  uint64_t keep;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep));
 #pragma unroll
   for (int q = 0; q < 8; ++q) {
     const int k = 4 * (warp + kWarps * q) + (gid >> 1);
-    asm volatile("ld.global.nc.b32 %0, [%1];"
-                 : "=r"(b[q]) : "l"(words + (((gid & 1) * kCodewords + k) * 8 + 2 * tq) / 2));
+    asm volatile("ld.global.nc.L2::cache_hint.b32 %0, [%1], %2;"
+                 : "=r"(b[q]) : "l"(words + (((gid & 1) * kCodewords + k) * 8 + 2 * tq) / 2), "l"(keep));
   }
 }
 
