@@ -48,7 +48,9 @@ def test_a_decode_with_open_sums_makes_the_same_tokens():
     """A tiny Llama (512 wide: its linears split their groups between CTAs) with 2x8 kernel linears,
     decoded in a CUDA graph with and without open sums, and compiled with them: the same 12 tokens. A step
     that did not start from zeroed sums would add the last step's into its products."""
-    model, generator = llama_with_kernel_linears(512, seed=8)
+    # seed 13: every greedy token leads its runner-up by >= 0.05 (dense, on a CPU); with seed 8 the 7th led by one
+    # bf16 step, and the split-K kernels' summation order (its configuration) decided it
+    model, generator = llama_with_kernel_linears(512, seed=13)
     prompt = torch.randint(0, 97, (1, 6), generator=generator)
     closed, closed_timings = greedy_decode(model, prompt, 12, compile=False, open_sums=False)
     graphed, graphed_timings = greedy_decode(model, prompt, 12, compile=False, open_sums=True)
