@@ -9,6 +9,8 @@
 #   bash benchmarks/codebook_l2_check.sh OUT_DIR
 # (Session 31 ran it with the edit written here, results/codebooks_first_h200/; the same edit now comes
 # from kernel_edits.sh.)
+# Written for main at 4aeb79e. Since b75f358 main loads its codebooks with evict-last itself, so the keep edit no
+# longer finds its text here: rerun from that commit's tree (git worktree add /tmp/at-4aeb79e 4aeb79e).
 set -euo pipefail
 out=${1:?OUT_DIR}
 variants=$(mktemp -d)

@@ -22,6 +22,8 @@
 # TIMELINE (default: xkeep) names the variants also run with the CTA timeline. About 450 s on an H200 for
 # the default set; from the repository root, keeping the files to one:
 #   timeout 560 bash benchmarks/codebook_latency_check.sh /tmp/cl [VARIANT ...]; tar czf $OUT/cl.tgz -C /tmp cl
+# Written for main at 4aeb79e. Since b75f358 main loads its codebooks with evict-last itself, so the keep edit no
+# longer finds its text here: rerun from that commit's tree (git worktree add /tmp/at-4aeb79e 4aeb79e).
 set -euo pipefail
 names=${*:2}
 names=${names:-m keep x xkeep a64 kv}

@@ -9,8 +9,8 @@ edit() {  # base dest file old new [old new ...]: a copy of base/src as dest/src
 }
 
 # The codebook loads with an L2 evict-last policy (createpolicy + ld.global.nc.L2::cache_hint), so that the
-# codebooks may stay in L2 from one decode step to the next. LOAD: the load as the source has it (default:
-# main's since session 31, a volatile ld.global.nc).
+# codebooks may stay in L2 from one decode step to the next (main since b75f358; this edit is for older trees).
+# LOAD: the load as the source has it (default: main's from session 31 to b75f358, a volatile ld.global.nc).
 codebooks_evict_last() {  # base dest [load]
   local load=${3:-'    asm volatile("ld.global.nc.b32 %0, [%1];"
                  : "=r"(b[q]) : "l"(words + (((gid & 1) * kCodewords + k) * 8 + 2 * tq) / 2));'}
