@@ -123,7 +123,7 @@ __device__ __forceinline__ InputFragments input_fragments(const LutGemvParams& p
 // memory, as the step's other weights stream through L2 between two uses. Requested first, the 3B decode
 // gains 2.6-2.8 % and the 8B 1.8-1.9 % (H200, three machines, results/build_phase_h200/). With an L2
 // evict-last policy, so that they may stay in L2 from one decode step to the next while the step's codes stream
-// past (1.8 MB of codebooks at 8B): +1.2-1.5 % (3B), +0.7-0.8 % (8B) more on two machines
+// past (1.8 MB of codebooks at 8B): +1.0-1.5 % (3B), +0.5-0.9 % (8B) more on two machines
 // (results/codebooks_first_h200/, results/codebook_latency_h200/).
 template <typename Scalar>
 __device__ __forceinline__ void load_codebook_fragments(const Scalar* codebooks, uint32_t (&b)[8]) {
