@@ -7,6 +7,7 @@ step's lead of its best token over the runner-up; then one MLP's down product fr
 kernel against torch's input (in bf16 as the model's MLP rounds, and in fp32 rounded once).
 Output: results/gated_mlp_h200/diagnose.txt."""
 
+import contextlib
 import sys
 
 import torch
@@ -17,20 +18,25 @@ from aqflow.inference.decode import greedy_decode, new_static_cache, step_logits
 from tests.inference.test_dependent_launch import llama_with_kernel_linears  # noqa: E402
 
 
-def decoded(model, prompt, open_sums: bool, gated: bool) -> list[int]:
+@contextlib.contextmanager
+def gating(gated: bool):
+    """Within the block the patch recognizes its MLPs (gated) or none of them (the step as on main)."""
     saved = osm.GATED_MLPS
     osm.GATED_MLPS = saved if gated else frozenset()
     try:
-        return greedy_decode(model, prompt, 12, compile=False, open_sums=open_sums)[0].reshape(-1).tolist()
+        yield
     finally:
         osm.GATED_MLPS = saved
 
 
+def decoded(model, prompt, open_sums: bool, gated: bool) -> list[int]:
+    with gating(gated):
+        return greedy_decode(model, prompt, 12, compile=False, open_sums=open_sums)[0].reshape(-1).tolist()
+
+
 def teacher_forced_logits(model, prompt, tokens: list[int], open_sums: bool, gated: bool) -> torch.Tensor:
     """[12, vocab] float32: the logits of each step fed `tokens`."""
-    saved = osm.GATED_MLPS
-    osm.GATED_MLPS = saved if gated else frozenset()
-    try:
+    with gating(gated):
         cache = new_static_cache(model, 64)
         model(input_ids=prompt.cuda(), position_ids=torch.arange(6, device="cuda")[None], past_key_values=cache,
               use_cache=True)
@@ -42,8 +48,6 @@ def teacher_forced_logits(model, prompt, tokens: list[int], open_sums: bool, gat
                 if sums is not None:
                     sums.zero()
         return torch.cat(logits)
-    finally:
-        osm.GATED_MLPS = saved
 
 
 def main() -> None:
