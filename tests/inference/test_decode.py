@@ -2,7 +2,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from aqflow.inference.decode import fuse_projections, greedy_decode, new_static_cache, step_logits
+from aqflow.inference.decode import (ARGMAX_ROW, fuse_projections, greedy_decode, greedy_token, new_static_cache,
+                                     step_logits)
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
@@ -166,3 +167,18 @@ def test_failed_compile_falls_back_to_the_plain_step(monkeypatch):
     tokens, timings = greedy_decode(model, prompt(), 6, compile=True)
     assert tokens.tolist() == expected.tolist()
     assert timings.mode == "eager" and "inductor exploded" in timings.compile_error
+
+
+def test_greedy_token_is_the_argmax_ties_to_the_first():
+    """The two-stage argmax equals logits.argmax(dim=-1) for vocabularies shorter than a row, one row, a row and one
+    more, and a Llama-3-sized one, in float32 and bf16; a tie inside a row and one across rows go to the first."""
+    generator = torch.Generator().manual_seed(0)
+    for vocabulary in (5, ARGMAX_ROW, ARGMAX_ROW + 1, 128256):
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = torch.randn(1, vocabulary, generator=generator).to(dtype)
+            assert torch.equal(greedy_token(logits), logits.argmax(dim=-1)), (vocabulary, dtype)
+            last = vocabulary - 1
+            logits[0, last] = logits[0, last // 2] = 50.0  # across rows when the vocabulary has several
+            assert greedy_token(logits).tolist() == [last // 2]
+            logits[0, 1] = logits[0, 3] = 60.0  # inside the first row
+            assert greedy_token(logits).tolist() == [1]
