@@ -117,9 +117,9 @@ class _DecodeStep:
         self.sums = sums  # open sums: zeroed after every step, for the next
 
     def __call__(self) -> None:
-        next_token = self.next_token(self.token, self.position)  # [1]
-        self.generated.index_copy_(0, self.position.reshape(1) - self.first_position, next_token)
-        self.token.copy_(next_token.view(1, 1))
+        chosen = self.next_token(self.token, self.position)  # [1]
+        self.generated.index_copy_(0, self.position.reshape(1) - self.first_position, chosen)
+        self.token.copy_(chosen.view(1, 1))
         self.position.add_(1)
         if self.sums is not None:
             self.sums.zero()
@@ -277,7 +277,7 @@ def _greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: 
     start = time.perf_counter()
     out = model(input_ids=input_ids, position_ids=torch.arange(prompt_tokens, device=device)[None],
                 past_key_values=cache, use_cache=True, logits_to_keep=1)
-    first = out.logits[:, -1, :].argmax(dim=-1)  # [1]
+    first = greedy_token(out.logits[:, -1, :])  # [1]
     _synchronize(device)
     prefill_seconds = time.perf_counter() - start
     del out
