@@ -13,11 +13,9 @@
 set -euo pipefail
 out=$(mkdir -p "${1:?OUT_DIR}" && cd "$1" && pwd)
 main_src=$(pwd)/src
-copy=$(mktemp -d)
-cp -r src tests benchmarks "$copy/"
-cd "$copy"
-git apply benchmarks/patches/attention_in_o_gemv.patch
 source benchmarks/kernel_edits.sh
+copy=$(patched_copy attention_in_o_gemv.patch)
+cd "$copy"
 edit . "$copy/late" aqflow/inference/decode_attention.py \
   '    return _split_attention(query, keys, values, valid, scale, rope, finish, early_dependents=True)' \
   '    return _split_attention(query, keys, values, valid, scale, rope, finish, early_dependents=False)'

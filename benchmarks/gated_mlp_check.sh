@@ -10,11 +10,9 @@
 #   bash benchmarks/gated_mlp_check.sh OUT_DIR
 set -euo pipefail
 out=$(mkdir -p "${1:?OUT_DIR}" && cd "$1" && pwd)
-copy=$(mktemp -d)
-cp -r src tests benchmarks "$copy/"
-cd "$copy"
-git apply benchmarks/patches/gated_mlp.patch
 source benchmarks/kernel_edits.sh
+copy=$(patched_copy gated_mlp.patch)
+cd "$copy"
 edit . "$copy/apart" aqflow/inference/open_sums.py \
   'GATED_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})' 'GATED_MLPS = frozenset()'
 TESTS=gated MODELS=3b,8b BUDGET=${BUDGET:-170} bash benchmarks/decode_ab.sh "$out" gated=src apart="$copy/apart/src"

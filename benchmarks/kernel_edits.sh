@@ -1,6 +1,15 @@
 # Sourced, not run: edits of the CUDA GEMV's source that kernel-variant checks share (variant_speeds.sh and the
-# *_check.sh scripts that use it, codebook_l2_check.sh). Each function writes DEST/src, a copy of BASE/src with
-# its edits, through benchmarks/source_variant.py, which stops naming any text it does not find exactly once.
+# *_check.sh scripts that use it, codebook_l2_check.sh). Each edit function writes DEST/src, a copy of BASE/src
+# with its edits, through benchmarks/source_variant.py, which stops naming any text it does not find exactly once.
+# patched_copy makes the copy a check of a patch (benchmarks/patches/) starts from.
+
+patched_copy() {  # patch: prints the path of a new copy of src/, tests/, benchmarks/ with benchmarks/patches/PATCH in
+  local copy
+  copy=$(mktemp -d)
+  cp -r src tests benchmarks "$copy/"
+  (cd "$copy" && git apply "benchmarks/patches/$1")
+  echo "$copy"
+}
 
 edit() {  # base dest file old new [old new ...]: a copy of base/src as dest/src with the edits
   local base=$1 dest=$2 file=$3
