@@ -4,8 +4,10 @@
 # benchmarks/inference_gpu.py with its own extension build, in the order given; the step times of one
 # machine compare, those of two machines do not. TESTS=NAME first runs the CUDA kernel tests against that
 # variant's source, and a variant whose tests fail is not timed (the script stops); MODELS (default 3b),
-# BUDGET (seconds, default 170) and ARGS (e.g. --skip-kernels) go to inference_gpu.py. Run from the
-# repository root:
+# BUDGET (seconds, default 170) and ARGS (e.g. --skip-kernels) go to inference_gpu.py. Each variant compiles
+# into an inductor cache of its own (no variant is served another's compiled step); CODE=1 keeps the Python
+# modules inductor generated for it (the compiled steps, their Triton kernels inline) as OUT_DIR/code_NAME.tgz.
+# Run from the repository root:
 #   bash benchmarks/decode_ab.sh OUT_DIR a=ab/a/src b=src [c=ab/c/src ...]
 set -uo pipefail
 out=${1:?OUT_DIR}
@@ -19,12 +21,16 @@ for pair in "$@"; do
     mkdir -p "$work/tests_$name" && cp -r "$src" "$work/tests_$name/src" && cp -r tests "$work/tests_$name/tests"
     (cd "$work/tests_$name" && TORCH_EXTENSIONS_DIR="$work/ext_$name" PYTHONPATH=src TRITON_INTERPRET=0 timeout 240 \
        python3 -m pytest -q -p no:cacheprovider tests/inference/test_cuda_kernels.py \
-       tests/inference/test_dependent_launch.py tests/inference/test_open_sums.py tests/inference/test_cuda_layers.py) > "$out/tests_$name.log" 2>&1
+       tests/inference/test_dependent_launch.py tests/inference/test_open_sums.py tests/inference/test_cuda_layers.py \
+       tests/inference/test_row_reductions.py) > "$out/tests_$name.log" 2>&1
     echo "== tests $name: $(tail -1 "$out/tests_$name.log")"
     grep -qE "[0-9]+ passed" "$out/tests_$name.log" && ! grep -qE "failed|error" "$out/tests_$name.log" ||
       { echo "tests of $name failed: not timed"; exit 1; }
   fi
-  TORCH_EXTENSIONS_DIR="$work/ext_$name" PYTHONPATH="$src:." timeout $((${BUDGET:-170} + 40)) python3 benchmarks/inference_gpu.py \
+  TORCH_EXTENSIONS_DIR="$work/ext_$name" TORCHINDUCTOR_CACHE_DIR="$work/inductor_$name" PYTHONPATH="$src:." timeout $((${BUDGET:-170} + 40)) python3 benchmarks/inference_gpu.py \
     --models "${MODELS:-3b}" --budget-seconds "${BUDGET:-170}" ${ARGS:-} --out "$out/$name" > "$out/$name.log" 2>&1
   echo "== $name ($src)"; grep -E "decode compile\+graph|speed-up|logits" "$out/$name.log"
+  if [ "${CODE:-0}" = 1 ]; then
+    (cd "$work/inductor_$name" && grep -rl --include='*.py' "def call(" . | tar -czf "$out/code_$name.tgz" -T -)
+  fi
 done
