@@ -5,8 +5,9 @@
 # machine compare, those of two machines do not. TESTS=NAME first runs the CUDA kernel tests against that
 # variant's source, and a variant whose tests fail is not timed (the script stops); MODELS (default 3b),
 # BUDGET (seconds, default 170) and ARGS (e.g. --skip-kernels) go to inference_gpu.py. Each variant compiles
-# into an inductor cache of its own (no variant is served another's compiled step); CODE=1 keeps the Python
-# modules inductor generated for it (the compiled steps, their Triton kernels inline) as OUT_DIR/code_NAME.tgz.
+# into an inductor cache of its own (no variant is served another's compiled step); CODE="NAME ..." keeps the
+# Python modules inductor generated for those variants (the compiled steps, their Triton kernels inline) as
+# OUT_DIR/code_NAME.tgz.
 # Run from the repository root:
 #   bash benchmarks/decode_ab.sh OUT_DIR a=ab/a/src b=src [c=ab/c/src ...]
 set -uo pipefail
@@ -30,7 +31,7 @@ for pair in "$@"; do
   TORCH_EXTENSIONS_DIR="$work/ext_$name" TORCHINDUCTOR_CACHE_DIR="$work/inductor_$name" PYTHONPATH="$src:." timeout $((${BUDGET:-170} + 40)) python3 benchmarks/inference_gpu.py \
     --models "${MODELS:-3b}" --budget-seconds "${BUDGET:-170}" ${ARGS:-} --out "$out/$name" > "$out/$name.log" 2>&1
   echo "== $name ($src)"; grep -E "decode compile\+graph|speed-up|logits" "$out/$name.log"
-  if [ "${CODE:-0}" = 1 ]; then
+  if [[ " ${CODE:-} " == *" $name "* ]]; then
     (cd "$work/inductor_$name" && grep -rl --include='*.py' "def call(" . | tar -czf "$out/code_$name.tgz" -T -)
   fi
 done
