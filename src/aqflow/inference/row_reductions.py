@@ -46,7 +46,10 @@ def _one_pass_choices_class():
                 return True
             if not config.triton.persistent_reductions or cooperative_reduction:
                 return False
-            return keeps_row_whole(V.graph.sizevars, features.numel, features.reduction_numel)
+            try:
+                return keeps_row_whole(V.graph.sizevars, features.numel, features.reduction_numel)
+            except (AttributeError, TypeError):  # another torch's inductor: its own decision stands
+                return False
 
         def uuid(self) -> str:  # in the compile caches' keys, so no cache serves a step compiled otherwise
             return f"aqflow-one-pass-rows-{ROW_LIMIT}"
