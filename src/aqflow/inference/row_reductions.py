@@ -65,7 +65,7 @@ def _cache_patch(choices_class) -> dict:
     if hasattr(config, "inductor_choices_class") and \
             "inductor_choices_class" in getattr(config, "_cache_config_factory_keys", ()):
         return {"inductor_choices_class": choices_class}
-    return {"fx_graph_cache": False, "autograd_cache": False}
+    return {"fx_graph_cache": False}
 
 
 @contextlib.contextmanager
