@@ -58,7 +58,9 @@ def test_a_compiled_rmsnorm_row_is_one_persistent_kernel_with_the_references_val
         out, codes = run_and_get_code(torch.compile(add_norm, dynamic=False), x, residual, weight)
     code = "\n".join(codes)
     assert "triton_per_" in code and "triton_red_" not in code
-    torch.testing.assert_close(out.double(), expected, rtol=2 ** -7, atol=1e-6)
+    # the reference rounds to bf16 twice (the normalized row, then its product with the weight), the compiled
+    # kernel once, and sums the squares in another order: two bf16 steps apart at most
+    torch.testing.assert_close(out.double(), expected, rtol=2 ** -6, atol=1e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (a compiled, graphed decode)")
