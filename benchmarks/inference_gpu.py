@@ -331,7 +331,6 @@ def decode_run(model, args, device, *, graphs: bool, compile: bool = False, new_
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     result = {"mode": timings.mode, "attention": timings.attention, "dependent_launch": timings.dependent_launch,
               "open_sums": timings.open_sums, "cuda_layers": timings.cuda_layers,
-              "one_pass_rows": getattr(timings, "one_pass_rows", False),  # older trees (decode_ab) have none
               "decode_tokens_per_second": timings.decode_tokens_per_second,
               "ms_per_token": 1e3 / timings.decode_tokens_per_second, "timed_steps": timings.timed_steps,
               "capture_seconds": timings.capture_seconds, "peak_bytes": peak, "first_tokens": tokens[:8].tolist()}
@@ -341,8 +340,7 @@ def decode_run(model, args, device, *, graphs: bool, compile: bool = False, new_
         result["profile"] = summarize_kernels(timings.step_kernels)
     log(f"  decode {result['mode']:14s} ({timings.attention}{', PDL' if timings.dependent_launch else ''}"
         f"{f', open sums {timings.open_sums}' if timings.open_sums else ''}"
-        f"{f', rope in attention {timings.cuda_layers}' if timings.cuda_layers else ''}"
-        f"{', one-pass rows' if result['one_pass_rows'] else ''}) "
+        f"{f', rope in attention {timings.cuda_layers}' if timings.cuda_layers else ''}) "
         f"{result['decode_tokens_per_second']:8.1f} tokens/s "
         f"({result['ms_per_token']:.2f} ms/token; setup {timings.capture_seconds:.1f} s)"
         + (f"; one step: {profile_line(result['profile'])}" if "profile" in result else ""))

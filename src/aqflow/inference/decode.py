@@ -30,8 +30,6 @@ from aqflow.inference.dependent_launch import enabled as dependent_launch_enable
 from aqflow.inference.dependent_launch import supported as dependent_launch_supported
 from aqflow.inference.layout import QuantizedWeights
 from aqflow.inference.open_sums import StepSums, open_sums_enabled
-from aqflow.inference.row_reductions import active as one_pass_rows_active
-from aqflow.inference.row_reductions import one_pass_rows as one_pass_rows_enabled
 
 
 @dataclass(frozen=True)
@@ -55,7 +53,6 @@ class DecodeTimings:
     open_sums: int = 0  # 2-bit linears that computed the decode steps with open sums (open_sums)
     cpu_layers: int = 0  # modules whose one-token forward ran through cpu_layers' kernels (a CPU decode)
     cuda_layers: int = 0  # attention modules that rotated and cached inside the attention kernels (cuda_layers)
-    one_pass_rows: bool = False  # the compiled step reduced single rows (its RMSNorms) in one pass (row_reductions)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -157,8 +154,7 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
                   profile: bool = False, fast_attention: bool | None = None,
                   dependent_launch: bool | None = None,
                   cpu_layers: bool | None = None, cuda_layers: bool | None = None,
-                  open_sums: bool | None = None,
-                  one_pass_rows: bool | None = None) -> tuple[torch.Tensor, DecodeTimings]:
+                  open_sums: bool | None = None) -> tuple[torch.Tensor, DecodeTimings]:
     """Greedy decoding of new_tokens tokens after input_ids [1, P] with a static KV cache.
 
     graphs: capture the decode step as a CUDA graph (default: on CUDA). compile: torch.compile the
@@ -192,9 +188,6 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     open_sums: the CUDA 2-bit linears that run the split-K kernel compute a step's token with open sums
     (`aqflow.inference.open_sums`: scales, bias and cast in the compiled step, the sums zeroed after each
     step; default: where the step is compiled on CUDA). timings.open_sums counts them.
-    one_pass_rows: the compiled step reduces each single row (its RMSNorms) in one pass, whole in registers,
-    where inductor would loop over it (`aqflow.inference.row_reductions`; default: where the step is compiled
-    on CUDA). timings.one_pass_rows says whether it did.
     """
     device = model_device(model)
     pdl_here = dependent_launch_supported(device)
@@ -207,19 +200,17 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: i
     graphs = device.type == "cuda" if graphs is None else graphs
     compile = graphs if compile is None else compile
     open_sums = compile and device.type == "cuda" if open_sums is None else open_sums
-    one_pass_rows = compile and device.type == "cuda" if one_pass_rows is None else one_pass_rows and compile
     if fuse is None or fuse:
         fuse_projections(model)  # idempotent: fused members are no longer nn.Linear or quantized linears
     fast_here = _attention_kernels_chosen(device, fast_attention)
     with one_token_paths(model, fast_attention, compile, cpu_layers, cuda_layers) as (implementation, switched), \
-            dependent_launch_enabled(dependent_launch), open_sums_enabled(model, open_sums) as sums, \
-            one_pass_rows_enabled(one_pass_rows) as one_pass:
+            dependent_launch_enabled(dependent_launch), open_sums_enabled(model, open_sums) as sums:
         tokens, timings = _greedy_decode(model, input_ids, new_tokens, graphs=graphs, on_token=on_token,
                                          compile=compile, stop_tokens=stop_tokens, warmup_steps=warmup_steps,
                                          profile=profile, sums=sums)
     return tokens, replace(timings, attention=implementation or "model's own", dependent_launch=dependent_launch,
                            cpu_layers=0 if fast_here else switched, cuda_layers=switched if fast_here else 0,
-                           open_sums=len(sums.buffers) if sums is not None else 0, one_pass_rows=one_pass)
+                           open_sums=len(sums.buffers) if sums is not None else 0)
 
 
 def _attention_kernels_chosen(device: torch.device, fast_attention: bool | None) -> bool:
@@ -300,11 +291,11 @@ def _greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: 
     token = first.view(1, 1).clone()
     position = torch.full((1, 1), prompt_tokens, dtype=torch.long, device=device)
     def next_token(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        # Branching on the compile settings makes torch.compile guard on them. A step compiled with programmatic
-        # dependent launch or one-pass rows (which decide how inductor writes and launches its kernels) is then
-        # not reused without them, or the other way round; a new closure of the same code would be. Both
-        # branches compute the same. The token is chosen inside the step, so that a compiled step compiles that too.
-        if any((dependent_launch_active(), one_pass_rows_active())):
+        # Branching on the launch setting makes torch.compile guard on it. A step compiled with programmatic
+        # dependent launch (which decides how inductor writes and launches its kernels) is then not reused
+        # without it, or the other way round; a new closure of the same code would be. Both branches compute
+        # the same. The token is chosen inside the step, so that a compiled step compiles that too.
+        if dependent_launch_active():
             return greedy_token(step_logits(model, cache, token, position))
         return greedy_token(step_logits(model, cache, token, position))
 
