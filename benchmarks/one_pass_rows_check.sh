@@ -11,9 +11,8 @@
 set -euo pipefail
 out=$(mkdir -p "${1:?OUT_DIR}" && cd "$1" && pwd)
 source benchmarks/kernel_edits.sh
-copy=$(patched_copy one_pass_rows.patch)
-cd "$copy"
-export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="$copy/ext"
+cd "$(patched_copy one_pass_rows.patch)"
+export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="$(pwd)/ext"
 (PYTHONPATH=src TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/inference/test_row_reductions.py \
    tests/inference/test_open_sums.py tests/inference/test_dependent_launch.py > "$out/tests.log" 2>&1) || true
 tail -1 "$out/tests.log"

@@ -13,7 +13,6 @@ set -euo pipefail
 out=$(mkdir -p "${1:?OUT_DIR}" && cd "$1" && pwd)
 main_src=$(pwd)/src
 source benchmarks/kernel_edits.sh
-copy=$(patched_copy step_bookkeeping.patch)
-cd "$copy"
+cd "$(patched_copy step_bookkeeping.patch)"
 TESTS=book MODELS=3b,8b BUDGET=${BUDGET:-130} bash benchmarks/decode_ab.sh "$out" main="$main_src" book=src \
   main_again="$main_src"
