@@ -22,8 +22,7 @@ for pair in "$@"; do
     mkdir -p "$work/tests_$name" && cp -r "$src" "$work/tests_$name/src" && cp -r tests "$work/tests_$name/tests"
     (cd "$work/tests_$name" && TORCH_EXTENSIONS_DIR="$work/ext_$name" PYTHONPATH=src TRITON_INTERPRET=0 timeout 240 \
        python3 -m pytest -q -p no:cacheprovider tests/inference/test_cuda_kernels.py \
-       tests/inference/test_dependent_launch.py tests/inference/test_open_sums.py tests/inference/test_cuda_layers.py) \
-       > "$out/tests_$name.log" 2>&1
+       tests/inference/test_dependent_launch.py tests/inference/test_open_sums.py tests/inference/test_cuda_layers.py) > "$out/tests_$name.log" 2>&1
     echo "== tests $name: $(tail -1 "$out/tests_$name.log")"
     grep -qE "[0-9]+ passed" "$out/tests_$name.log" && ! grep -qE "failed|error" "$out/tests_$name.log" ||
       { echo "tests of $name failed: not timed"; exit 1; }
