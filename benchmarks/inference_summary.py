@@ -3,13 +3,14 @@ top-level keys `gpu_decode_speedup_3b`, `gpu_decode_speedup_8b` (2 bpp over the 
 the same model on the card) and `cpu_decode_speedup_3b` (over the best dense decode on the box's CPU
 cores), gathered from the result files that measured them, each named in `sources`.
 
-    python3 benchmarks/inference_summary.py --gpu benchmarks/results/thread_tiles_h200/b/inference_gpu.json \\
-        --cpu benchmarks/results/cpu_int16_h200/call1/decode.json benchmarks/results/cpu_int16_h200/call2/decode.json \\
+    python3 benchmarks/inference_summary.py --gpu benchmarks/results/greedy_token_h200/argmax/inference_gpu.json \\
+        benchmarks/results/bookkeeping_h200/main/inference_gpu.json --cpu benchmarks/results/cpu_int16_h200/call1/decode.json benchmarks/results/cpu_int16_h200/call2/decode.json \\
         benchmarks/results/cpu_int16_h200/call3/decode.json --out benchmarks/results/inference_h200.json
 
-Why several CPU files: one lease is one machine of the kind, and these machines' decode speeds move by up
-to ±20 % between machines and rounds (dense bf16 alone 7.4-11.4 tokens/s), so `cpu_decode_speedup_3b` is
-the median over the machines given (`..._lowest` the lowest), each machine's own best-over-best beside it.
+Why several files: one lease is one machine of the kind, and these machines' decode speeds move between
+machines and rounds (on the CPU by up to ±20 %, dense bf16 alone 7.4-11.4 tokens/s; on H200s bf16 3B by
+413-421 tokens/s), so each key is the median over the machines given (`..._lowest` the lowest), each
+machine's own best-over-best beside it (`..._by_machine`). All GPU files must come from one card.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import statistics
 from pathlib import Path
 
 from aqflow.io.artifacts import atomic_path
+from inference_gpu import best_rate
 
 TARGETS = {"gpu_decode_speedup_3b": 2.0, "gpu_decode_speedup_8b": 2.5, "cpu_decode_speedup_3b": 2.0}
 
@@ -34,24 +36,46 @@ def cpu_machine(path: Path) -> dict:
             "cpu": record["machine"]["cpu"], "cores": record["machine"]["cores"]}
 
 
-def summary(gpu_path: Path, cpu_paths: list[Path]) -> dict:
-    gpu = json.loads(gpu_path.read_text())
+def gpu_machine(path: Path) -> dict:
+    """One GPU decode file's figures: both speed-ups and, per model, the best bf16 and 2 bpp tokens/s."""
+    record = json.loads(path.read_text())
+    machine = {"source": str(path), "device": record["device"]}
+    for name in ("3b", "8b"):
+        model = record["models"].get(name)
+        if model is None or record.get(f"gpu_decode_speedup_{name}") is None:
+            raise SystemExit(f"{path}: no {name} decode speed-up in it (run inference_gpu.py --models 3b,8b)")
+        machine[f"gpu_decode_speedup_{name}"] = record[f"gpu_decode_speedup_{name}"]
+        machine[f"bf16_{name}_tokens_per_second"] = best_rate(model["bf16"])
+        machine[f"quantized_{name}_tokens_per_second"] = best_rate(model["ours"])
+    return machine
+
+
+def median_and_lowest(key: str, machines: list[dict]) -> dict:
+    values = [machine[key] for machine in machines]
+    return {key: statistics.median(values), f"{key}_lowest": min(values), f"{key}_by_machine": machines}
+
+
+def summary(gpu_paths: list[Path], cpu_paths: list[Path]) -> dict:
+    gpus = [gpu_machine(path) for path in gpu_paths]
+    cards = {machine["device"] for machine in gpus}
+    if len(cards) > 1:
+        raise SystemExit(f"GPU files from several cards ({', '.join(sorted(cards))}): one summary is one card's")
     machines = [cpu_machine(path) for path in cpu_paths]
-    record = {"card": gpu["device"],
-              "gpu_decode_speedup_3b": gpu["gpu_decode_speedup_3b"],
-              "gpu_decode_speedup_8b": gpu["gpu_decode_speedup_8b"],
-              "cpu_decode_speedup_3b": statistics.median(m["cpu_decode_speedup_3b"] for m in machines),
-              "cpu_decode_speedup_3b_lowest": min(m["cpu_decode_speedup_3b"] for m in machines),
-              "cpu_decode_speedup_3b_by_machine": machines,
-              "targets": TARGETS,
-              "sources": {"gpu": str(gpu_path), "cpu": [str(path) for path in cpu_paths]}}
+    record = {"card": gpus[0]["device"]}
+    for key in ("gpu_decode_speedup_3b", "gpu_decode_speedup_8b"):
+        record.update(median_and_lowest(key, gpus))
+        del record[f"{key}_by_machine"]
+    record["gpu_decode_by_machine"] = gpus
+    record.update(median_and_lowest("cpu_decode_speedup_3b", machines))
+    record.update({"targets": TARGETS,
+                   "sources": {"gpu": [str(path) for path in gpu_paths], "cpu": [str(path) for path in cpu_paths]}})
     record["met"] = {key: record[key] >= target for key, target in TARGETS.items()}
     return record
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gpu", type=Path, required=True, help="an inference_gpu.py JSON")
+    parser.add_argument("--gpu", type=Path, nargs="+", required=True, help="inference_gpu.py JSONs, one a machine")
     parser.add_argument("--cpu", type=Path, nargs="+", required=True, help="inference_cpu.py JSONs, one a machine")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -60,7 +84,12 @@ def main() -> int:
         tmp.write_text(json.dumps(record, indent=1) + "\n")
     for key, target in TARGETS.items():
         print(f"{key:24s} {record[key]:5.2f}  (target {target}: {'met' if record['met'][key] else 'not met'})")
-    print(f"{'  lowest machine':24s} {record['cpu_decode_speedup_3b_lowest']:5.2f}")
+        print(f"{'  lowest machine':24s} {record[key + '_lowest']:5.2f}")
+    for machine in record["gpu_decode_by_machine"]:
+        print(f"  {machine['source']}: 3B {machine['gpu_decode_speedup_3b']:.2f}x "
+              f"(bf16 {machine['bf16_3b_tokens_per_second']:.1f}, 2 bpp {machine['quantized_3b_tokens_per_second']:.1f}), "
+              f"8B {machine['gpu_decode_speedup_8b']:.2f}x (bf16 {machine['bf16_8b_tokens_per_second']:.1f}, "
+              f"2 bpp {machine['quantized_8b_tokens_per_second']:.1f} tok/s)")
     for machine in record["cpu_decode_speedup_3b_by_machine"]:
         print(f"  {machine['source']}: {machine['cpu_decode_speedup_3b']:.2f}x "
               f"(dense {machine['best_dense_tokens_per_second']:.2f}, "
