@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from aqflow.pvtune import train as pvtrain
-from aqflow.pvtune.resume import STATE_RECORD, Resumer
+from aqflow.pvtune.resume import Resumer, whole_steps
 from aqflow.pvtune.student import load_student
 from test_pvtune import QUICK, _teacher, setup  # noqa: F401  (setup is a fixture)
 
@@ -49,7 +49,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one(setup, uninterrupted, tmp_pat
     torch.manual_seed(0)
     with pytest.raises(Killed):
         _run(setup, resumer, kill_at=kill_at)
-    assert (tmp_path / "state" / STATE_RECORD).is_file()
+    assert whole_steps(tmp_path / "state", 1) == [resumed_after]  # the older whole states are gone
     torch.manual_seed(123)  # the saved RNG state, not this one, must drive the rest
     resumed, resumed_student = _run(setup, resumer)
     assert f"resuming PV-tuning after step {resumed_after}" in capsys.readouterr().out

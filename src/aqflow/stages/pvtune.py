@@ -10,8 +10,9 @@ Writes, atomically: --output-dir (a standard AQLM checkpoint again, same layout 
 the input), --train-log (Parquet: step, epoch, split, kl, perplexity, codes_changed_fraction,
 seconds, selected) and --metrics (JSON: settings, data, results, timings per phase).
 
-Several GPUs of one host: `torchrun --nproc-per-node N -m aqflow pvtune ...` averages gradients
-over the processes (each takes its share of every batch); process 0 writes the outputs.
+Several GPUs of one host: `torchrun --nproc-per-node N -m aqflow pvtune ...` shards the state over
+the processes (FSDP2, and the V-step's state by rows: `aqflow.pvtune.distributed`), each taking
+its share of every batch; the checkpoint is gathered once and process 0 writes the outputs.
 """
 
 from __future__ import annotations
@@ -244,7 +245,8 @@ def pvtune(options: PvtuneSettings, paths: PvtunePaths) -> dict:
         import pandas as pd
 
         phase = time.perf_counter()
-        save_student(student, paths.checkpoint_dir, paths.output_dir, {k: record[k] for k in ("settings", "data", "best_step")})
+        save_student(student, paths.checkpoint_dir, paths.output_dir, {k: record[k] for k in ("settings", "data", "best_step")},
+                     result.student_state)
         log = pd.DataFrame(result.log)
         log["selected"] = (log["split"] == "heldout") & (log["step"] == result.best_step)
         artifacts.write_parquet(paths.train_log, log)
