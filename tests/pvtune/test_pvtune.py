@@ -559,3 +559,58 @@ def test_the_wait_for_a_full_card_ends_when_its_memory_is_free_or_at_the_timeout
     free, waited = wait_for_free_memory(26 * gib, lambda: gib, timeout_seconds=12, poll_seconds=5, sleep=sleep, clock=clock)
     assert free == gib and waited == 12.0  # the last sleep is cut to the timeout, never past it
     assert wait_for_free_memory(gib, lambda: 2 * gib, timeout_seconds=300, sleep=sleep, clock=clock)[0] == 2 * gib
+
+
+# --- host-resident V-step state, early stop ----------------------------------------------------
+
+def test_the_v_step_state_in_host_memory_takes_the_same_steps_as_on_the_device(setup):
+    """v_state host (straight-through weights and moments streamed through the device once a step,
+    `aqflow.pvtune.offload`) against the state kept beside the model: the same held-out curve,
+    codes and weights (on a CPU the stream is a copy to the same memory; the arithmetic is the same)."""
+    runs = []
+    for v_state in ("device", "host"):
+        student, teacher = load_student(setup["aqlm_dir"]), _teacher(setup)
+        settings = pvtrain.PVSettings(epochs=2, v_state=v_state, **(QUICK | dict(lr=3e-2, code_lr=3e-2,
+                                                                                  eval_every_steps=2)))
+        result = pvtrain.train(student, teacher, setup["data"].train.input_ids, setup["data"].heldout.input_ids,
+                               settings, "cpu", progress=False)
+        runs.append((result, {k: v for k, v in student.state_dict().items() if not k.endswith("straight_through")}))
+    (device, device_state), (host, host_state) = runs
+    assert [row["kl"] for row in host.log] == [row["kl"] for row in device.log]
+    assert any(row["codes_changed_fraction"] > 0 for row in host.log if row["split"] == "train")
+    for name, value in device_state.items():
+        assert torch.equal(host_state[name], value), name
+
+
+def test_plateau_is_reached_when_the_last_evaluations_fail_to_beat_the_best_before_them():
+    reached = pvtrain.plateau_reached
+    assert not reached([1.0, 0.9, 0.8], None, 0.01)  # off
+    assert not reached([1.0, 0.99], 2, 0.01)  # too few evaluations to tell
+    assert reached([1.0, 0.995, 0.992], 2, 0.01)  # neither beat 1.0 by 1 %
+    assert not reached([1.0, 0.995, 0.98], 2, 0.01)  # the last did
+    assert reached([1.0, 0.8, 0.85, 0.9], 2, 0.0)  # worse than the best before them
+    assert not reached([1.0, 0.8, 0.85, 0.79], 2, 0.0)
+
+
+def test_training_stops_at_a_plateau_and_keeps_the_best_state(setup):
+    """A learning rate large enough that the held-out KL rises after its first steps: with
+    plateau_evaluations 2 the loop ends two evaluations after its best, short of its budget,
+    and the student is the best state's."""
+    student, teacher = load_student(setup["aqlm_dir"]), _teacher(setup)
+    settings = pvtrain.PVSettings(epochs=5, plateau_evaluations=2, plateau_min_improvement=0.0,
+                                  **(QUICK | dict(lr=3e-2, code_lr=3e-2, eval_every_steps=1)))
+    heldout = setup["data"].heldout.input_ids
+    result = pvtrain.train(student, teacher, setup["data"].train.input_ids, heldout, settings, "cpu", progress=False)
+    evals = [row for row in result.log if row["split"] == "heldout"]
+    assert result.budget_steps == 10 and result.stopped_at_plateau and result.steps < 10
+    assert result.steps == result.best_step + 2 == evals[-1]["step"]
+    assert min(row["kl"] for row in evals[-2:]) >= result.best_heldout["kl"]
+    final = pvtrain.heldout_metrics(student, teacher, heldout, settings, torch.device("cpu"))
+    assert final["kl"] == pytest.approx(result.best_heldout["kl"], rel=1e-5)
+
+
+def test_each_process_gets_as_many_batches_padding_the_short_ones():
+    batches = [pvtrain.rank_batches(7, 2, rank, 3) for rank in range(3)]  # 4 batches over 3 processes
+    assert batches[0] == [slice(0, 2), slice(6, 7)]
+    assert batches[1] == [slice(2, 4), None] and batches[2] == [slice(4, 6), None]
+    assert pvtrain.rank_batches(4, 2, 0, 1) == [slice(0, 2), slice(2, 4)]

@@ -40,7 +40,7 @@ from aqflow.models.fetch import ModelInputError, load_tokenizer, model_compute_d
 from aqflow.models.folder import tensor_headers
 from aqflow.stagekit.processes import die_with_parent
 from aqflow.pvtune.data import pv_windows
-from aqflow.pvtune.memory import PVMemoryError, require_fit, state_bytes, wait_for_free_memory
+from aqflow.pvtune.memory import PVMemoryError, host_bytes, plan_v_state, wait_for_free_memory
 from aqflow.pvtune.resume import Resumer, run_fingerprint
 from aqflow.pvtune.student import StudentError, load_student, load_teacher, pv_linears, save_student
 from aqflow.pvtune.train import PVSettings, settings_record, train, world
@@ -169,6 +169,34 @@ def wait_for_card(needed: int, device: torch.device, timeout_seconds: float, ran
           + ("" if free >= needed else "; loading anyway"), flush=True)
 
 
+def plan_memory(settings: PVSettings, paths: PvtunePaths, teacher_bytes: int, device: torch.device, size: int,
+                say) -> PVSettings:
+    """The loop's settings with `v_state` decided from the memory plan (`pvtune.memory`): the
+    V-step's state on the card where one process's share fits it, else in host memory (one
+    process); PVMemoryError naming what would fit where nothing does."""
+    import psutil
+
+    card_bytes = torch.cuda.get_device_properties(device).total_memory
+    v_state, parts = plan_v_state(tensor_headers(paths.checkpoint_dir), tensor_headers(paths.model_dir), teacher_bytes,
+                                  settings, size, card_bytes, psutil.virtual_memory().available, str(device))
+    listed = ", ".join(f"{name} {value / 2**30:.1f}" for name, value in parts.items())
+    say(f"memory: {sum(parts.values()) / 2**30:.1f} GiB of state per process before activations ({listed} GiB) on a "
+        f"{card_bytes / 2**30:.1f} GiB card, {size} process(es)", flush=True)
+    if v_state == "host":
+        say(f"memory: the V-step's straight-through weights and moments ("
+            f"{host_bytes(tensor_headers(paths.checkpoint_dir), settings) / 2**30:.1f} GiB) live in host memory and "
+            f"stream through the card once a step (the card is too small for them)", flush=True)
+    return dataclasses.replace(settings, v_state=v_state)
+
+
+def settings_bytes_on_card(settings: PVSettings, paths: PvtunePaths, teacher_dtype: str, size: int) -> int:
+    """One process's state on its card for the decided settings (`memory.state_bytes`)."""
+    from aqflow.pvtune.memory import state_bytes
+
+    return sum(state_bytes(tensor_headers(paths.checkpoint_dir), tensor_headers(paths.model_dir),
+                           torch_dtype(teacher_dtype).itemsize, settings, size, settings.v_state).values())
+
+
 def pvtune(options: PvtuneSettings, paths: PvtunePaths) -> dict:
     """PV-tuning; the metrics record (outputs written by process 0)."""
     check_inputs(options, paths)
@@ -193,13 +221,11 @@ def pvtune(options: PvtuneSettings, paths: PvtunePaths) -> dict:
     phase = time.perf_counter()
     teacher_dtype = options.teacher_dtype if options.teacher_dtype != "auto" else model_compute_dtype(paths.model_dir, device)
     if device.type == "cuda":  # a card too small is named before minutes of loading
-        parts = state_bytes(tensor_headers(paths.checkpoint_dir), tensor_headers(paths.model_dir),
-                            torch_dtype(teacher_dtype).itemsize, settings)
-        card_bytes = torch.cuda.get_device_properties(device).total_memory
-        say(f"memory: {sum(parts.values()) / 2**30:.1f} GiB of state before activations on a "
-            f"{card_bytes / 2**30:.1f} GiB card", flush=True)
-        require_fit(parts, card_bytes, str(device))
-        wait_for_card(sum(parts.values()), device, options.memory_wait_seconds, rank)
+        settings = plan_memory(settings, paths, torch_dtype(teacher_dtype).itemsize, device, size, say)
+        wait_for_card(settings_bytes_on_card(settings, paths, teacher_dtype, size), device, options.memory_wait_seconds,
+                      rank)
+    elif settings.v_state == "auto":
+        settings = dataclasses.replace(settings, v_state="device")
     teacher = load_teacher(paths.model_dir, device, teacher_dtype)
     student = load_student(paths.checkpoint_dir, device)
     initial_codes = {name: pack_codes(layer.codes, layer.nbits).cpu() for name, layer in pv_linears(student).items()}
@@ -213,8 +239,10 @@ def pvtune(options: PvtuneSettings, paths: PvtunePaths) -> dict:
 
     resumer = None
     if paths.state_dir is not None:
+        # where the V-step's state lives changes no step: a state saved with it on the card resumes in host memory
+        run_settings = {key: value for key, value in settings_record(settings).items() if key != "v_state"}
         resumer = Resumer(paths.state_dir, options.save_state_every, run_fingerprint(
-            settings_record(settings) | {"world_size": size}, data.record,
+            run_settings | {"world_size": size}, data.record,
             [paths.model_dir, paths.checkpoint_dir, paths.corpus]))
     result = train(student, teacher, data.train.input_ids, data.heldout.input_ids, settings, device,
                    progress=not options.quiet, on_eval=report, resumer=resumer)
@@ -225,7 +253,11 @@ def pvtune(options: PvtuneSettings, paths: PvtunePaths) -> dict:
         "model_dir": str(paths.model_dir),
         "checkpoint_dir": str(paths.checkpoint_dir),
         "steps": result.steps,
+        "budget_steps": result.budget_steps,
+        "stopped_at_plateau": result.stopped_at_plateau,
         "micro_batch_size_used": result.micro_batch_size,
+        "gradient_checkpointing_used": result.gradient_checkpointing,
+        "state_bytes_per_process": result.state_bytes,
         "best_step": result.best_step,
         "initial_heldout_kl": result.initial_heldout["kl"],
         "best_heldout_kl": result.best_heldout["kl"],
