@@ -4,6 +4,9 @@
     PYTHONPATH=src python3 benchmarks/throughput.py pv --shape smollm2 --before before/src --after src \\
         --work /root/tp --out $OUT/pv_smollm2.json [--profile]
     PYTHONPATH=src python3 benchmarks/throughput.py table $OUT/pv_*.json --out $OUT/throughput.json
+    # PV-tuning at scale: the 3B at the paper's batch before/after, the 8B on one card, memory plans
+    PYTHONPATH=src python3 benchmarks/throughput.py scale --pv3b pv_llama3b.json --pv8b pv_llama8b.json \
+        --out benchmarks/results/pv_scale_h100.json
 
 Inputs are built once per shape and shared by both variants: a random bf16 teacher of the
 shape (SmolLM2-135M, or Llama-3.2-3B as in pvtune_gpu_check.py), its 2x8-bit AQLM student
@@ -33,6 +36,10 @@ from synthetic_models import random_teacher
 from synthetic_text import synthetic_corpus
 
 PAPER_PV_TOKENS = 10_000 * 4096 * 5
+PAPER_PV_STEPS = 1563  # 10,000 windows x 5 epochs / 32 a step
+PAPER_PV_EVALUATIONS = 157  # one before training, one every 10 steps and one after the last
+# dense bf16 peak of a card (NVIDIA's figure without sparsity), for the model FLOP utilisation
+PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12}
 SHAPES = {
     "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
@@ -100,6 +107,47 @@ def build_student(teacher: Path, root: Path, device: str) -> Path:
     return checkpoint.write_aqlm_checkpoint(teacher, layers, root / "aqlm", num_codebooks=2, nbits=8, dtype="float16")
 
 
+def forward_flops_per_token(shape: dict, window_tokens: int) -> float:
+    """Matmul FLOPs of one token's forward pass through a Llama of `shape` in a causal window of
+    `window_tokens`: 2 per weight of every linear and the head, and the attention's scores and
+    weighted sum over the (on average) window_tokens / 2 positions before it."""
+    width, heads, kv_heads = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim = shape.get("head_dim", width // heads)
+    block = (width * heads * head_dim * 2 + width * kv_heads * head_dim * 2 + 3 * width * shape["intermediate_size"])
+    attention = 2 * 2 * heads * head_dim * window_tokens / 2
+    return shape["num_hidden_layers"] * (2 * block + attention) + 2 * shape["vocab_size"] * width
+
+
+def pv_flops_per_token(shape: dict, window_tokens: int) -> float:
+    """Model FLOPs of one PV-tuning token, recomputation not counted: the teacher's forward pass,
+    the student's forward pass and its backward pass (twice a forward: dL/dx and dL/dW)."""
+    return 4 * forward_flops_per_token(shape, window_tokens)
+
+
+def peak_flops(device_name: str) -> float | None:
+    return next((peak for card, peak in PEAK_BF16_FLOPS.items() if card in device_name), None)
+
+
+def evaluation_seconds(log: pd.DataFrame) -> list[float]:
+    """Duration of each held-out evaluation, in order (the first, before training, counted from
+    the loop's start; each later one from the training step before it)."""
+    rows = log.sort_values(["seconds"]).to_dict("records")
+    durations, previous = [], 0.0
+    for row in rows:
+        if row["split"] == "heldout":
+            durations.append(row["seconds"] - previous)
+        previous = row["seconds"]
+    return durations
+
+
+def paper_hours(step_seconds: float, evaluations: list[float]) -> float:
+    """The paper's PV budget at a measured step and held-out evaluation time: the first evaluation
+    as measured, every later one as the last measured (the teacher's held-out states are kept after
+    the first, where the code does)."""
+    later = evaluations[-1] if len(evaluations) > 1 else evaluations[0]
+    return (PAPER_PV_STEPS * step_seconds + evaluations[0] + (PAPER_PV_EVALUATIONS - 1) * later) / 3600
+
+
 # --- one variant ---------------------------------------------------------------------------------
 
 def steady_step_seconds(log: pd.DataFrame) -> list[float]:
@@ -127,21 +175,35 @@ def run_variant(label: str, source: Path, inputs: dict, shape_name: str, work: P
                "--batch-size", str(batch), "--epochs", "1", "--max-steps", str(steps), "--eval-every-steps", str(every),
                "--device", device, "--quiet", "--output-dir", str(out / "model"), "--train-log", str(out / "train_log.parquet"),
                "--metrics", str(out / "pvtune.json"), *extra]  # the pvtune rule's names: `out` reads as a pv/ folder
-    started = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - started
     out.mkdir(parents=True, exist_ok=True)  # the whole output, for a run that fails (an out-of-memory's place)
-    (out / "stdout.log").write_text(done.stdout)
-    (out / "stderr.log").write_text(done.stderr)
-    print(done.stdout[-1500:], flush=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{label} failed:\n{done.stderr[-4000:]}")
+    started = time.perf_counter()
+    with open(out / "stdout.log", "w") as stdout, open(out / "stderr.log", "w") as stderr:
+        process = subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, text=True)
+        _, status, usage = os.wait4(process.pid, 0)  # its own peak resident memory, not its siblings'
+    wall = time.perf_counter() - started
+    host_rss_gib = usage.ru_maxrss * 1024 / 2**30  # Linux reports KiB
+    print((out / "stdout.log").read_text()[-1500:], flush=True)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{label} failed:\n{(out / 'stderr.log').read_text()[-4000:]}")
     record = json.loads((out / "pvtune.json").read_text())
     log = pd.read_parquet(out / "train_log.parquet")
     durations = steady_step_seconds(log)
     heldout_rows = log[log["split"] == "heldout"]
+    step_seconds = float(np.median(durations))
+    evaluations = evaluation_seconds(log)
+    model_flops = pv_flops_per_token(SHAPES[shape_name], tokens) * batch * tokens / step_seconds
     return {
         "source": str(source), "extra_flags": extra, "wall_seconds": wall, "processes": processes,
+        "host_rss_gib": host_rss_gib, "step_seconds": step_seconds, "heldout_evaluation_seconds": evaluations,
+        "paper_pv_hours_projected": paper_hours(step_seconds, evaluations),
+        "model_flops_per_second": model_flops,
+        "model_flop_utilisation": model_flops / processes / peak_flops(record.get("device_name", "")) if peak_flops(
+            record.get("device_name", "")) else None,
+        "gradient_checkpointing_used": record.get("gradient_checkpointing_used", record["settings"].get(
+            "gradient_checkpointing")),
+        "v_state": record["settings"].get("v_state", "device"),
+        "state_bytes_per_process": record.get("state_bytes_per_process"),
+        "device_name": record.get("device_name"),
         "batch_windows, steps, heldout_windows, eval_every": run,
         "micro_batch_size": record.get("micro_batch_size_used", record["settings"]["micro_batch_size"]),
         "peak_memory_allocated_gib": record.get("peak_memory_allocated_gib"),
@@ -282,6 +344,106 @@ def command_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def shape_headers(shape: dict, num_codebooks: int = 2, nbits: int = 8, group_size: int = 8) -> tuple[dict, dict]:
+    """(student, teacher) safetensors headers of a Llama of `shape` and its AQLM checkpoint, as
+    `aqflow.pvtune.memory` reads them (nothing is built)."""
+    from aqflow.models.folder import TensorHeader
+
+    width, ff = shape["hidden_size"], shape["intermediate_size"]
+    head_dim = shape.get("head_dim", width // shape["num_attention_heads"])
+    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    linears = {"self_attn.q_proj": (q, width), "self_attn.k_proj": (kv, width), "self_attn.v_proj": (kv, width),
+               "self_attn.o_proj": (width, q), "mlp.gate_proj": (ff, width), "mlp.up_proj": (ff, width),
+               "mlp.down_proj": (width, ff)}
+    student, teacher = {}, {}
+    for block in range(shape["num_hidden_layers"]):
+        for name, (out, inp) in linears.items():
+            prefix = f"model.layers.{block}.{name}"
+            teacher[f"{prefix}.weight"] = TensorHeader("BF16", (out, inp))
+            student[f"{prefix}.codes"] = TensorHeader("U8", (out, inp // group_size, num_codebooks))
+            student[f"{prefix}.codebooks"] = TensorHeader("F16", (num_codebooks, 1 << nbits, 1, group_size))
+            student[f"{prefix}.scales"] = TensorHeader("F16", (out, 1, 1, 1))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            teacher[f"model.layers.{block}.{norm}.weight"] = student[f"model.layers.{block}.{norm}.weight"] = \
+                TensorHeader("BF16", (width,))
+    outside = {"model.embed_tokens.weight": (shape["vocab_size"], width), "model.norm.weight": (width,)}
+    if not shape.get("tie_word_embeddings"):
+        outside["lm_head.weight"] = (shape["vocab_size"], width)
+    for name, size in outside.items():
+        teacher[name] = student[name] = TensorHeader("BF16", size)
+    return student, teacher
+
+
+def memory_plan(shape_name: str, cards: int, card_bytes: int) -> dict:
+    """One process's state on its card (GiB per part) for PV-tuning `shape_name` at config.yaml's
+    settings over `cards` processes, and whether it fits `card_bytes`."""
+    from aqflow.pvtune.memory import state_bytes
+    from aqflow.pvtune.train import PVSettings
+
+    student, teacher = shape_headers(SHAPES[shape_name])
+    parts = state_bytes(student, teacher, 2, PVSettings(), cards, "device")
+    return {"cards": cards, "card_gib": card_bytes / 2**30, "parts_gib": {k: v / 2**30 for k, v in parts.items()},
+            "total_gib": sum(parts.values()) / 2**30, "fits": sum(parts.values()) <= card_bytes}
+
+
+def command_scale(args: argparse.Namespace) -> int:
+    """pv_scale_<card>.json from a 3B report (before and after) and an 8B report (after, one card)."""
+    three, eight = json.loads(args.pv3b.read_text()), json.loads(args.pv8b.read_text()) if args.pv8b else None
+    before, after = three["before"], three["after"]
+    steps = sorted(set(before["heldout_kl"]) & set(after["heldout_kl"]), key=int)
+    deviation = max(abs(after["heldout_kl"][s] - before["heldout_kl"][s]) / before["heldout_kl"][s] for s in steps)
+    card_bytes = int(args.card_gib * 2**30)
+    report = {
+        "card": three["device"], "shape_3b": "llama3b", "batch_windows, steps, heldout_windows, eval_every":
+            three["batch_windows, steps, heldout_windows, eval_every"],
+        "tokens_per_second_3b": after["tokens_per_s"], "tokens_per_second_3b_before": before["tokens_per_s"],
+        "speedup_3b": after["tokens_per_s"] / before["tokens_per_s"],
+        "step_seconds_3b": after["step_seconds"], "step_seconds_3b_before": before["step_seconds"],
+        "heldout_evaluation_seconds_3b": after["heldout_evaluation_seconds"],
+        "heldout_evaluation_seconds_3b_before": before["heldout_evaluation_seconds"],
+        "paper_pv_hours_projected_3b": after["paper_pv_hours_projected"],
+        "paper_pv_hours_projected_3b_before": before["paper_pv_hours_projected"],
+        "model_flop_utilisation_3b": after["model_flop_utilisation"],
+        "model_flop_utilisation_3b_before": before["model_flop_utilisation"],
+        "heldout_kl_3b": after["heldout_kl"], "heldout_kl_3b_before": before["heldout_kl"],
+        "heldout_kl_3b_largest_relative_deviation": deviation,
+        "micro_batch_size_3b": after["micro_batch_size"], "micro_batch_size_3b_before": before["micro_batch_size"],
+        "gradient_checkpointing_3b": after["gradient_checkpointing_used"],
+        "peak_gib_3b": after["peak_memory_allocated_gib"], "peak_gib_3b_before": before["peak_memory_allocated_gib"],
+        "memory_plan_8b": {f"{cards}x{args.card_gib:.0f}gib": memory_plan("llama8b", cards, card_bytes)
+                           for cards in (1, 2, 4)},
+        "targets": {"tokens_per_second_3b_at_least_1.5x": after["tokens_per_s"] >= 1.5 * before["tokens_per_s"],
+                    "paper_pv_hours_3b_at_most_5": after["paper_pv_hours_projected"] <= 5.0,
+                    "heldout_kl_within_1_percent": deviation <= 0.01},
+        "commands": args.commands,
+    }
+    if eight is not None:
+        row = eight["after"]
+        report.update({"pv_step_seconds_8b_one_card": row["step_seconds"],
+                       "peak_gib_8b_one_card": row["peak_memory_allocated_gib"], "card_8b": eight["device"],
+                       "v_state_8b": row["v_state"], "micro_batch_size_8b": row["micro_batch_size"],
+                       "host_rss_gib_8b": row.get("host_rss_gib"), "heldout_kl_8b": row["heldout_kl"],
+                       "batch_windows_8b": eight["batch_windows, steps, heldout_windows, eval_every"][0]})
+        report["targets"]["8b_steps_on_one_80gb_card"] = bool(row["steady_step_seconds"]) and "H100" in eight["device"]
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"card: {report['card']}")
+    print(f"{'figure':44s} {'before':>10s} {'after':>10s}")
+    for label, key in (("3B tokens/s (paper batch)", "tokens_per_second_3b"), ("3B step s", "step_seconds_3b"),
+                       ("3B paper budget, h (projected)", "paper_pv_hours_projected_3b"),
+                       ("3B model FLOP utilisation", "model_flop_utilisation_3b"), ("3B peak GiB", "peak_gib_3b")):
+        shown = ["-" if value is None else f"{value:10.3f}" for value in (report.get(f"{key}_before"), report.get(key))]
+        print(f"{label:44s} {shown[0]:>10s} {shown[1]:>10s}")
+    print(f"3B held-out KL, largest relative deviation: {deviation:.4f}")
+    if eight is not None:
+        print(f"8B on one card ({report['card_8b']}, V-step state {report['v_state_8b']}): "
+              f"{report['pv_step_seconds_8b_one_card']:.1f} s a step of {report['batch_windows_8b']} windows, "
+              f"peak {report['peak_gib_8b_one_card']} GiB, host RSS {report['host_rss_gib_8b']:.1f} GiB")
+    for name, plan in report["memory_plan_8b"].items():
+        print(f"8B memory plan {name}: {plan['total_gib']:.1f} GiB per process, fits: {plan['fits']}")
+    print("targets:", report["targets"])
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -305,8 +467,14 @@ def main() -> int:
     table.add_argument("--vstep", nargs="*", default=[], help="after-only reports, V-step graph vs eager")
     table.add_argument("--multi", default=None, help="after-only report of a torchrun run over several cards")
     table.add_argument("--out", type=Path, required=True)
+    scale = commands.add_parser("scale", help="pv_scale_<card>.json: 3B before/after, 8B on one card, memory plans")
+    scale.add_argument("--pv3b", type=Path, required=True, help="pv report of --shape llama3b (before and after)")
+    scale.add_argument("--pv8b", type=Path, default=None, help="pv report of --shape llama8b (after, one card)")
+    scale.add_argument("--card-gib", type=float, default=79.19, help="card memory for the 8B memory plans")
+    scale.add_argument("--commands", nargs="*", default=[], help="the commands that made the reports (recorded)")
+    scale.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    return {"pv": command_pv, "table": command_table}[args.command](args)
+    return {"pv": command_pv, "table": command_table, "scale": command_scale}[args.command](args)
 
 
 if __name__ == "__main__":

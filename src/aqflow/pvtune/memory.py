@@ -7,7 +7,7 @@ Per part, in bytes per process of `world_size` (the student trains in float32,
 `student.load_student`; what is sharded, `distributed`, is divided by the processes):
 
 * teacher: every tensor of the source model in its compute dtype (sharded);
-* codes: [out, G, M] int32 per quantized linear (whole on every process);
+* codes: [out, G, M] int16 (int32 beyond 15-bit codes) per quantized linear (whole on every process);
 * V-step: per quantized weight, the float32 straight-through copy, its gradient and Adam's moments
   (one at code_beta1 0, `vstep_adam`; two otherwise): 12 or 16 bytes (sharded by rows); with
   v_state "host" only the 4-byte gradient stays on the card, the rest is `host_bytes`; without
@@ -79,7 +79,8 @@ def state_bytes(student: Mapping[str, TensorHeader], teacher: Mapping[str, Tenso
     codes = codebooks_and_scales = 0
     for prefix in _quantized_prefixes(student):
         out_rows, groups, num_codebooks = student[f"{prefix}.codes"].shape[:3]
-        codes += out_rows * groups * num_codebooks * 4
+        code_bytes = 2 if student[f"{prefix}.codebooks"].shape[1] <= 1 << 15 else 4  # student.code_dtype
+        codes += out_rows * groups * num_codebooks * code_bytes
         codebooks_and_scales += (student[f"{prefix}.codebooks"].numel + student[f"{prefix}.scales"].numel) * FLOAT32
     if settings.update_codes:
         per_weight = FLOAT32 if v_state == "host" else FLOAT32 * (2 + state_bytes_per_parameter_byte(settings.code_beta1))

@@ -29,7 +29,7 @@ def move_straight_through_to_host(layers) -> None:
         if device.type == "cuda":
             host = host.pin_memory()
         layer.straight_through = torch.nn.Parameter(host, requires_grad=False)
-        layer.device_gradient = torch.zeros(weight.shape, dtype=torch.float32, device=device)
+        layer.device_gradient = torch.zeros(weight.shape, dtype=weight.dtype, device=device)
 
 
 class HostVStep(torch.optim.Optimizer):
@@ -49,56 +49,62 @@ class HostVStep(torch.optim.Optimizer):
         self.v_step_settings = (max_fraction, beam_size, memory_budget_bytes)
 
     def _to_device(self, index: int, stream) -> tuple[torch.Tensor, dict]:
+        """Layer `index`'s straight-through weight and moments, copied to its device on `stream`."""
         layer = self.layers[index]
-        parameter = layer.straight_through
         device = layer.codes.device
-        state = self.state[parameter]
-        context = torch.cuda.stream(stream) if stream is not None else nullcontext()
-        with context:
-            weight = parameter.detach().to(device, non_blocking=True)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            weight = layer.straight_through.detach().to(device, non_blocking=True)
             moments = {key: value.to(device, non_blocking=True) if key != "step" else value
-                       for key, value in state.items()}
+                       for key, value in self.state[layer.straight_through].items()}
         return weight, moments
+
+    def _to_host(self, layer, weight: torch.Tensor, moments: dict, stream) -> None:
+        """Copy a layer's updated weight and moments back into its host tensors on `stream`."""
+        parameter = layer.straight_through
+        state = self.state[parameter]
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            parameter.copy_(weight, non_blocking=True)
+            for key, value in moments.items():
+                if key == "step":
+                    state["step"] = value
+                    continue
+                if key not in state:  # the first step made the moments on the device
+                    state[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=stream is not None)
+                state[key].copy_(value, non_blocking=True)
 
     @torch.no_grad()
     def step(self, closure=None) -> int:
+        """Adam and the V-step of every layer, streamed: layer i + 1's copy in, layer i's work and
+        layer i - 1's copy out overlap (three streams); returns the code groups changed."""
         if closure is not None:
             raise ValueError("HostVStep takes no closure")
-        device = self.layers[0].codes.device if self.layers else torch.device("cpu")
-        copies = torch.cuda.Stream(device) if device.type == "cuda" else None
-        compute = torch.cuda.current_stream(device) if copies is not None else None
+        if not self.layers:
+            return 0
+        device = self.layers[0].codes.device
+        cuda = device.type == "cuda"
+        compute = torch.cuda.current_stream(device) if cuda else None
+        inward, outward = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
         changed = torch.zeros((), dtype=torch.int64, device=device)
-        ahead = self._to_device(0, copies) if self.layers else None
+        ahead = self._to_device(0, inward)
+        ready = inward.record_event() if cuda else None
         for index, (group, layer) in enumerate(zip(self.param_groups, self.layers)):
-            if copies is not None:
-                compute.wait_stream(copies)
+            if cuda:
+                compute.wait_event(ready)
             weight, moments = ahead
             if index + 1 < len(self.layers):
-                ahead = self._to_device(index + 1, copies)
+                ahead = self._to_device(index + 1, inward)
+                ready = inward.record_event() if cuda else None
             beta1, beta2 = group["betas"]
             adam_update_(weight, layer.device_gradient, moments, group["lr"], beta1, beta2, group["eps"])
             changed += v_step_layer_queued(layer, *self.v_step_settings, straight_through=weight)
             layer.device_gradient.zero_()
-            parameter = layer.straight_through
-            if copies is not None:
-                copies.wait_stream(compute)
-            context = torch.cuda.stream(copies) if copies is not None else nullcontext()
-            with context:
-                parameter.copy_(weight, non_blocking=True)
-                state = self.state[parameter]
-                for key, value in moments.items():
-                    if key == "step":
-                        state["step"] = value
-                    elif key in state:
-                        state[key].copy_(value, non_blocking=True)
-                    else:  # first step: the moments were made on the card
-                        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=copies is not None)
-                        host.copy_(value, non_blocking=True)
-                        state[key] = host
-                if copies is not None:  # the card's copies are freed only once the host has them
-                    for value in (weight, *(v for k, v in moments.items() if k != "step")):
-                        value.record_stream(copies)
-        if copies is not None:
-            torch.cuda.current_stream(device).wait_stream(copies)
-            copies.synchronize()
+            if cuda:
+                outward.wait_event(compute.record_event())
+                # made on other streams than the ones that read them last: not reused before those finish
+                for value in (weight, *(v for k, v in moments.items() if k != "step")):
+                    value.record_stream(compute)
+                    value.record_stream(outward)
+            self._to_host(layer, weight, moments, outward)
+        if cuda:
+            outward.synchronize()  # the host tensors are whole before anyone reads them
         return int(changed)

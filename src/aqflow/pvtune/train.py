@@ -194,7 +194,7 @@ class Trainable:
 def trainable_groups(student: nn.Module, settings: PVSettings) -> Trainable:
     """The student's trainable parameters; sets requires_grad accordingly and creates each layer's
     straight-through weight where the V-step needs one and it is missing (of this process's rows,
-    `distributed.row_range`). Tied parameters appear once."""
+    `distributed.row_range`; in host memory with v_state "host"). Tied parameters appear once."""
     layers = pv_linears(student)
     if not layers:
         raise ValueError("the student has no quantized linears (PVLinear)")
@@ -207,6 +207,8 @@ def trainable_groups(student: nn.Module, settings: PVSettings) -> Trainable:
             layer.rows = row_range(layer.out_features, rank, size)
             if settings.update_codes:
                 layer.enable_straight_through(layer.rows)
+                if settings.v_state == "host":  # one layer at a time: the card never holds them all
+                    move_straight_through_to_host([layer])
         quantized_ids.update(id(p) for p in (layer.codebooks, layer.scales))
         if settings.update_codebooks_and_scales:
             trainable.quantized += [layer.codebooks, layer.scales]
@@ -634,14 +636,13 @@ def _optimizers(trainable: Trainable, layers: list[PVLinear], settings: PVSettin
 def _prepare(student: nn.Module, teacher: nn.Module, settings: PVSettings,
              device: torch.device) -> tuple[Roots, Trainable, list[PVLinear]]:
     """The loop's roots, trainable parameters and quantized layers: the straight-through rows made
-    (in host memory with v_state "host"), and over several processes both models sharded."""
+    (in host memory with v_state "host", `trainable_groups`), and over several processes both
+    models sharded."""
     size = world()[1]
     if settings.v_state == "host" and size > 1:
         raise ValueError("v_state 'host' (the V-step's state in host memory) runs in one process only")
     layers = list(pv_linears(student).values())
     trainable = trainable_groups(student, settings)
-    if settings.v_state == "host" and settings.update_codes:
-        move_straight_through_to_host(layers)
     pair = roots(student, teacher)
     if size > 1:
         shard(pair, layers, device)

@@ -62,7 +62,7 @@ def reencode_groups(target: torch.Tensor, codes: torch.Tensor, codebooks: torch.
                     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> torch.Tensor:
     """Beam-search the codes of the groups `indices` toward `target`, in weight space.
 
-    target [out, in] float32, codes [out, G, M] int32 or int64 in [0, K), codebooks [M, K, g]
+    target [out, in] float32, codes [out, G, M] int16, int32 or int64 in [0, K), codebooks [M, K, g]
     floating, scales [out] floating, indices [n] int64 flat group indices (row * G + group)
     -> new codes [out, G, M] in codes' dtype (groups outside `indices` unchanged)
     """
@@ -92,7 +92,7 @@ def reencode_groups(target: torch.Tensor, codes: torch.Tensor, codebooks: torch.
 def v_step_layer(layer, max_fraction: float, beam_size: int,
                  memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> int:
     """Re-encode one `PVLinear` toward its straight-through weight [out, in] float32 (its codes
-    [out, G, M] int32 change in place); returns how many of the out * G groups changed."""
+    [out, G, M] change in place); returns how many of the out * G groups changed."""
     return int(v_step_layer_queued(layer, max_fraction, beam_size, memory_budget_bytes))
 
 
