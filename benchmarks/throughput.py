@@ -247,6 +247,9 @@ def command_pv(args: argparse.Namespace) -> int:
         teacher = random_teacher(work / "teacher", shape, args.device)
         inputs = {"teacher": teacher, "student": build_student(teacher, work, args.device), "corpus": synthetic_corpus(
             work / "corpus.parquet", *CORPUS[args.shape])}
+    if args.prepare_only:  # e.g. on the CPUs while another run has the card; a later --reuse runs it
+        print(f"inputs ready in {time.perf_counter() - started:.0f} s: {inputs}", flush=True)
+        return 0
     if args.device == "cuda":  # the pvtune processes get the card; this one keeps only its context
         torch.cuda.empty_cache()
     run = tuple(args.run) if args.run else RUNS[args.shape]
@@ -458,6 +461,7 @@ def main() -> int:
     pv.add_argument("--profile", action="store_true", help="also print a torch.profiler table of the new code")
     pv.add_argument("--device", default="cuda", help="cuda; cpu only for --shape smoke")
     pv.add_argument("--reuse", action="store_true", help="use the inputs an earlier run left in --work")
+    pv.add_argument("--prepare-only", action="store_true", help="build the inputs (on --device) and stop")
     pv.add_argument("--variants", nargs="+", default=["before", "after"], choices=["before", "after"])
     pv.add_argument("--processes", type=int, default=1, help="torchrun processes (one per GPU)")
     pv.add_argument("--run", type=int, nargs=4, metavar=("BATCH", "STEPS", "HELDOUT", "EVAL_EVERY"),

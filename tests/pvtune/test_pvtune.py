@@ -614,3 +614,18 @@ def test_each_process_gets_as_many_batches_padding_the_short_ones():
     assert batches[0] == [slice(0, 2), slice(6, 7)]
     assert batches[1] == [slice(2, 4), None] and batches[2] == [slice(4, 6), None]
     assert pvtrain.rank_batches(4, 2, 0, 1) == [slice(0, 2), slice(2, 4)]
+
+
+def test_weights_kept_between_optimiser_steps_give_the_same_run(setup):
+    """keep_weights (each layer's dequantized weight made once a step, not once per pass) changes
+    nothing: the kept weights are dropped whenever an optimiser step moves what they are made of."""
+    logs = []
+    for keep in ("never", "always"):
+        student, teacher = load_student(setup["aqlm_dir"]), _teacher(setup)
+        settings = pvtrain.PVSettings(epochs=2, keep_weights=keep, **(QUICK | dict(lr=3e-2, code_lr=3e-2,
+                                                                                    eval_every_steps=1)))
+        result = pvtrain.train(student, teacher, setup["data"].train.input_ids, setup["data"].heldout.input_ids,
+                               settings, "cpu", progress=False)
+        logs.append([(row["split"], row["kl"]) for row in result.log])
+        assert all(layer.weight_cache is None for layer in pv_linears(student).values())  # released at the end
+    assert logs[0] == logs[1] and len({kl for split, kl in logs[0] if split == "heldout"}) == 5

@@ -84,6 +84,8 @@ class PVLinear(nn.Module):
         self.reducer: RowReducer | None = None  # sums dL/dW over processes onto `rows` (set while open)
         # dL/dW's buffer on the card where the straight-through weight is in host memory (offload)
         self.device_gradient: torch.Tensor | None = None
+        self.keep_weight = False  # keep the compute-dtype weight between optimiser steps (`compute_weight`)
+        self.weight_cache: torch.Tensor | None = None
 
     @property
     def nbits(self) -> int:
@@ -116,8 +118,20 @@ class PVLinear(nn.Module):
 
     @torch.no_grad()
     def compute_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dequantized weight [out, in] in `dtype`, outside autograd."""
-        return self.dequantized().to(dtype)
+        """The dequantized weight [out, in] in `dtype`, outside autograd: made once and kept while
+        `keep_weight` is on (codes, codebooks and scales change only between optimiser steps, and
+        a step's micro-batches and held-out passes would dequantize it two or three times each)."""
+        cached = self.weight_cache
+        if cached is not None and cached.dtype == dtype:
+            return cached
+        weight = self.dequantized().to(dtype)
+        if self.keep_weight:
+            self.weight_cache = weight
+        return weight
+
+    def forget_weight(self) -> None:
+        """Drop the kept weight (after an optimiser step changed what it is made of)."""
+        self.weight_cache = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]: in x's dtype, or autocast's on the accumulate-dL/dW path."""

@@ -61,6 +61,7 @@ from .vstep_adam import state_bytes_per_parameter_byte, v_step_optimizer
 SELECTION_METRICS = ("kl", "perplexity")
 CODE_LR_SCALES = ("absolute", "weight_rms")
 CHECKPOINTING = ("auto", "always", "never")
+HELDOUT_WINDOWS_PER_PASS = 4  # on a GPU, at least
 V_STATES = ("auto", "device", "host")
 
 
@@ -96,6 +97,11 @@ class PVSettings:
     # not fit the card beside the state (measured before training); always; never
     gradient_checkpointing: str = field(default="auto", metadata={"choices": CHECKPOINTING,
                                                                   "help": "recompute activations in the backward pass"})
+    # keep every quantized layer's dequantized weight in the autocast dtype from its first use in a
+    # step to the optimiser step (2 bytes a weight; auto: on a GPU where the card has room for it
+    # twice over beside the state, measured before training)
+    keep_weights: str = field(default="auto", metadata={"choices": ("auto", "always", "never"),
+                                                        "help": "keep dequantized weights between optimiser steps"})
     # where the V-step's straight-through weights and their moments live: on the card, or in host
     # memory streamed through the card once a step (auto: host only where the card is too small,
     # which the pvtune stage decides from its memory plan; one process only)
@@ -135,6 +141,8 @@ class PVSettings:
             problems.append(f"selection_metric must be one of {SELECTION_METRICS}, got {self.selection_metric!r}")
         if self.gradient_checkpointing not in CHECKPOINTING:
             problems.append(f"gradient_checkpointing must be one of {CHECKPOINTING}, got {self.gradient_checkpointing!r}")
+        if self.keep_weights not in ("auto", "always", "never"):
+            problems.append(f"keep_weights must be one of ('auto', 'always', 'never'), got {self.keep_weights!r}")
         if self.v_state not in V_STATES:
             problems.append(f"v_state must be one of {V_STATES}, got {self.v_state!r}")
         if self.plateau_evaluations is not None and self.plateau_evaluations < 1:
@@ -371,6 +379,24 @@ def _window_peak(pair: Roots, window: torch.Tensor, settings: PVSettings, device
     return gradients, activations
 
 
+def keeping_weights(layers: list[PVLinear], settings: PVSettings, device: torch.device) -> bool:
+    """Whether to keep the layers' dequantized weights between optimiser steps (`PVLinear.keep_weight`):
+    as set, or with "auto" on a GPU whose free memory is at least twice what they take (the rest is
+    for activations: the micro-batch probe measures beside them)."""
+    if settings.keep_weights != "auto":
+        return settings.keep_weights == "always"
+    if device.type != "cuda":
+        return False
+    itemsize = torch.finfo(getattr(torch, settings.amp_dtype)).bits // 8 if settings.amp_dtype else 4
+    needed = sum(layer.out_features * layer.in_features for layer in layers) * itemsize
+    return _agreed_minimum(int(torch.cuda.mem_get_info(device)[0] >= 2 * needed), device) == 1
+
+
+def forget_weights(layers: list[PVLinear]) -> None:
+    for layer in layers:
+        layer.forget_weight()
+
+
 def _agreed_minimum(value: int, device: torch.device) -> int:
     """The smallest of every process's `value` (each process's own where there is one)."""
     if world()[1] == 1:
@@ -493,7 +519,8 @@ def heldout_metrics(student: nn.Module, teacher: nn.Module, windows: torch.Tenso
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # KL nats, NLL nats, predicted tokens, tokens
     was_training = pair.student.model.training
     pair.student.model.eval()
-    step = max(settings.micro_batch_size, 1)
+    # no gradient, no activations kept: a GPU takes more windows a pass than a training micro-batch
+    step = max(settings.micro_batch_size, HELDOUT_WINDOWS_PER_PASS if device.type == "cuda" else 1)
     for part in rank_batches(windows.shape[0], step, rank, size):
         padding = part is None  # a process without windows left runs its collectives all the same
         part = part if part is not None else slice(0, 1)
@@ -665,6 +692,9 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
     teacher.eval()
 
     timings: dict[str, float] = {}
+    keep = keeping_weights(layers, settings, device)
+    for layer in layers:
+        layer.keep_weight = keep
     checkpointing = settings.gradient_checkpointing != "never"
     set_checkpointing(student, checkpointing)
     if settings.micro_batch_size == 0:
@@ -703,6 +733,7 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
     metric = settings.selection_metric
     generator = torch.Generator().manual_seed(settings.seed)
     resumed = resumer.load(student, optimizers) if resumer is not None else None
+    forget_weights(layers)  # the probe's, or made before the resumed state was loaded
     if resumed is None:
         best = initial = evaluate(0, 0.0)
         best_state = snapshot(student, p_params)
@@ -743,6 +774,7 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
                     optimizers["v"].step()
                     optimizers["v"].zero_grad(set_to_none=True)
                     changed = v_step()
+            forget_weights(layers)  # codebooks, scales and codes have moved
             step += 1
             epoch = step / steps_per_epoch
             log.append({"step": step, "epoch": epoch, "split": "train", "kl": loss_sum.item() / batch_tokens,
@@ -768,6 +800,9 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
         print(f"pv-tune: held-out {metric} no better by {settings.plateau_min_improvement:.1%} over the last "
               f"{settings.plateau_evaluations} evaluations; stopped after step {step} of {budget_steps}", flush=True)
     set_checkpointing(student, False)
+    for layer in layers:
+        layer.keep_weight = False
+    forget_weights(layers)
     restore(student, best_state)
     student_state = gathered_state(student) if pair.sharded else None
     student.eval()
