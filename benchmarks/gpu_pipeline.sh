@@ -32,7 +32,6 @@ set -euo pipefail
 STAGE=${STAGE:-/root/stage}
 PY=${PYTHON:-python3}
 export PYTHONPATH="$STAGE/site:$PWD/src" AQFLOW_CACHE="$STAGE/cache" PYTHONUNBUFFERED=1
-mkdir -p "$STAGE/parts"
 
 carried() {  # carried NAME [GLOB]: the array NAME := the files matching GLOB (default *.whl) in the WHEELS folders
   local -n found=$1
@@ -48,7 +47,7 @@ carried() {  # carried NAME [GLOB]: the array NAME := the files matching GLOB (d
 CALL_BYTES=$(( 64 * 1024 * 1024 - 256 * 1024 ))
 tree_bytes() { git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1; }
 
-case "$1" in
+case "${1:-}" in
 slim)
   [ -z "$(git status --porcelain --untracked-files=no)" ] || { echo "commit or stash your changes first" >&2; exit 1; }
   git switch -q -c device-slim
@@ -263,5 +262,8 @@ wait)
       | tee "$OUT/gpu_utilisation.txt"; } 2>/dev/null || true
   tar -czf "$OUT/logs.tar.gz" logs "$STAGE"/*.snakemake.log "$STAGE/snakemake.out" 2>/dev/null || true
   ls -la "$OUT"
+  ;;
+*)  # -h, --help, or no command: the usage at the top of this file
+  sed -n '2,/^set -euo/p' "$0" | grep '^#' | cut -c3-; [ "${1:-}" = -h ] || [ "${1:-}" = --help ]
   ;;
 esac

@@ -48,7 +48,7 @@ card_name() {  # h100, h200, ... (cpu without a card), for file names
   echo "${name:-cpu}"
 }
 
-case "$1" in
+case "${1:-}" in
 carry)
   # the kit's inputs (tokenizer, registry text, the zero-shot tasks), fetched here by the pipeline's own fetchers
   PYTHONPATH="$PWD/src:$PWD" "$PY" -m benchmarks.headline_kit carry --out .device-carry/headline
