@@ -31,7 +31,7 @@ STAGE=${STAGE:-/root/stage}
 PY=${PYTHON:-python3}
 export PYTHONPATH="$STAGE/site:$PWD/src:$PWD" AQFLOW_CACHE="$STAGE/cache" PYTHONUNBUFFERED=1
 export HF_HOME="$STAGE/hf" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-mkdir -p "$STAGE"
+case "${1:-}" in kit|start|pv|wait|collect) mkdir -p "$STAGE" ;; esac  # not for --help
 
 targets() {  # the pre-PV targets of a shape: both inits' eval_pre_pv.json and the fp baseline
   local model=$1
