@@ -4,8 +4,7 @@
 # 1. At once, one job per card: the CUDA-graph V-step test; PV-tuning after this branch's changes
 #    with the V-step replayed as a CUDA graph vs run eagerly, at the SmolLM2 (cards 0, 1) and
 #    Llama-3.2-3B (cards 2, 3) shapes (same inputs, same steps as throughput.py's single-card runs).
-# 2. Layer jobs on one card vs spread over all cards by aqflow.jobs.gpu_pool (benchmarks/gpu_spread.py).
-# 3. PV-tuning of the 3B shape data-parallel over all cards (torchrun), batch 32.
+# 2. PV-tuning of the 3B shape data-parallel over all cards (torchrun), batch 32.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 WORK=${WORK:-/root/node}
@@ -20,7 +19,6 @@ CUDA_VISIBLE_DEVICES=3 $tp --shape llama3b --work $WORK/eager --out "$OUT/vstep_
 wait
 tail -1 "$OUT/graph_test.log"
 for log in "$WORK".s0.log "$WORK".s1.log "$WORK".l2.log "$WORK".l3.log; do grep -E "tokens/s|Error|error" "$log" | tail -2; done
-timeout 100 python3 benchmarks/gpu_spread.py --blocks 8 --work $WORK/spread --out "$OUT/gpu_spread.json" 2>&1 | tail -3
 timeout 120 ${tp#timeout 150 } --shape llama3b --work $WORK/graph --reuse --processes "$cards" --run 32 5 4 5 \
     --out "$OUT/pv_llama3b_x${cards}.json" > "$WORK.multi.log" 2>&1
 grep -E "tokens/s|Error|error" "$WORK.multi.log" | tail -3
