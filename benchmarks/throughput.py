@@ -9,7 +9,7 @@
         --out benchmarks/results/pv_scale_h100.json
 
 Inputs are built once per shape and shared by both variants: a random bf16 teacher of the
-shape (SmolLM2-135M, or Llama-3.2-3B as in pvtune_gpu_check.py), its 2x8-bit AQLM student
+shape (SmolLM2-135M, Llama-3.2-3B or Llama-3.1-8B), its 2x8-bit AQLM student
 (codes from one pass of residual nearest-codeword assignment to codewords drawn from the
 weight's own groups, so the student starts near its teacher), and a corpus of random words.
 Each variant runs `python -m aqflow pvtune` from its own source tree with the same data, seed
