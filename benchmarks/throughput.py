@@ -38,6 +38,7 @@ from synthetic_text import synthetic_corpus
 PAPER_PV_TOKENS = 10_000 * 4096 * 5
 PAPER_PV_STEPS = 1563  # 10,000 windows x 5 epochs / 32 a step
 PAPER_PV_EVALUATIONS = 157  # one before training, one every 10 steps and one after the last
+PAPER_HELDOUT_WINDOWS = 128  # config.yaml's heldout_samples
 # dense bf16 peak of a card (NVIDIA's figure without sparsity), for the model FLOP utilisation
 PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12}
 SHAPES = {
@@ -140,12 +141,13 @@ def evaluation_seconds(log: pd.DataFrame) -> list[float]:
     return durations
 
 
-def paper_hours(step_seconds: float, evaluations: list[float]) -> float:
+def paper_hours(step_seconds: float, evaluations: list[float], heldout_windows: int) -> float:
     """The paper's PV budget at a measured step and held-out evaluation time: the first evaluation
     as measured, every later one as the last measured (the teacher's held-out states are kept after
-    the first, where the code does)."""
+    the first, where the code does), both scaled from `heldout_windows` to the paper's 128."""
+    scale = PAPER_HELDOUT_WINDOWS / heldout_windows
     later = evaluations[-1] if len(evaluations) > 1 else evaluations[0]
-    return (PAPER_PV_STEPS * step_seconds + evaluations[0] + (PAPER_PV_EVALUATIONS - 1) * later) / 3600
+    return (PAPER_PV_STEPS * step_seconds + scale * (evaluations[0] + (PAPER_PV_EVALUATIONS - 1) * later)) / 3600
 
 
 # --- one variant ---------------------------------------------------------------------------------
@@ -195,7 +197,8 @@ def run_variant(label: str, source: Path, inputs: dict, shape_name: str, work: P
     return {
         "source": str(source), "extra_flags": extra, "wall_seconds": wall, "processes": processes,
         "host_rss_gib": host_rss_gib, "step_seconds": step_seconds, "heldout_evaluation_seconds": evaluations,
-        "paper_pv_hours_projected": paper_hours(step_seconds, evaluations),
+        "heldout_windows": record["data"]["heldout_samples"],
+        "paper_pv_hours_projected": paper_hours(step_seconds, evaluations, record["data"]["heldout_samples"]),
         "model_flops_per_second": model_flops,
         "model_flop_utilisation": model_flops / processes / peak_flops(record.get("device_name", "")) if peak_flops(
             record.get("device_name", "")) else None,
@@ -393,6 +396,9 @@ def command_scale(args: argparse.Namespace) -> int:
     """pv_scale_<card>.json from a 3B report (before and after) and an 8B report (after, one card)."""
     three, eight = json.loads(args.pv3b.read_text()), json.loads(args.pv8b.read_text()) if args.pv8b else None
     before, after = three["before"], three["after"]
+    for row in (before, after):  # the projection at the paper's 128 held-out windows, whatever was measured
+        windows = row.get("heldout_windows") or three["batch_windows, steps, heldout_windows, eval_every"][2]
+        row["paper_pv_hours_projected"] = paper_hours(row["step_seconds"], row["heldout_evaluation_seconds"], windows)
     steps = sorted(set(before["heldout_kl"]) & set(after["heldout_kl"]), key=int)
     deviation = max(abs(after["heldout_kl"][s] - before["heldout_kl"][s]) / before["heldout_kl"][s] for s in steps)
     card_bytes = int(args.card_gib * 2**30)
@@ -419,6 +425,7 @@ def command_scale(args: argparse.Namespace) -> int:
                     "paper_pv_hours_3b_at_most_5": after["paper_pv_hours_projected"] <= 5.0,
                     "heldout_kl_within_1_percent": deviation <= 0.01},
         "commands": args.commands,
+        "date": time.strftime("%Y-%m-%d"), "commit": args.commit,
     }
     if eight is not None:
         row = eight["after"]
@@ -476,6 +483,7 @@ def main() -> int:
     scale.add_argument("--pv8b", type=Path, default=None, help="pv report of --shape llama8b (after, one card)")
     scale.add_argument("--card-gib", type=float, default=79.19, help="card memory for the 8B memory plans")
     scale.add_argument("--commands", nargs="*", default=[], help="the commands that made the reports (recorded)")
+    scale.add_argument("--commit", default=None, help="the commit the reports were made at (recorded)")
     scale.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     return {"pv": command_pv, "table": command_table, "scale": command_scale}[args.command](args)
