@@ -300,7 +300,9 @@ def summary(record: dict) -> str | None:
     phases = ", ".join(f"{key.removesuffix('_seconds')} {value:.1f} s" for key, value in record["timings"].items())
     return (f"held-out KL {record['initial_heldout_kl']:.5f} -> {record['best_heldout_kl']:.5f}, perplexity "
             f"{record['initial_heldout_perplexity']:.4f} -> {record['best_heldout_perplexity']:.4f} (selected step "
-            f"{record['best_step']} of {record['steps']}), {record['codes_changed_fraction']:.2%} of code groups "
+            f"{record['best_step']} of {record['steps']}"
+            f"{', stopped early: the held-out metric reached a plateau' if record.get('stopped_at_plateau') else ''}), "
+            f"{record['codes_changed_fraction']:.2%} of code groups "
             f"changed -> {record['output_dir']}\nwall time: {phases}")
 
 
