@@ -454,6 +454,48 @@ def command_scale(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_node(args: argparse.Namespace) -> int:
+    """node_<cards>x<card>.json from after-only 3B reports at several process counts (one of them
+    1) and an 8B report over several cards."""
+    runs = {}
+    for path in args.reports:
+        report = json.loads(Path(path).read_text())
+        runs[report["after"]["processes"]] = report
+    if 1 not in runs:
+        raise SystemExit("node: one of the 3B reports must be of one process (the scaling's baseline)")
+    one = runs[1]["after"]["tokens_per_s"]
+    cards = max(runs)
+    card = runs[cards]["device"]
+    rows = {str(n): {"tokens_per_second": r["after"]["tokens_per_s"], "tokens_per_second_per_card":
+                     r["after"]["tokens_per_s"] / n, "scaling_efficiency": r["after"]["tokens_per_s"] / (n * one),
+                     "step_seconds": r["after"]["step_seconds"], "paper_pv_hours_projected": paper_hours(
+                         r["after"]["step_seconds"], r["after"]["heldout_evaluation_seconds"],
+                         r["after"].get("heldout_windows") or r["batch_windows, steps, heldout_windows, eval_every"][2]),
+                     "peak_gib_per_card": r["after"]["peak_memory_allocated_gib"],
+                     "micro_batch_size": r["after"]["micro_batch_size"]} for n, r in sorted(runs.items())}
+    node = {"cards": cards, "card": card, "date": time.strftime("%Y-%m-%d"), "pv_3b": rows,
+            "pv_3b_paper_hours_projected": rows[str(cards)]["paper_pv_hours_projected"],
+            "pv_3b_scaling_efficiency": rows[str(cards)]["scaling_efficiency"],
+            "targets": {"pv_3b_paper_hours_at_most_1.5_on_4_cards": cards >= 4 and rows[str(cards)][
+                "paper_pv_hours_projected"] <= 1.5}}
+    if args.pv8b:
+        eight = json.loads(args.pv8b.read_text())["after"]
+        node.update({"pv_8b_cards": eight["processes"], "pv_8b_step_seconds": eight["step_seconds"],
+                     "pv_8b_peak_gib": eight["peak_memory_allocated_gib"], "pv_8b_v_state": eight["v_state"]})
+    name = f"node_{cards}x{card.split()[1].lower() if len(card.split()) > 1 else card.lower()}.json"
+    (args.out / name).write_text(json.dumps(node, indent=2))
+    print(f"{'processes':>9s} {'tokens/s':>10s} {'per card':>9s} {'efficiency':>10s} {'paper h':>8s} {'peak GiB':>9s}")
+    for n, row in rows.items():
+        peak = row["peak_gib_per_card"]
+        print(f"{n:>9s} {row['tokens_per_second']:10.0f} {row['tokens_per_second_per_card']:9.0f} "
+              f"{row['scaling_efficiency']:10.2f} {row['paper_pv_hours_projected']:8.2f} "
+              f"{'-' if peak is None else f'{peak:9.1f}':>9s}")
+    if args.pv8b:
+        print(f"8B over {node['pv_8b_cards']} cards: {node['pv_8b_step_seconds']:.1f} s a step, peak {node['pv_8b_peak_gib']} GiB")
+    print(f"-> {args.out / name}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -485,8 +527,12 @@ def main() -> int:
     scale.add_argument("--commands", nargs="*", default=[], help="the commands that made the reports (recorded)")
     scale.add_argument("--commit", default=None, help="the commit the reports were made at (recorded)")
     scale.add_argument("--out", type=Path, required=True)
+    node = commands.add_parser("node", help="node_<cards>x<card>.json: 3B scaling over cards, the 8B over several")
+    node.add_argument("reports", nargs="+", help="after-only pv reports of --shape llama3b, one per process count")
+    node.add_argument("--pv8b", type=Path, default=None, help="after-only pv report of --shape llama8b over cards")
+    node.add_argument("--out", type=Path, required=True, help="folder for node_<cards>x<card>.json")
     args = parser.parse_args()
-    return {"pv": command_pv, "table": command_table, "scale": command_scale}[args.command](args)
+    return {"pv": command_pv, "table": command_table, "scale": command_scale, "node": command_node}[args.command](args)
 
 
 if __name__ == "__main__":
