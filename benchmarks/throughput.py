@@ -1,22 +1,22 @@
-"""PV-tuning throughput, today's code against this branch's, on one GPU, in one call per shape.
+"""PV-tuning throughput: one code against another on the same card in one call, several cards of
+a node, and the figures of pv_scale_<card>.json and node_<cards>x<card>.json.
 
-    # before = another copy of the source tree (e.g. `git archive 08f5c2e src`), after = this one
-    PYTHONPATH=src python3 benchmarks/throughput.py pv --shape smollm2 --before before/src --after src \\
-        --work /root/tp --out $OUT/pv_smollm2.json [--profile]
-    PYTHONPATH=src python3 benchmarks/throughput.py table $OUT/pv_*.json --out $OUT/throughput.json
-    # PV-tuning at scale: the 3B at the paper's batch before/after, the 8B on one card, memory plans
-    PYTHONPATH=src python3 benchmarks/throughput.py scale --pv3b pv_llama3b.json --pv8b pv_llama8b.json \
+    # before = another copy of the source tree (e.g. `git archive 65c68e1 src`), after = this one
+    PYTHONPATH=src python3 benchmarks/throughput.py pv --shape llama3b --before before/src --after src \\
+        --work /root/tp --out $OUT/pv_llama3b.json --run 32 3 32 3 [--profile] [--processes N]
+    PYTHONPATH=src python3 benchmarks/throughput.py scale --pv3b pv_llama3b.json [--pv8b pv_llama8b.json] \\
         --out benchmarks/results/pv_scale_h100.json
+    PYTHONPATH=src python3 benchmarks/throughput.py node pv_llama3b_x1.json pv_llama3b_x4.json \\
+        --pv8b pv_llama8b_x2.json --out benchmarks/results    (benchmarks/throughput_node.sh runs it all)
 
-Inputs are built once per shape and shared by both variants: a random bf16 teacher of the
-shape (SmolLM2-135M, Llama-3.2-3B or Llama-3.1-8B), its 2x8-bit AQLM student
-(codes from one pass of residual nearest-codeword assignment to codewords drawn from the
-weight's own groups, so the student starts near its teacher), and a corpus of random words.
-Each variant runs `python -m aqflow pvtune` from its own source tree with the same data, seed
-and steps (its defaults otherwise: micro-batch 1 before, 0 = automatic after), so the held-out
-KL curves must agree within run-to-run noise. Tokens/s is measured on steps that neither come
-first nor follow a held-out evaluation. `table` adds the paper's PV budget (10K windows x 4096
-tokens x 5 epochs) projected at the 3B rate, writes one JSON and prints a table.
+Inputs are built once per shape and shared by every run: a random bf16 teacher of the shape
+(SmolLM2-135M, Llama-3.2-3B or Llama-3.1-8B), its 2x8-bit AQLM student (codes from one pass of
+residual nearest-codeword assignment to codewords drawn from the weight's own groups, so the
+student starts near its teacher), and a corpus of random words. Each run is `python -m aqflow
+pvtune` from its own source tree with the same data, seed and steps, so the held-out KL curves
+must agree within run-to-run noise. Tokens/s comes from the median of the steps that neither come
+first nor follow a held-out evaluation; the paper's budget (1,563 steps of 32 windows, 157
+held-out evaluations of 128 windows) is projected from the measured step and evaluations.
 """
 
 from __future__ import annotations
@@ -292,64 +292,6 @@ def print_pv(report: dict) -> None:
               f"after {after['heldout_kl'].get(step, float('nan')):.5f}")
 
 
-def command_table(args: argparse.Namespace) -> int:
-    reports = [json.loads(Path(path).read_text()) for path in args.reports]
-    table = {"device": reports[0]["device"], "paper_pv_tokens": PAPER_PV_TOKENS, "shapes": {}}
-    for report in reports:
-        before, after = report["before"], report["after"]
-        last = str(max(int(step) for step in after["heldout_kl"]))
-        table["shapes"][report["shape_name"]] = {
-            "pv_tokens_per_s_before": before["tokens_per_s"], "pv_tokens_per_s_after": after["tokens_per_s"],
-            "speedup": after["tokens_per_s"] / before["tokens_per_s"],
-            "pv_heldout_kl_before": before["heldout_kl"], "pv_heldout_kl_after": after["heldout_kl"],
-            "pv_heldout_kl_last_relative_difference": abs(after["heldout_kl"][last] - before["heldout_kl"][last])
-            / before["heldout_kl"][last],
-            "micro_batch_size_before": before["micro_batch_size"], "micro_batch_size_after": after["micro_batch_size"],
-            "peak_memory_allocated_gib_after": after["peak_memory_allocated_gib"],
-        }
-    if "llama3b" in table["shapes"]:
-        rates = table["shapes"]["llama3b"]
-        table["llama3b_paper_pv_hours_one_card_before"] = PAPER_PV_TOKENS / rates["pv_tokens_per_s_before"] / 3600
-        table["llama3b_paper_pv_hours_one_card_after"] = PAPER_PV_TOKENS / rates["pv_tokens_per_s_after"] / 3600
-    for path in args.vstep:  # after, with the V-step eager vs replayed as a CUDA graph (another call)
-        report = json.loads(Path(path).read_text())
-        name = f"{report['shape_name']}_{'graph' if '--no-v-step-graph' not in report['after']['extra_flags'] else 'eager'}"
-        table.setdefault("v_step_graph_call", {})[name] = {
-            "device": report["device"], "pv_tokens_per_s": report["after"]["tokens_per_s"],
-            "pv_heldout_kl": report["after"]["heldout_kl"], "v_step_seconds": report["after"]["timings"]["v_step_seconds"],
-            "steps": report["after"]["batch_windows, steps, heldout_windows, eval_every"][1]}
-    if "llama3b_graph" in table.get("v_step_graph_call", {}):
-        rate = table["v_step_graph_call"]["llama3b_graph"]["pv_tokens_per_s"]
-        table["llama3b_paper_pv_hours_one_card_after_with_v_step_graph"] = PAPER_PV_TOKENS / rate / 3600
-    if args.multi:
-        report = json.loads(Path(args.multi).read_text())
-        row = report["after"]
-        table["llama3b_multi_card"] = {"device": report["device"], "cards": row["processes"],
-                                       "pv_tokens_per_s": row["tokens_per_s"], "heldout_kl": row["heldout_kl"],
-                                       "micro_batch_size": row["micro_batch_size"],
-                                       "batch_windows": row["batch_windows, steps, heldout_windows, eval_every"][0]}
-        table[f"llama3b_paper_pv_hours_{row['processes']}_cards"] = PAPER_PV_TOKENS / row["tokens_per_s"] / 3600
-    table["eval_seconds_before"] = table["eval_seconds_after"] = None  # evaluation speed: not measured (README)
-    args.out.write_text(json.dumps(table, indent=2))
-    print(f"device: {table['device']}")
-    print(f"{'shape':8s} {'tok/s before':>12s} {'tok/s after':>12s} {'speedup':>8s} {'KL before':>10s} {'KL after':>10s} micro-batch")
-    for name, row in table["shapes"].items():
-        last = str(max(int(s) for s in row["pv_heldout_kl_after"]))
-        print(f"{name:8s} {row['pv_tokens_per_s_before']:12.0f} {row['pv_tokens_per_s_after']:12.0f} {row['speedup']:7.1f}x "
-              f"{row['pv_heldout_kl_before'][last]:10.5f} {row['pv_heldout_kl_after'][last]:10.5f} "
-              f"{row['micro_batch_size_before']} -> {row['micro_batch_size_after']}")
-    for name, row in table.get("v_step_graph_call", {}).items():
-        print(f"{name:14s} {row['pv_tokens_per_s']:8.0f} tokens/s, V-step {row['v_step_seconds'] / row['steps']:.2f} s a step "
-              f"({row['device']})")
-    if "llama3b_multi_card" in table:
-        row = table["llama3b_multi_card"]
-        print(f"llama3b on {row['cards']} cards ({row['device']}): {row['pv_tokens_per_s']:.0f} tokens/s")
-    for key, value in table.items():
-        if key.startswith("llama3b_paper_pv_hours"):
-            print(f"{key}: {value:.1f} h")
-    return 0
-
-
 def shape_headers(shape: dict, num_codebooks: int = 2, nbits: int = 8, group_size: int = 8) -> tuple[dict, dict]:
     """(student, teacher) safetensors headers of a Llama of `shape` and its AQLM checkpoint, as
     `aqflow.pvtune.memory` reads them (nothing is built)."""
@@ -515,11 +457,6 @@ def main() -> int:
     pv.add_argument("--processes", type=int, default=1, help="torchrun processes (one per GPU)")
     pv.add_argument("--run", type=int, nargs=4, metavar=("BATCH", "STEPS", "HELDOUT", "EVAL_EVERY"),
                     help="override the shape's run (windows per step, steps, held-out windows, eval every)")
-    table = commands.add_parser("table", help="merge pv reports into one JSON and print the table")
-    table.add_argument("reports", nargs="+")
-    table.add_argument("--vstep", nargs="*", default=[], help="after-only reports, V-step graph vs eager")
-    table.add_argument("--multi", default=None, help="after-only report of a torchrun run over several cards")
-    table.add_argument("--out", type=Path, required=True)
     scale = commands.add_parser("scale", help="pv_scale_<card>.json: 3B before/after, 8B on one card, memory plans")
     scale.add_argument("--pv3b", type=Path, required=True, help="pv report of --shape llama3b (before and after)")
     scale.add_argument("--pv8b", type=Path, default=None, help="pv report of --shape llama8b (after, one card)")
@@ -532,7 +469,7 @@ def main() -> int:
     node.add_argument("--pv8b", type=Path, default=None, help="after-only pv report of --shape llama8b over cards")
     node.add_argument("--out", type=Path, required=True, help="folder for node_<cards>x<card>.json")
     args = parser.parse_args()
-    return {"pv": command_pv, "table": command_table, "scale": command_scale, "node": command_node}[args.command](args)
+    return {"pv": command_pv, "scale": command_scale, "node": command_node}[args.command](args)
 
 
 if __name__ == "__main__":
