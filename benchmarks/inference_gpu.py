@@ -42,7 +42,6 @@ import torch
 
 from aqflow.inference import cuda_kernels
 from aqflow.inference import gpu_kernels as gk
-from aqflow.inference.attention_switch import forwards_replaced
 from aqflow.inference.decode import fuse_projections, greedy_decode
 from aqflow.inference.layout import QuantizedWeights
 from aqflow.inference.packed import in_tiles
@@ -190,7 +189,7 @@ def bench_kernels(shape_name: str, args, device, dtype, names, with_aqlm: bool) 
         row["timing"] = timing
         # timed as the decode runs them: the split-K candidates with open sums (greedy_decode's default on CUDA)
         tuned = gk.tune(packed, 1, configs=candidates, check=True, rtol=args.rtol, log=log if args.verbose else None,
-                        timing=timing, open_sums=not args.closed_sums_tuning)
+                        timing=timing, open_sums=True)
         row["candidates"] = [{"config": c.label(), "us": None if s is None else s * 1e6, "note": note}
                              for c, s, note in tuned]
         timed = [(c, s) for c, s, _ in tuned if s is not None]
@@ -388,37 +387,11 @@ def note_compile_seconds(run: dict) -> None:
         COMPILE_SECONDS["estimate"] = max(COMPILE_SECONDS["estimate"] * 0.5, run["capture_seconds"] * 1.15)
 
 
-def _norm_to_identity(module: torch.nn.Module):
-    """For --floor-norms-too: an RMSNorm's forward made the identity (wrong tokens; what the step costs
-    without the norms' kernels, an upper bound on folding them into the GEMVs)."""
-    if not type(module).__name__.endswith("RMSNorm"):
-        return None
-    return lambda norm, original: (lambda hidden_states: hidden_states)
-
-
 def compiled_runs(record: dict, model, args, device, shape_name: str, quantized: bool = False) -> None:
-    """compile+graph decodes into record: the default, then through SDPA (--sdpa-too, 3B), without
-    programmatic dependent launch (--pdl-off-too), with the attention modules' own forwards around the
-    attention kernels (--stock-layers-too), with every RMSNorm the identity (--floor-norms-too: a floor,
-    wrong tokens) and with the GEMVs finishing their own sums (--closed-sums-too) where asked."""
+    """The compile+graph decode into record (the A/B variants of the decode experiments, SDPA, no PDL,
+    stock layers, closed sums, norms as identity, are in the git history; docs/speed.md has their effects)."""
     note_compile_seconds(guarded(record, "compile+graph", decode_run, model, args, device, graphs=True,
                                  compile=True))
-    if args.sdpa_too and shape_name == "3b":
-        guarded(record, "compile+graph, sdpa", decode_run, model, args, device, graphs=True, compile=True,
-                fast_attention=False)
-    if args.pdl_off_too and shape_name in args.pdl_off_too.split(","):
-        guarded(record, "compile+graph, no PDL", decode_run, model, args, device, graphs=True, compile=True,
-                dependent_launch=False)
-    if args.stock_layers_too and shape_name in args.stock_layers_too.split(","):
-        guarded(record, "compile+graph, stock layers", decode_run, model, args, device, graphs=True, compile=True,
-                cuda_layers=False)
-    if args.floor_norms_too and shape_name in args.floor_norms_too.split(","):
-        with forwards_replaced(model, _norm_to_identity):
-            guarded(record, f"{FLOOR_PREFIX}: compile+graph, RMSNorms as identity", decode_run, model, args, device,
-                    graphs=True, compile=True)
-    if quantized and args.closed_sums_too and shape_name in args.closed_sums_too.split(","):
-        guarded(record, "compile+graph, closed sums", decode_run, model, args, device, graphs=True, compile=True,
-                open_sums=False)
 
 
 def bench_model(shape_name: str, args, device, dtype, kernels: dict, build_thread) -> dict:
@@ -479,7 +452,7 @@ def bench_model(shape_name: str, args, device, dtype, kernels: dict, build_threa
     return record
 
 
-FLOOR_PREFIX = "floor"  # runs that decode wrong tokens by design (--floor-norms-too): timed, never the best
+FLOOR_PREFIX = "floor"  # runs that decode wrong tokens by design (earlier files' norms-as-identity runs): never the best
 
 
 def best_rate(record: dict) -> float | None:
@@ -670,21 +643,6 @@ def main() -> None:
                         help="the run waits for the CUDA extension build until this many seconds into the run")
     parser.add_argument("--budget-seconds", type=float, default=225,
                         help="optional parts (compile, prefill, aqlm, checkpoints) are skipped past this")
-    parser.add_argument("--sdpa-too", action="store_true",
-                        help="at 3B also decode compile+graph through transformers' SDPA (both kinds)")
-    parser.add_argument("--pdl-off-too", default="",
-                        help="models (e.g. 3b,8b) also decoded compile+graph without programmatic dependent launch")
-    parser.add_argument("--closed-sums-too", default="",
-                        help="comma-separated shapes whose 2-bit model also decodes with the GEMVs finishing their "
-                             "own sums (open_sums=False)")
-    parser.add_argument("--stock-layers-too", default="",
-                        help="comma-separated shapes whose models (bf16 and 2-bit) also decode with the attention "
-                             "modules' own rotary embedding and cache write (cuda_layers=False)")
-    parser.add_argument("--floor-norms-too", default="",
-                        help="comma-separated shapes whose models also decode with every RMSNorm the identity "
-                             "(wrong tokens: the step without the norms' kernels, never counted as a result)")
-    parser.add_argument("--closed-sums-tuning", action="store_true",
-                        help="time the split-K candidates with their finishing pass (as before open sums)")
     parser.add_argument("--aqlm", action="store_true", help="also decode through aqlm's kernel (builds at first use)")
     parser.add_argument("--verbose", action="store_true", help="print every candidate configuration's time, the build")
     args = parser.parse_args()

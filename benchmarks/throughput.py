@@ -276,20 +276,13 @@ def command_pv(args: argparse.Namespace) -> int:
 
 
 def print_pv(report: dict) -> None:
-    if "before" not in report or "after" not in report:
-        for label in ("before", "after"):
-            if label in report:
-                row = report[label]
-                print(f"{report['shape_name']} {label} on {report['device']} x{row['processes']} processes: "
-                      f"{row['tokens_per_s']:.0f} tokens/s, micro-batch {row['micro_batch_size']}, held-out KL {row['heldout_kl']}")
-        return
-    before, after = report["before"], report["after"]
-    print(f"{report['shape_name']} on {report['device']}: tokens/s {before['tokens_per_s']:.0f} -> {after['tokens_per_s']:.0f} "
-          f"({after['tokens_per_s'] / before['tokens_per_s']:.1f}x); micro-batch {before['micro_batch_size']} -> "
-          f"{after['micro_batch_size']}; peak GiB {before['peak_memory_allocated_gib']} -> {after['peak_memory_allocated_gib']}")
-    for step in sorted(set(before["heldout_kl"]) | set(after["heldout_kl"]), key=int):
-        print(f"  held-out KL at step {step}: before {before['heldout_kl'].get(step, float('nan')):.5f}  "
-              f"after {after['heldout_kl'].get(step, float('nan')):.5f}")
+    """One line per variant run, and the held-out KL of each at every evaluation."""
+    for label in ("before", "after"):
+        if label in report:
+            row = report[label]
+            print(f"{report['shape_name']} {label} on {report['device']} x{row['processes']}: {row['tokens_per_s']:.0f} "
+                  f"tokens/s, micro-batch {row['micro_batch_size']}, peak GiB {row['peak_memory_allocated_gib']}, "
+                  f"held-out KL {row['heldout_kl']}")
 
 
 def shape_headers(shape: dict, num_codebooks: int = 2, nbits: int = 8, group_size: int = 8) -> tuple[dict, dict]:
