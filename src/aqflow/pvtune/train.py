@@ -640,12 +640,21 @@ def train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, h
         return _train(student, teacher, train_windows, heldout_windows, settings, device, progress, on_eval, resumer)
 
 
+def _fusable(params: list[torch.Tensor]) -> bool | None:
+    """True where Adam's fused kernel can update these in place (plain tensors on a GPU): the default
+    multi-tensor path allocates a copy of the moments for each step's arithmetic, GiBs for an 8B's
+    embedding and head, which ran a one-card 8B out of memory. None (torch's default) elsewhere."""
+    from torch.distributed.tensor import DTensor  # FSDP2's shards keep torch's default
+
+    return True if all(p.device.type == "cuda" and not isinstance(p, DTensor) for p in params) else None
+
+
 def _optimizers(trainable: Trainable, layers: list[PVLinear], settings: PVSettings) -> dict:
     """The loop's optimisers: "p" Adam on the non-quantized parameters, "q" Adam on codebooks and
     scales (separate: over several processes the former are FSDP2's sharded tensors, the latter
     whole), "v" the V-step's (`HostVStep` where its state is in host memory); None where unused."""
-    adam = lambda params: (torch.optim.Adam(params, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2))  # noqa: E731
-                           if params else None)
+    adam = lambda params: (torch.optim.Adam(params, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),  # noqa: E731
+                                            fused=_fusable(params)) if params else None)
     with_v = [layer for layer in layers if layer.straight_through is not None] if settings.update_codes else []
     groups = v_step_param_groups([layer.straight_through for layer in with_v], settings.code_lr, settings.code_lr_scale,
                                  [layer.weight_rms() for layer in with_v])
