@@ -2,15 +2,15 @@
 device and token count; `install_fast_linears` puts it in place of aqlm's `QuantizedLinear`.
 
     CPU,  tokens <= LUT_MAX_TOKENS: lookup tables, the decode path: register_kernel.product_with_operands
-                                    for 8-bit codes on a CPU with AVX-512 (the tables in registers),
-                                    else cpu_kernels.lut_matmul (gathers)
+                                    for 8-bit codes where a compiled kernel runs (cpu_dispatch: AVX-512,
+                                    AVX2 or NEON), else cpu_kernels.lut_matmul (numba's gathers)
     CPU,  more tokens:              cpu_kernels.dequantized_matmul (row chunks through BLAS)
     CUDA, tokens <= GPU_MAX_TOKENS: gpu_kernels.quantized_matmul (Triton, imported when first needed)
     CUDA, more tokens:              the weight dequantized for the call, one cuBLAS matmul
 
 The module's buffers are the codes, codebooks, scales (and bias): no dense weight is kept. Outputs
 are in the input's dtype; the CPU kernels compute in float32 whatever the model's dtype.
-`FusedColumnsLinear` makes several of them (q/k/v, gate/up) one register-kernel product on a CPU;
+`FusedColumnsLinear` makes several of them (q/k/v, gate/up) one compiled-kernel product on a CPU;
 `CpuBf16Linear` is the CPU's bf16 GEMV for the linears left dense.
 """
 
@@ -40,7 +40,7 @@ class FastQuantizedLinear(nn.Module):
     """y = x W^T + b with W held as AQLM codes. forward(x [..., in]) -> [..., out] in x's dtype.
 
     The codes are held in the layout of the device's kernels (the same bytes, reordered), named
-    by `layout`: "columns" on a CPU where the register kernel applies (register_kernel.column_tiles),
+    by `layout`: "columns" on a CPU where a compiled kernel applies (register_kernel.column_tiles),
     "tiles" on other CPUs (cpu_kernels.tile_codes), "rows" on a GPU (row-major [out, G, M] as
     QuantizedWeights has them). A move between devices converts them, so there is always one copy."""
 
@@ -64,7 +64,7 @@ class FastQuantizedLinear(nn.Module):
         """The layout `codes` (in any layout) are held in on their device."""
         if codes.device.type != "cpu":
             return "rows"
-        byte_codes = codes.dtype == torch.uint8  # the register kernel reads one byte a code
+        byte_codes = codes.dtype == torch.uint8  # the compiled kernels read one byte a code
         return "columns" if byte_codes and register_kernel.applies(self.nbits, self.out_features) else "tiles"
 
     def to_layout(self, row_codes: torch.Tensor, layout: str) -> torch.Tensor:
@@ -112,7 +112,7 @@ class FastQuantizedLinear(nn.Module):
         return self._cpu_operands
 
     def register_operands(self) -> register_kernel.RegisterOperands:
-        """The register kernel's view of the layer (the column tiles shared; codebooks, scales and
+        """The compiled kernel's view of the layer (the column tiles shared; codebooks, scales and
         bias as float32 copies, made once rather than on every token)."""
         if self._register_operands is None:
             self._register_operands = register_kernel.register_operands(self.codes, self.codebooks, self.scales,
@@ -151,7 +151,7 @@ class FastQuantizedLinear(nn.Module):
 class FusedColumnsLinear(nn.Module):
     """Several FastQuantizedLinear of the same input held as column tiles on a CPU (q/k/v, gate/up)
     as one product: forward(x [..., in]) -> [..., sum(out)] in x's dtype. A decode step's few tokens
-    take one register-kernel call for all (register_kernel.stacked_operands: two parallel regions and
+    take one compiled-kernel call for all (register_kernel.stacked_operands: two parallel regions and
     one Python call instead of those of each layer); more tokens go through each layer's own forward.
 
     The layers' codes are moved into one stacked tensor and each layer's `codes` buffer becomes its
