@@ -7,7 +7,7 @@ column contiguous) and a C kernel sums them, the one cpu_dispatch chose for this
     avx512 (csrc/lut_cpu.c): a column's 256-entry table held in 16 AVX-512 registers, a 16-lane
            permute looking up 16 rows, loaded once for 512 rows;
     avx2, neon (csrc/lut_cpu_l1.c): tables in L1, built 16 columns at a time, one scalar load per code
-           (a table is twice the register file of AVX2 or NEON; measured against gathers there).
+           (a table is twice the register file of AVX2 or NEON; on Zen 4 twice the codes/s of gathers).
 
 The threads split a layer's code columns: each builds the tables of its slice and sums them over
 every row, then the slices are added. Several layers of one input (q/k/v, gate/up) can be one
@@ -47,7 +47,10 @@ import torch
 from numba import njit, prange
 
 from aqflow.inference import cpu_dispatch
-from aqflow.inference.cpu_dispatch import DEFAULT_PREFETCH_COLUMNS, PREFETCH_ENV, cpu_flags, prefetch_columns  # noqa: F401
+# also read from here by the benchmarks (they lived in this module before cpu_dispatch)
+from aqflow.inference.cpu_dispatch import (  # noqa: F401
+    DEFAULT_PREFETCH_COLUMNS, PREFETCH_ENV, cpu_flags, prefetch_columns,
+)
 from aqflow.inference.cpu_kernels import PARALLEL_MIN_LOADS
 
 ROWS = 64  # rows per tile: four 16-lane lookups per code column
@@ -106,8 +109,8 @@ def bind_kernels(name: str, library: ctypes.CDLL) -> Kernels:
     planes = planes_wanted(flags)
     float32 = library.aqflow_register_product_planes if planes else library.aqflow_register_product
     int16 = library.aqflow_register_product_int16 if all(flag in flags for flag in INT16_CPU_FLAGS) else None
-    return Kernels(name, _bound(float32), "planes" if planes else "registers", _bound(library.aqflow_register_product_f16),
-                   _bound(int16))
+    return Kernels(name, _bound(float32), "planes" if planes else "registers",
+                   _bound(library.aqflow_register_product_f16), _bound(int16))
 
 
 @functools.cache

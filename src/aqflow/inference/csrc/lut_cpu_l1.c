@@ -9,12 +9,14 @@
 // contiguous), as for the AVX-512 kernel, so the two share every operand and the Python side.
 //
 // Why scalar loads. A column's table is 256 float32 entries, 1 KiB: twice what AVX2's 16 ymm registers
-// or NEON's 32 q registers hold, so it cannot sit in registers as with AVX-512. Gathers (vgatherdps, 8
-// rows of one column's table) read 2.6e9 codes/s per core on a Zen 4 EPYC where this loop reads 5.4e9,
-// and Intel's gathers are slower still since the microcode fix for "Downfall" (Moghimi, USENIX Security
-// 2023). A byte-shuffle lookup (pshufb, tbl) covers 16 or 64 entries per instruction: a 256-entry table
-// of four byte planes would take tens of shuffles per code. Here a code costs one load fused into a
-// scalar add, and about two integer operations to take its byte out of a 32-bit word of four codes.
+// or NEON's 32 q registers hold, so it cannot sit in registers as with AVX-512. On one core of a Zen 4
+// EPYC, with a layer's codes streamed from memory, AVX2 gathers (vgatherdps, 8 rows of one column's
+// table) read 2.6e9 codes/s and this loop 5.5e9 (a single-core C benchmark, the other core busy). Intel
+// cores were not measured; their gathers are slower again where the microcode mitigation of Gather Data
+// Sampling ("Downfall", Moghimi, USENIX Security 2023) is on. A byte-shuffle lookup (pshufb, tbl) covers
+// 16 or 64 entries per instruction: a 256-entry table of four byte planes would take tens of shuffles
+// per code. Here a code costs one load fused into a scalar add, and about two integer operations to take
+// its byte out of a 32-bit word of four codes.
 //
 // Blocks of BLOCK_COLUMNS columns: their tables (16 KiB) are built just before use, so they are in L1,
 // then every row of the slice sums them, ROW_BLOCK rows at a time, each row's sum in its own register
