@@ -1,10 +1,12 @@
-"""An aarch64 cross compiler and user-mode emulator for the NEON kernel's tests on any x86-64 machine:
-Debian's gcc-aarch64-linux-gnu (with the arm64 C library) and qemu-user, installed with apt-get when
-missing; the tests skip only where installing is impossible (no apt-get, not root)."""
+"""An aarch64 compiler and a way to run what it builds, for the NEON kernel's tests on any machine: on
+aarch64 the system's C compiler, natively; elsewhere Debian's cross compiler gcc-aarch64-linux-gnu (with
+the arm64 C library) and qemu-user's emulator, installed with apt-get when missing (the tests skip only
+where installing is impossible: no apt-get, not root)."""
 
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,20 +14,34 @@ from pathlib import Path
 import pytest
 
 PACKAGES = ("gcc-aarch64-linux-gnu", "libc6-dev-arm64-cross", "qemu-user")
-COMPILER = "aarch64-linux-gnu-gcc"
+CROSS_COMPILER = "aarch64-linux-gnu-gcc"
 EMULATOR = "qemu-aarch64"
 SYSROOT = Path("/usr/aarch64-linux-gnu")  # the arm64 C library's loader and libraries, for qemu's -L
 
 
+def native() -> bool:
+    """Whether this machine is aarch64 itself (then nothing is emulated)."""
+    return platform.machine() in ("aarch64", "arm64")
+
+
+def compiler() -> str:
+    return os.environ.get("CC", "cc") if native() else CROSS_COMPILER
+
+
 def installed() -> bool:
-    return all(shutil.which(tool) for tool in (COMPILER, EMULATOR)) and (SYSROOT / "include" / "stdio.h").is_file()
+    if native():
+        return shutil.which(compiler()) is not None
+    tools = all(shutil.which(tool) for tool in (CROSS_COMPILER, EMULATOR))
+    return tools and (SYSROOT / "include" / "stdio.h").is_file()
 
 
 def ensure_installed() -> None:
-    """Install the cross compiler, the arm64 C library and qemu-user with apt-get unless present; skip
-    only where that is impossible."""
+    """Install the cross compiler, the arm64 C library and qemu-user with apt-get unless present (on
+    aarch64: the system's compiler must be there); skip only where that is impossible."""
     if installed():
         return
+    if native():
+        pytest.skip(f"no C compiler ({compiler()}) on this aarch64 machine")
     if shutil.which("apt-get") is None:
         pytest.skip(f"needs Debian packages {' '.join(PACKAGES)} and apt-get is not available to install them")
     if os.geteuid() != 0:
@@ -40,7 +56,8 @@ def ensure_installed() -> None:
         pytest.fail(f"apt-get could not install {' '.join(PACKAGES)}:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
 
 
-def run_emulated(executable: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """An aarch64 executable run under qemu-user (its loader and C library from SYSROOT)."""
-    return subprocess.run([EMULATOR, "-L", str(SYSROOT), str(executable), *args], capture_output=True, text=True,
-                          timeout=timeout)
+def run(executable: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """An aarch64 executable run natively on aarch64, elsewhere under qemu-user (its loader and C library
+    from SYSROOT)."""
+    emulator = [] if native() else [EMULATOR, "-L", str(SYSROOT)]
+    return subprocess.run([*emulator, str(executable), *args], capture_output=True, text=True, timeout=timeout)

@@ -1,8 +1,9 @@
 """csrc/lut_cpu_l1.c, the kernel of CPUs without AVX-512, as its aarch64 (NEON) build: the library the
-first-use build makes on an ARM machine, made here by the cross compiler with the same flags, run
-under qemu-user, against float64 sums on random codes, codebooks and inputs. (Its AVX2 build is
-tested through register_kernel, in test_register_kernel.py, on every x86-64 machine with AVX2.)
-Its speed is not measured here: qemu emulates, it does not time an ARM core."""
+first-use build makes on an ARM machine, made here by the cross compiler with the same flags and run
+under qemu-user (on an aarch64 machine: its own compiler, natively), against float64 sums on random
+codes, codebooks and inputs. (Its AVX2 build is tested through register_kernel, in
+test_register_kernel.py, on every x86-64 machine with AVX2.) Its speed is not measured here: qemu
+emulates, it does not time an ARM core."""
 
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ def neon_driver(tmp_path_factory) -> Path:
     the test driver linked against it: an aarch64 executable."""
     aarch64_cross.ensure_installed()
     folder = tmp_path_factory.mktemp("neon")
-    library = cpu_dispatch.build_library(cpu_dispatch.BUILDS["neon"], aarch64_cross.COMPILER, folder)
+    compiler = aarch64_cross.compiler()
+    library = cpu_dispatch.build_library(cpu_dispatch.BUILDS["neon"], compiler, folder)
     executable = folder / "l1_driver"
-    subprocess.run([aarch64_cross.COMPILER, "-O2", str(DRIVER), str(library), f"-Wl,-rpath,{folder}", "-o",
-                    str(executable)], check=True, capture_output=True, text=True)
+    subprocess.run([compiler, "-O2", str(DRIVER), str(library), f"-Wl,-rpath,{folder}", "-o", str(executable)],
+                   check=True, capture_output=True, text=True)
     return executable
 
 
@@ -68,7 +70,7 @@ def test_the_neon_build_sums_the_tables_within_float32_rounding(neon_driver, tmp
     x, codebooks, codes = random_case(num_codebooks, group, tiles, columns, seed=columns + first)
     header = np.array([num_codebooks, group, tiles, columns, first, last, x.size], dtype=np.int64)
     (tmp_path / "in.bin").write_bytes(header.tobytes() + x.tobytes() + codebooks.tobytes() + codes.tobytes())
-    done = aarch64_cross.run_emulated(neon_driver, str(tmp_path / "in.bin"), str(tmp_path / "out.bin"))
+    done = aarch64_cross.run(neon_driver, str(tmp_path / "in.bin"), str(tmp_path / "out.bin"))
     assert done.returncode == 0, done.stderr[-2000:]
     got = np.frombuffer((tmp_path / "out.bin").read_bytes(), dtype=np.float32).astype(np.float64)
     exact, bound = float64_sums(x, codebooks, codes, first, last)
