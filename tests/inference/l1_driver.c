@@ -2,7 +2,8 @@
 // build run under qemu-aarch64): reads one product's operands from a file, writes its sums.
 //
 // input: 7 int64 (num_codebooks M, group g, tiles, columns, first_column, last_column, in_features),
-//        x float32 [in], codebooks float32 [M][g][256], codes uint8 [tiles][columns][64]
+//        x float32 [in], codebooks float32 [M][g][256], codes uint8 [tiles * columns * 64] block-major
+//        (register_kernel.block_tiles, as the kernel reads them)
 // output: out float32 [tiles * 64]
 #include <stdint.h>
 #include <stdio.h>

@@ -72,13 +72,13 @@ def test_a_kernel_that_does_not_build_gives_way_to_the_next_or_fails_when_forced
 
 
 def test_the_layers_hold_their_codes_for_the_kernel_in_use(cpu_kernel):
-    """Column tiles where a compiled kernel runs, numba's tiles where it does not; either way the codes
-    come back row-major unchanged."""
+    """Where a compiled kernel runs, the layout it reads (avx512: column tiles, avx2 and neon: block-major);
+    numba's tiles where none does; either way the codes come back row-major unchanged."""
     generator = torch.Generator().manual_seed(0)
     w = QuantizedWeights(codes=torch.randint(0, 256, (128, 12, 2), dtype=torch.uint8, generator=generator),
                          codebooks=torch.randn(2, 256, 8, generator=generator), scales=torch.ones(128), bias=None,
                          nbits=8)
     layer = FastQuantizedLinear(w)
     assert register_kernel.kernel_name() == cpu_kernel
-    assert layer.layout == ("tiles" if cpu_kernel == "numba" else "columns")
+    assert layer.layout == {"numba": "tiles", "avx512": "columns"}.get(cpu_kernel, "blocks")
     assert torch.equal(layer.weights.codes, w.codes)

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from aqflow.inference import cpu_dispatch
+from aqflow.inference import cpu_dispatch, register_kernel
 from tests.inference import aarch64_cross
 
 DRIVER = Path(__file__).with_name("l1_driver.c")
@@ -37,7 +38,7 @@ def neon_driver(tmp_path_factory) -> Path:
 
 def random_case(num_codebooks: int, group: int, tiles: int, columns: int, seed: int):
     """x [in], codebooks [M, g, 256] float32 (codeword index last, as the kernels read them) and codes
-    [tiles, columns, 64] uint8 (column tiles), columns = in / g * M."""
+    [tiles, columns, 64] uint8 (codes[a, c, r]: tile a's row r, column c), columns = in / g * M."""
     generator = np.random.default_rng(seed)
     in_features = columns // num_codebooks * group
     x = generator.standard_normal(in_features).astype(np.float32)
@@ -59,8 +60,8 @@ def float64_sums(x, codebooks, codes, first: int, last: int):
     return sums, 1.01 * (last - first + group) * FLOAT32_UNIT * terms
 
 
-# (M, g, tiles, columns, first, last): three blocks of 16 columns and a partial one; a thread's slice
-# that starts and ends inside blocks; 1x8 codes; a group of 4
+# (M, g, tiles, columns, first, last): two blocks of 16 columns and one of 8; a thread's slice that
+# starts and ends inside blocks; 1x8 codes; a group of 4
 CASES = [(2, 8, 3, 40, 0, 40), (2, 8, 2, 64, 24, 57), (1, 8, 2, 24, 0, 24), (2, 4, 1, 32, 0, 32)]
 
 
@@ -69,7 +70,9 @@ def test_the_neon_build_sums_the_tables_within_float32_rounding(neon_driver, tmp
                                                                  columns, first, last):
     x, codebooks, codes = random_case(num_codebooks, group, tiles, columns, seed=columns + first)
     header = np.array([num_codebooks, group, tiles, columns, first, last, x.size], dtype=np.int64)
-    (tmp_path / "in.bin").write_bytes(header.tobytes() + x.tobytes() + codebooks.tobytes() + codes.tobytes())
+    rows = torch.from_numpy(codes).permute(0, 2, 1).reshape(tiles * ROWS, -1, num_codebooks)  # [out, G, M]
+    held = register_kernel.block_tiles(rows).numpy()  # as the layers hold them for this kernel
+    (tmp_path / "in.bin").write_bytes(header.tobytes() + x.tobytes() + codebooks.tobytes() + held.tobytes())
     done = aarch64_cross.run(neon_driver, str(tmp_path / "in.bin"), str(tmp_path / "out.bin"))
     assert done.returncode == 0, done.stderr[-2000:]
     got = np.frombuffer((tmp_path / "out.bin").read_bytes(), dtype=np.float32).astype(np.float64)

@@ -37,6 +37,23 @@ def test_column_tiles_hold_every_code_once():
     assert torch.equal(register_kernel.rows_from_column_tiles(tiles, 2), codes)
 
 
+def test_block_tiles_hold_every_code_once_block_after_block():
+    """block_tiles (the avx2 and neon kernels' layout): code (tile a, column c, row r) of block b = c // 16,
+    of width w (16, the last 8 here), at byte 16 b * tiles * 64 + a * w * 64 + (c - 16 b) * 64 + r."""
+    codes = random_layer(out_features=192, in_features=160).codes  # 3 tiles, 40 columns: blocks of 16, 16, 8
+    held = register_kernel.block_tiles(codes)
+    assert held.shape == (3, 40, 64) and held.is_contiguous()
+    flat = held.reshape(-1)
+    for a, c, r in ((0, 0, 0), (1, 5, 7), (2, 17, 63), (2, 39, 1), (1, 33, 20)):
+        b = c // 16
+        width = min(16, 40 - 16 * b)
+        assert flat[16 * b * 3 * 64 + a * width * 64 + (c - 16 * b) * 64 + r] == codes[64 * a + r].reshape(-1)[c]
+    assert torch.equal(register_kernel.rows_from_block_tiles(held, 2), codes)
+    for layout in register_kernel.LAYOUTS:
+        assert torch.equal(register_kernel.rows_from_kernel_tiles(register_kernel.kernel_tiles(codes, layout), 2,
+                                                                  layout), codes)
+
+
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_the_compiled_product_is_the_layer_within_float32_rounding(compiled_cpu_kernel, tokens):
     # 9 tiles of rows: a whole group of 8 sharing each column's table, and one left over; 128 code
@@ -46,7 +63,7 @@ def test_the_compiled_product_is_the_layer_within_float32_rounding(compiled_cpu_
     exact = x.double() @ dense_weight(w).double().T + w.bias.double()
     assert [register_kernel.column_blocks(128, threads) for threads in (1, 2, 3)] == [1, 2, 3]
     for threads in (1, 2, 3):
-        got = register_kernel.register_product(x, register_kernel.column_tiles(w.codes), w.codebooks, w.scales,
+        got = register_kernel.register_product(x, register_kernel.kernel_tiles(w.codes), w.codebooks, w.scales,
                                                w.bias, threads)
         assert got.dtype == torch.float32
         assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
@@ -69,7 +86,7 @@ def test_16_bit_activations_take_the_kernels_tables_within_the_float16_bound(com
     entries = tables[groups, books, w.codes.long()]  # [out, G, M]
     exact = entries.sum(dim=(1, 2)) * w.scales.double() + w.bias.double()
     bound = 2.0 ** -11 * entries.abs().sum(dim=(1, 2)) * w.scales.double() + 1e-5 * exact.abs().max()
-    tiles = register_kernel.column_tiles(w.codes)
+    tiles = register_kernel.kernel_tiles(w.codes)
     # closer to the exact product than the dense bfloat16 layer it stands for (~10x on this layer)
     dense = torch.nn.functional.linear(x, dense_weight(w).to(torch.bfloat16), w.bias.to(torch.bfloat16))[0].double()
     kinds = [kind for kind in register_kernel.compiled_kernel().kinds() if kind in ("float16", "float32")]
@@ -93,7 +110,8 @@ def test_16_bit_activations_take_the_tables_timed_faster_or_the_ones_asked_for(a
     activations never consult it."""
     w = random_layer(out_features=9 * 64, in_features=512)
     x = torch.randn(1, w.in_features, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    operands = register_kernel.register_operands(register_kernel.column_tiles(w.codes), w.codebooks, w.scales, w.bias)
+    operands = register_kernel.register_operands(register_kernel.kernel_tiles(w.codes), w.codebooks, w.scales, w.bias,
+                                                 register_kernel.kernel_layout())
     flat = x.float().numpy()
     kinds = register_kernel.compiled_kernel().kinds()
     by_kind = {kind: torch.from_numpy(register_kernel.register_matmul(flat, operands, 2, kind)) for kind in kinds}
@@ -115,10 +133,14 @@ def test_16_bit_activations_take_the_tables_timed_faster_or_the_ones_asked_for(a
     register_kernel.product_with_operands(x.float(), operands, threads=2)  # float32 tables, no question asked
 
 
-def test_a_fast_linear_holds_column_tiles_and_gives_the_gather_kernels_outputs(compiled_cpu_kernel, monkeypatch):
-    w = random_layer()
+def test_a_fast_linear_holds_its_kernels_layout_and_gives_the_gather_kernels_outputs(compiled_cpu_kernel, monkeypatch):
+    """A layer made under a compiled kernel holds the codes as that kernel reads them (avx512: column
+    tiles, avx2 and neon: block-major), gives the numba kernels' outputs, and is refused by a kernel of
+    another layout rather than read wrongly."""
+    w = random_layer(out_features=192, in_features=160)  # 40 code columns: blocks of 16, 16 and 8
     fast = FastQuantizedLinear(w)
-    assert fast.layout == "columns" and torch.equal(fast.weights.codes, w.codes)
+    assert fast.layout == {"avx512": "columns"}.get(compiled_cpu_kernel, "blocks")
+    assert torch.equal(fast.weights.codes, w.codes)
     # codes held in int32 (a container of wider codebooks) are not bytes: the gather kernels read them
     wide = QuantizedWeights(codes=w.codes.to(torch.int32), codebooks=w.codebooks, scales=w.scales, bias=w.bias, nbits=8)
     assert FastQuantizedLinear(wide).layout == "tiles"
@@ -131,6 +153,12 @@ def test_a_fast_linear_holds_column_tiles_and_gives_the_gather_kernels_outputs(c
         for x, got in zip(inputs, outputs):
             expected = gathers(x)
             assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    for other in CPU_KERNELS:
+        if other != "numba":
+            with forced_cpu_kernel(monkeypatch, other):
+                if register_kernel.kernel_layout() != fast.layout:
+                    with pytest.raises(RuntimeError, match="lay them out again"):
+                        fast(inputs[0])
 
 
 @needs_avx512
@@ -139,7 +167,7 @@ def test_the_code_prefetch_distance_changes_the_build_not_the_sums(avx512, monke
     the same bits with none, with the default and with a distance past a slice (the next group's columns)."""
     w = random_layer(out_features=11 * 64, in_features=256)  # a group of 8 tiles and 3 more: two groups
     x = torch.randn(1, w.in_features, generator=torch.Generator().manual_seed(3))
-    tiles = register_kernel.column_tiles(w.codes)
+    tiles = register_kernel.kernel_tiles(w.codes)
     monkeypatch.setenv("AQFLOW_KERNEL_CACHE", str(tmp_path))
     outputs = []
     try:
@@ -178,7 +206,7 @@ def test_int16_tables_keep_each_entry_within_half_its_blocks_step(avx512, monkey
     flat_codes = w.codes.reshape(w.out_features, -1).long()  # [out, C]
     entries = tables[:, torch.arange(columns)[None, :], flat_codes]  # [T, out, C]
     exact = entries.sum(-1) * w.scales.double() + w.bias.double()
-    tiles = register_kernel.column_tiles(w.codes)
+    tiles = register_kernel.kernel_tiles(w.codes)
     for threads in (1, 3):
         blocks = register_kernel.column_blocks(columns, threads)
         steps = torch.empty(tokens, columns, dtype=torch.float64)
@@ -203,7 +231,7 @@ def test_float32_tables_as_byte_planes_give_the_register_tables_sums_bit_for_bit
     back in row order), 1 and 3 slices, 1 and 2 tokens; AQFLOW_CPU_PLANES=0 keeps the registers, and
     anything but 0 or 1 is an error naming it."""
     w = random_layer(out_features=11 * 64, in_features=512)
-    tiles = register_kernel.column_tiles(w.codes)
+    tiles = register_kernel.kernel_tiles(w.codes)
     x = torch.randn(2, w.in_features, generator=torch.Generator().manual_seed(5))
     by_layout = {}
     try:

@@ -38,6 +38,7 @@ DEFAULT_PREFETCH_COLUMNS = 8
 CSRC = Path(__file__).parent / "csrc"
 X86_64 = ("x86_64", "AMD64")
 AARCH64 = ("aarch64", "arm64")
+L1_BLOCK_COLUMNS = 16  # avx2, neon: code columns a block of their block-major layout (register_kernel.block_tiles)
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,9 @@ class KernelBuild:
 BUILDS = {
     "avx512": KernelBuild("avx512", CSRC / "lut_cpu.c", ("-O3", "-mavx512f", "-mavx512bw"), X86_64,
                           ("avx512f", "avx512bw")),
-    "avx2": KernelBuild("avx2", CSRC / "lut_cpu_l1.c", ("-O3", "-mavx2", "-mfma"), X86_64, ("avx2", "fma")),
-    "neon": KernelBuild("neon", CSRC / "lut_cpu_l1.c", ("-O3",), AARCH64, ()),
+    "avx2": KernelBuild("avx2", CSRC / "lut_cpu_l1.c", ("-O3", "-mavx2", "-mfma", f"-DBLOCK_COLUMNS={L1_BLOCK_COLUMNS}"),
+                        X86_64, ("avx2", "fma")),
+    "neon": KernelBuild("neon", CSRC / "lut_cpu_l1.c", ("-O3", f"-DBLOCK_COLUMNS={L1_BLOCK_COLUMNS}"), AARCH64, ()),
 }
 
 

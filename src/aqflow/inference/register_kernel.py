@@ -1,13 +1,16 @@
 """The CPU decode product of 8-bit-code AQLM layers through compiled table kernels (C, called from numba).
 
 `cpu_kernels.lut_matmul` sums one table entry per code through numba's gathers from an L1-resident
-table slice. Here the codes are laid out per code column (`column_tiles`: a tile's 64 rows of one
-column contiguous) and a C kernel sums them, the one cpu_dispatch chose for this CPU:
+table slice. Here a C kernel sums them, the one cpu_dispatch chose for this CPU, on codes laid out
+per code column (`kernel_tiles`):
 
     avx512 (csrc/lut_cpu.c): a column's 256-entry table held in 16 AVX-512 registers, a 16-lane
-           permute looking up 16 rows, loaded once for 512 rows;
+           permute looking up 16 rows, loaded once for 512 rows; codes as column tiles (`column_tiles`:
+           [tiles][columns][64], a tile's 64 rows of one column contiguous);
     avx2, neon (csrc/lut_cpu_l1.c): tables in L1, built 16 columns at a time, one scalar load per code
-           (a table is twice the register file of AVX2 or NEON; on Zen 4 twice the codes/s of gathers).
+           (a table is twice the register file of AVX2 or NEON; on Zen 4 twice the codes/s of gathers);
+           codes block-major (`block_tiles`: the column tiles of 16 columns for every tile, then of the
+           next 16), so that a block is one sequential read.
 
 The threads split a layer's code columns: each builds the tables of its slice and sums them over
 every row, then the slices are added. Several layers of one input (q/k/v, gate/up) can be one
@@ -49,7 +52,7 @@ from numba import njit, prange
 from aqflow.inference import cpu_dispatch
 # also read from here by the benchmarks (they lived in this module before cpu_dispatch)
 from aqflow.inference.cpu_dispatch import (  # noqa: F401
-    DEFAULT_PREFETCH_COLUMNS, PREFETCH_ENV, cpu_flags, prefetch_columns,
+    DEFAULT_PREFETCH_COLUMNS, L1_BLOCK_COLUMNS, PREFETCH_ENV, cpu_flags, prefetch_columns,
 )
 from aqflow.inference.cpu_kernels import PARALLEL_MIN_LOADS
 
@@ -76,6 +79,7 @@ class Kernels:
     float32_layout: str
     float16: object = None
     int16: object = None
+    code_layout: str = "columns"  # how the kernel reads codes: "columns" (column_tiles) or "blocks" (block_tiles)
 
     def kinds(self) -> tuple[str, ...]:
         """The table kinds 16-bit activations may take here."""
@@ -104,7 +108,7 @@ def _bound(function):
 def bind_kernels(name: str, library: ctypes.CDLL) -> Kernels:
     """Kernel `name`'s products from its loaded library (avx512: by the CPU's AVX-512 extensions)."""
     if name != "avx512":
-        return Kernels(name, _bound(library.aqflow_l1_product), "l1")
+        return Kernels(name, _bound(library.aqflow_l1_product), "l1", code_layout="blocks")
     flags = cpu_flags()
     planes = planes_wanted(flags)
     float32 = library.aqflow_register_product_planes if planes else library.aqflow_register_product
@@ -128,8 +132,16 @@ def kernel_name() -> str:
 
 
 def applies(nbits: int, out_features: int) -> bool:
-    """Whether a layer takes this kernel on this machine: 8-bit codes, whole tiles of rows."""
+    """Whether a layer takes a compiled kernel on this machine: 8-bit codes, whole tiles of rows."""
     return nbits == 8 and out_features % ROWS == 0 and compiled_kernel() is not None
+
+
+def kernel_layout() -> str:
+    """How the compiled kernel in use reads codes: "columns" (avx512) or "blocks" (avx2, neon)."""
+    kernels = compiled_kernel()
+    if kernels is None:
+        raise RuntimeError("no compiled CPU kernel in this process (cpu_dispatch chose numba)")
+    return kernels.code_layout
 
 
 def column_tiles(codes: torch.Tensor) -> torch.Tensor:
@@ -145,19 +157,59 @@ def rows_from_column_tiles(tiles: torch.Tensor, num_codebooks: int) -> torch.Ten
     return tiles.permute(0, 2, 1).reshape(count * rows, columns // num_codebooks, num_codebooks).contiguous()
 
 
+def layout_blocks(columns: int, block_columns: int = L1_BLOCK_COLUMNS) -> list[tuple[int, int]]:
+    """(first, last) of each block of the block-major layout: block_columns columns, the last fewer."""
+    return [(start, min(start + block_columns, columns)) for start in range(0, columns, block_columns)]
+
+
+def block_tiles(codes: torch.Tensor, block_columns: int = L1_BLOCK_COLUMNS) -> torch.Tensor:
+    """codes [out, G, M] uint8 -> the same bytes block-major, held as [out/64, G*M, 64] (the shape of
+    column_tiles, so that a stack of layers is a torch.cat along tiles; the order within is not
+    column_tiles'): for each block of block_columns columns (the last narrower), for every tile, the
+    block's columns' 64 rows each, i.e. column_tiles(codes)[:, first:last] flattened, block after block."""
+    tiles = column_tiles(codes)
+    blocks = [tiles[:, first:last].reshape(-1) for first, last in layout_blocks(tiles.shape[1], block_columns)]
+    return torch.cat(blocks).view(tiles.shape)
+
+
+def rows_from_block_tiles(held: torch.Tensor, num_codebooks: int, block_columns: int = L1_BLOCK_COLUMNS) -> torch.Tensor:
+    """Inverse of block_tiles: block-major [out/64, G*M, 64] -> codes [out, G, M] (a copy)."""
+    count, columns, rows = held.shape
+    flat = held.reshape(-1)
+    tiles = torch.empty_like(held)
+    for first, last in layout_blocks(columns, block_columns):
+        size = count * (last - first) * rows
+        tiles[:, first:last] = flat[first * count * rows:first * count * rows + size].view(count, last - first, rows)
+    return rows_from_column_tiles(tiles, num_codebooks)
+
+
+LAYOUTS = {"columns": (column_tiles, rows_from_column_tiles), "blocks": (block_tiles, rows_from_block_tiles)}
+
+
+def kernel_tiles(codes: torch.Tensor, layout: str | None = None) -> torch.Tensor:
+    """codes [out, G, M] uint8 laid out as `layout` ("columns" or "blocks"; None: the kernel in use's)."""
+    return LAYOUTS[layout or kernel_layout()][0](codes)
+
+
+def rows_from_kernel_tiles(held: torch.Tensor, num_codebooks: int, layout: str) -> torch.Tensor:
+    """Inverse of kernel_tiles: codes held as `layout` -> [out, G, M] (a copy)."""
+    return LAYOUTS[layout][1](held, num_codebooks)
+
+
 @dataclass(frozen=True)
 class RegisterOperands:
     """One layer, or several layers of the same input stacked by rows (q/k/v, gate/up: one product
-    for all), as the kernel reads them: codes [tiles, G*M, 64] uint8 (column_tiles, the layers' tiles
-    one after another), codebooks [layers, M, g, 256] float32 (codeword index last), scales [out] and
-    bias [out] float32 (zeros where a layer has none), layer_tiles [layers + 1] int64 (layer i holds
-    tiles layer_tiles[i]:layer_tiles[i + 1], so rows 64 times those)."""
+    for all), as the kernel reads them: codes [tiles, G*M, 64] uint8 (kernel_tiles as `layout`, the
+    layers' tiles one after another), codebooks [layers, M, g, 256] float32 (codeword index last),
+    scales [out] and bias [out] float32 (zeros where a layer has none), layer_tiles [layers + 1] int64
+    (layer i holds tiles layer_tiles[i]:layer_tiles[i + 1], so rows 64 times those)."""
 
     codes: np.ndarray
     codebooks: np.ndarray
     scales: np.ndarray
     bias: np.ndarray
     layer_tiles: np.ndarray
+    layout: str = "columns"
 
     @property
     def out_features(self) -> int:
@@ -165,9 +217,10 @@ class RegisterOperands:
 
 
 def register_operands(tiles: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
-                      bias: torch.Tensor | None) -> RegisterOperands:
-    """The kernel's view of a layer held as column tiles [out/64, G*M, 64] with codebooks [M, 256, g],
-    scales [out] and bias [out] (or None): the codes shared, the rest as float32 copies."""
+                      bias: torch.Tensor | None, layout: str = "columns") -> RegisterOperands:
+    """The kernel's view of a layer whose codes are held as `layout` (kernel_tiles: [out/64, G*M, 64])
+    with codebooks [M, 256, g], scales [out] and bias [out] (or None): the codes shared, the rest as
+    float32 copies."""
     out_features = tiles.shape[0] * ROWS
     as_float = lambda tensor: np.ascontiguousarray(tensor.detach().to(torch.float32).reshape(-1).numpy())  # noqa: E731
     return RegisterOperands(
@@ -175,17 +228,19 @@ def register_operands(tiles: torch.Tensor, codebooks: torch.Tensor, scales: torc
         codebooks=np.ascontiguousarray(codebooks.detach().to(torch.float32).transpose(1, 2).numpy())[None],
         scales=as_float(scales),
         bias=np.zeros(out_features, dtype=np.float32) if bias is None else as_float(bias),
-        layer_tiles=np.array([0, tiles.shape[0]], dtype=np.int64))
+        layer_tiles=np.array([0, tiles.shape[0]], dtype=np.int64), layout=layout)
 
 
 def stacked_operands(tiles: torch.Tensor, layers: list[RegisterOperands]) -> RegisterOperands:
     """Several layers of the same input as one product: `tiles` [sum of their tiles, G*M, 64] uint8
-    holds their column tiles one after another (the caller keeps it; the operands view it), `layers`
-    their own operands (one layer each, same code columns and codebook shape)."""
+    holds their codes one after another, each layer's laid out on its own (the caller keeps it; the
+    operands view it), `layers` their own operands (one layer each, same code columns, codebook shape
+    and layout)."""
     first = layers[0]
     if any(layer.codes.shape[1:] != first.codes.shape[1:] or layer.codebooks.shape != first.codebooks.shape
-           or len(layer.layer_tiles) != 2 for layer in layers):
-        raise ValueError("stacked_operands: the layers must be single layers with the same code columns and codebooks")
+           or len(layer.layer_tiles) != 2 or layer.layout != first.layout for layer in layers):
+        raise ValueError("stacked_operands: the layers must be single layers with the same code columns, codebooks "
+                         "and layout")
     counts = [layer.codes.shape[0] for layer in layers]
     if tiles.shape[0] != sum(counts) or tuple(tiles.shape[1:]) != first.codes.shape[1:]:
         raise ValueError(f"stacked_operands: tiles {tuple(tiles.shape)} do not hold the layers' {sum(counts)} tiles")
@@ -194,7 +249,7 @@ def stacked_operands(tiles: torch.Tensor, layers: list[RegisterOperands]) -> Reg
         codebooks=np.concatenate([layer.codebooks for layer in layers]),
         scales=np.concatenate([layer.scales for layer in layers]),
         bias=np.concatenate([layer.bias for layer in layers]),
-        layer_tiles=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+        layer_tiles=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), layout=first.layout)
 
 
 def column_blocks(columns: int, threads: int) -> int:
@@ -263,6 +318,9 @@ def register_matmul(x: np.ndarray, operands: RegisterOperands, threads: int | No
     if kernels is None:
         raise RuntimeError("no compiled CPU kernel in this process (cpu_dispatch chose numba: "
                            "register_kernel.applies is False)")
+    if operands.layout != kernels.code_layout:  # codes laid out for another kernel would be read as garbage
+        raise RuntimeError(f"codes laid out as {operands.layout!r}, the {kernels.name} kernel in use reads "
+                           f"{kernels.code_layout!r}: lay them out again (kernel_tiles) after changing the kernel")
     kernel = getattr(kernels, table_dtype)
     if kernel is None:
         raise RuntimeError(f"the {kernels.name} kernel has no {table_dtype} tables (it has {', '.join(kernels.kinds())})")
@@ -355,7 +413,7 @@ def product_with_operands(x: torch.Tensor, operands: RegisterOperands, threads: 
 
 def register_product(x: torch.Tensor, tiles: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
                      bias: torch.Tensor | None, threads: int | None = None) -> torch.Tensor:
-    """x [T, in] -> [T, out] float32 through the register kernel, for a layer held as column tiles
-    [out/64, G*M, 64] (column_tiles) with codebooks [M, 256, g], scales [out] and bias [out] or None
+    """x [T, in] -> [T, out] float32 through the compiled kernel in use, for a layer held in its layout
+    (kernel_tiles: [out/64, G*M, 64]) with codebooks [M, 256, g], scales [out] and bias [out] or None
     (product_with_operands; FastQuantizedLinear keeps the operands between calls instead)."""
-    return product_with_operands(x, register_operands(tiles, codebooks, scales, bias), threads)
+    return product_with_operands(x, register_operands(tiles, codebooks, scales, bias, kernel_layout()), threads)
