@@ -1,39 +1,37 @@
 #!/usr/bin/env bash
-# The SmolLM2 pipeline on the lent GPU machine (no network there): files are staged in
-# /root/stage over several device calls (each call carries at most 64 MiB), then Snakemake runs
-# the whole DAG with profiles/gpu. Run from the repository root on the device machine:
-#   bash benchmarks/gpu_pipeline.sh install   # carry the wheel folders WHEELS (default: .whl); a folder
-#                                             # may hold a packed site (*.site.tar.xz) instead of wheels
-#   bash benchmarks/gpu_pipeline.sh pack F    # here, not there: WHEELS installed for the card's Python 3.12
-#                                             # into one xz tarball F (half the wheels' bytes, one carry)
+# The one place of the benchmarks' device plumbing: wheels, staging, GGUF parts and detached runs on
+# a lent GPU machine (no network there; each call carries at most 64 MiB with the tree). Files are
+# staged in $STAGE (/root/stage) over several calls, then Snakemake or a measurement runs detached
+# (its own session), so it outlives the call; later `wait` calls watch it and copy what it made to $OUT.
+# Here, with the package registries:
+#   bash benchmarks/gpu_pipeline.sh wheels    # the wheels the machine lacks into .whl .whl2 .whl3 .whl4
+#   bash benchmarks/gpu_pipeline.sh pack F    # WHEELS installed for the card's Python 3.12 into one xz tarball F
+#   bash benchmarks/gpu_pipeline.sh slim      # switch to a branch without results/published, benchmarks/results
+#                                             # and docs (the tree that travels: 30 MB -> 2 MB); `unslim` back
+#   bash benchmarks/gpu_pipeline.sh split GGUF DIR [FIRST_CARRY...]  # GGUF in parts that each fit one call
+# There, from the repository root:
+#   bash benchmarks/gpu_pipeline.sh install   # carry the wheel folders WHEELS (default .whl; or a packed site)
 #   bash benchmarks/gpu_pipeline.sh assets F  # carry F: a tar.xz of cache/ (zero-shot data) and resources/data
-#   bash benchmarks/gpu_pipeline.sh slim      # here: switch the checkout to a branch without results/published,
-#                                             # benchmarks/results and docs (the tree that travels: 30 MB -> 2 MB);
-#                                             # `unslim` switches back and deletes it (the device sends this checkout)
-#   bash benchmarks/gpu_pipeline.sh split GGUF DIR [FIRST_CARRY...]  # here: GGUF in parts that each fit one call
-#                                             # beside the tree; the first part also beside FIRST_CARRY (e.g. .whlx)
-#   bash benchmarks/gpu_pipeline.sh part F [PRESET]  # carry one part F of a GGUF preset's file (a part and
-#                                             # the tree fit one call's 64 MiB; parts in name order;
-#                                             # PRESET default smollm2), once per part;
-#                                             # also while a grid runs, for its later lines
+#   bash benchmarks/gpu_pipeline.sh part F [PRESET]  # carry one part F of a preset's GGUF (default smollm2),
+#                                             # once per part, in name order; also while a grid runs
 #   bash benchmarks/gpu_pipeline.sh start [snakemake args]   # detached Snakemake run of the DAG
-#   bash benchmarks/gpu_pipeline.sh grid FILE      # detached: one Snakemake run per line of FILE, in order
-#                                             # (FROM=N: from its line N, the lines before it done)
+#   bash benchmarks/gpu_pipeline.sh grid FILE [args]  # detached: one Snakemake run per line of FILE, in
+#                                             # order (FROM=N: from its line N); batches.tsv times each line
+#   bash benchmarks/gpu_pipeline.sh paper RUN [args]  # `grid` over a run of benchmarks/paper_runs.yaml,
+#                                             # with its overrides, profile and arguments
 #   bash benchmarks/gpu_pipeline.sh script FILE [args]  # detached: bash FILE in the staged copy (a
 #                                             # measurement; it writes under $STAGE/out)
 #   bash benchmarks/gpu_pipeline.sh wait SECONDS   # watch it; what it has made so far to $OUT
-# `grid` is for a budget shorter than the whole job list: each line of FILE (targets, or `all`) runs
-# to its end before the next starts, so the time limit leaves finished cells rather than every cell
-# half done; batches.tsv records each line's start and end.
-# PROFILE (default profiles/gpu) and GPU_SLOTS (default 12 per visible card) choose the profile,
-# e.g. PROFILE=profiles/gpu-node on a node with several cards; PROFILE=none runs Snakemake with only
-# the arguments given (`PROFILE=none ... start -j1 TARGETS`: a user's own command line). While Snakemake runs, every card's
-# utilisation and memory are sampled twice a second into gpu_utilisation.csv (copied to $OUT).
+# `grid` is for a budget shorter than the whole job list: each line runs to its end before the next
+# starts, so the time limit leaves finished cells rather than every cell half done.
+# PROFILE (default profiles/gpu) and GPU_SLOTS (default 12 per visible card) choose the profile;
+# PROFILE=none runs Snakemake with only the arguments given (a user's own command line, e.g. -j1).
+# While Snakemake runs, every card's utilisation and memory are sampled twice a second into
+# gpu_utilisation.csv; `wait` summarises it and the jobs' benchmark files (benchmarks/run_stats.py).
 set -euo pipefail
 STAGE=${STAGE:-/root/stage}
 PY=${PYTHON:-python3}
 export PYTHONPATH="$STAGE/site:$PWD/src" AQFLOW_CACHE="$STAGE/cache" PYTHONUNBUFFERED=1
-mkdir -p "$STAGE/parts"
 
 carried() {  # carried NAME [GLOB]: the array NAME := the files matching GLOB (default *.whl) in the WHEELS folders
   local -n found=$1
@@ -49,7 +47,7 @@ carried() {  # carried NAME [GLOB]: the array NAME := the files matching GLOB (d
 CALL_BYTES=$(( 64 * 1024 * 1024 - 256 * 1024 ))
 tree_bytes() { git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1; }
 
-case "$1" in
+case "${1:-}" in
 slim)
   [ -z "$(git status --porcelain --untracked-files=no)" ] || { echo "commit or stash your changes first" >&2; exit 1; }
   git switch -q -c device-slim
@@ -60,6 +58,54 @@ slim)
 unslim)
   [ "$(git branch --show-current)" = device-slim ] || { echo "not on device-slim" >&2; exit 1; }
   git switch -q - && git branch -q -D device-slim && git branch --show-current
+  ;;
+wheels)
+  # runtime packages missing on the machine, pure-Python needs included, as envs/requirements.txt pins
+  # them: .whl the pipeline's, .whl2 transformers and tokenizers, .whl4 huggingface_hub and its HTTP
+  # client, .whl3 PuLP (Snakemake's default ILP scheduler: only a -j1 run needs it). Ignored by git.
+  exclude="$(git rev-parse --git-common-dir)/info/exclude"
+  for pattern in /.whl/ /.whl2/ /.whl3/ /.whl4/ /.whlx/; do grep -qxF "$pattern" "$exclude" 2>/dev/null || echo "$pattern" >> "$exclude"; done
+  WHL=(snakemake snakemake-interface-common snakemake-interface-executor-plugins snakemake-interface-logger-plugins
+       snakemake-interface-report-plugins snakemake-interface-scheduler-plugins snakemake-interface-storage-plugins
+       ConfigArgParse conda-inject docutils dpath GitPython gitdb smmap humanfriendly immutables
+       jsonschema jsonschema-specifications referencing rpds-py nbformat fastjsonschema jupyter_core traitlets
+       platformdirs smart_open throttler yte argparse-dataclass sqlmodel SQLAlchemy greenlet pydantic pydantic_core
+       annotated-types typing-inspection tenacity lm_eval datasets evaluate dill multiprocess pytablewriter
+       DataProperty mbstrdecoder pathvalidate tabledata tcolorpy typepy chardet nltk defusedxml more-itertools pytz
+       aqlm gguf)
+  BUILT=(connection_pool rouge_score sqlitedict word2number)  # published as source only: built here
+  pin() { grep -iE "^${1//[-_.]/[-_.]}==" envs/requirements.txt | head -1 | grep . || { echo "no pin for $1" >&2; exit 1; }; }
+  download() {  # folder, names...
+    local folder=$1; shift; mkdir -p "$folder"
+    for name in "$@"; do
+      "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$folder" "$(pin "$name")" 2>&1 | grep -v "^WARNING: Location" || true
+    done
+  }
+  download .whl "${WHL[@]}"
+  for name in "${BUILT[@]}"; do "$PY" -m pip wheel -q --no-deps -w .whl "$(pin "$name")" 2>&1 | grep -v "^WARNING: Location" || true; done
+  download .whl2 transformers tokenizers
+  download .whl4 huggingface_hub httpx2 httpcore2 truststore
+  download .whl3 PuLP
+  du -sh .whl .whl2 .whl3 .whl4
+  echo "then: WHEELS=\".whl .whl2 .whl4\" bash $0 pack .whlx/site.site.tar.xz (tracked tree: $(tree_bytes) bytes)"
+  ;;
+paper)
+  # a run of benchmarks/paper_runs.yaml: its batches, overrides and arguments written out, then `grid`
+  run=$2; shift 2
+  mkdir -p "$STAGE/paper"
+  "$PY" -c '
+import sys, yaml
+from pathlib import Path
+run, folder = sys.argv[1], Path(sys.argv[2])
+entry = yaml.safe_load(Path("benchmarks/paper_runs.yaml").read_text())["runs"][run]
+(folder / f"{run}.txt").write_text("\n".join(entry["batches"]) + "\n")
+(folder / f"{run}.yaml").write_text(yaml.safe_dump(entry.get("overrides", {})))
+(folder / f"{run}.args").write_text(entry["profile"] + "\n" + entry.get("snakemake", "") + "\n")' "$run" "$STAGE/paper"
+  { read -r profile; read -r run_args; } < "$STAGE/paper/$run.args"
+  overrides=(); [ "$(cat "$STAGE/paper/$run.yaml")" = "{}" ] || overrides=(--config "overrides=$STAGE/paper/$run.yaml")
+  PROFILE=${PROFILE:-$profile} bash "$0" grid "$STAGE/paper/$run.txt" $run_args "$@" "${overrides[@]}"
   ;;
 split)
   # part 0 fits beside the tree and FIRST_CARRY, every later part beside the tree alone
@@ -208,13 +254,16 @@ wait)
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader || true
   cd "$STAGE/work"
   cp .snakemake/log/*.snakemake.log "$STAGE/" 2>/dev/null || true
-  { "$PY" benchmarks/stage_times.py logs/benchmarks --json "$OUT/stage_times.json" | tee "$OUT/stage_times.txt"; } || true
+  { "$PY" -m benchmarks.run_stats stages logs/benchmarks --json "$OUT/stage_times.json" | tee "$OUT/stage_times.txt"; } || true
   mkdir -p results; find results -name '*.json' -o -name '*.csv' -o -name '*.parquet' -o -name '*.png' | grep -v '/model/' \
     | tar -czf "$OUT/results.tar.gz" -T -
   cp "$STAGE/gpu_utilisation.csv" "$OUT/" 2>/dev/null || true
-  { "$PY" -m benchmarks.gpu_utilisation "$STAGE/gpu_utilisation.csv" logs/benchmarks --json "$OUT/gpu_utilisation.json" \
+  { "$PY" -m benchmarks.run_stats cards "$STAGE/gpu_utilisation.csv" logs/benchmarks --json "$OUT/gpu_utilisation.json" \
       | tee "$OUT/gpu_utilisation.txt"; } 2>/dev/null || true
   tar -czf "$OUT/logs.tar.gz" logs "$STAGE"/*.snakemake.log "$STAGE/snakemake.out" 2>/dev/null || true
   ls -la "$OUT"
+  ;;
+*)  # -h, --help, or no command: the usage at the top of this file
+  sed -n '2,/^set -euo/p' "$0" | grep '^#' | cut -c3-; [ "${1:-}" = -h ] || [ "${1:-}" = --help ]
   ;;
 esac

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The headline at its own scale on the lent GPU machine (no network there): a Llama-3.2-3B- or
-# Llama-3.1-8B-shaped model from the kit's hub cache through the unchanged pipeline at the paper's
-# settings, measured rule by rule. Built on benchmarks/gpu_pipeline.sh (its staging folder, wheel
-# install and detached Snakemake run). Run from the repository root on the device machine:
-#   WHEELS=.whl bash benchmarks/gpu_pipeline.sh install  # snakemake, lm_eval, aqlm, ... (carried; then
-#                                                        # WHEELS=".whl2 .whl3": transformers, tokenizers, PuLP)
+# The headline at its own scale: a Llama-3.2-3B- or Llama-3.1-8B-shaped model from the kit's hub cache
+# (benchmarks/headline_kit.py) through the unchanged pipeline at the paper's settings, measured rule by
+# rule (benchmarks/headline_results.py), on a lent GPU machine (no network there) through
+# benchmarks/gpu_pipeline.sh (its staging folder, wheel install and detached Snakemake run).
+# Here, with the package registries, from the repository root:
+#   bash benchmarks/gpu_pipeline.sh wheels; bash benchmarks/headline_gpu.sh carry   # what travels
+#   bash benchmarks/headline_gpu.sh rehearse [CARRY]   # the whole run on a CPU, tiny shape (minutes)
+# There:
+#   WHEELS=.whl bash benchmarks/gpu_pipeline.sh install  # then WHEELS=".whl2 .whl3" (or a packed site)
 #   bash benchmarks/headline_gpu.sh kit SHAPE [CARRY]   # write the hub cache (carry CARRY, default
 #                                                       # .device-carry/headline, once; kept in $STAGE)
 #   bash benchmarks/headline_gpu.sh start SHAPE [MODE]  # detached, from an empty results/ (profiles/gpu):
@@ -13,25 +16,22 @@
 #       MODE prepv: the pre-PV targets only;  MODE oaem: OA-EM's eval_pre_pv.json and the fp baseline
 #                 (an 8B's two inits need ~60 GB of the machine's 64 GB disk);  MODE j1: the pre-PV
 #                 targets with `snakemake -j1` (a user's own command line: no profile, one job at a time);
-#                 MODE j1oaem: the same for OA-EM's eval_pre_pv.json alone (what the user's command
-#                 `... oaem/b8/eval.json` runs before PV-tuning: no fp baseline, no greedy variant)
+#                 MODE j1oaem: the same for OA-EM's eval_pre_pv.json alone
 #   bash benchmarks/headline_gpu.sh pv SHAPE            # detached: the PV-tuning steps alone, after `prepv`
 #   bash benchmarks/headline_gpu.sh wait SECONDS        # watch; once Snakemake is done, collect into $OUT
 #   bash benchmarks/headline_gpu.sh collect             # collect now, done or not (a lease about to end)
-# SHAPE: llama3b | llama8b | tiny (tiny: the CPU rehearsal, benchmarks/headline_rehearsal.sh). What
-# `wait` leaves in $OUT: headline_<shape>_<card>[_j1|_pv].json (benchmarks/headline_results.py),
-# results.tar.gz (every JSON and Parquet of results/ but models), logs.tar.gz (job logs and
-# benchmarks, GPU/disk samples, Snakemake's output). HEADLINE_CARD: the card's index when two runs
-# share a machine (each with its own STAGE and CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER=PCI_BUS_ID):
-# only that card's processes are sampled. GPU_SLOTS (gpu_pipeline.sh): concurrent GPU jobs
-# (default 12; 6 suits a 3B, whose layer jobs and evaluations take GBs each). HEADLINE_ARGS: more
-# Snakemake arguments (the CPU rehearsal's `--cores 2`).
+# SHAPE: llama3b | llama8b | tiny (the CPU rehearsal). What `wait` leaves in $OUT:
+# headline_<shape>_<card>[_j1|_pv].json, results.tar.gz (every JSON and Parquet of results/ but
+# models), logs.tar.gz (job logs and benchmarks, GPU/disk samples, Snakemake's output), and prints the
+# per-rule table last. HEADLINE_CARD: the card's index when two runs share a machine (each with its
+# own STAGE and CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER=PCI_BUS_ID): only that card is sampled.
+# GPU_SLOTS: concurrent GPU jobs (default 12; 6 suits a 3B). HEADLINE_ARGS: more Snakemake arguments.
 set -euo pipefail
 STAGE=${STAGE:-/root/stage}
 PY=${PYTHON:-python3}
 export PYTHONPATH="$STAGE/site:$PWD/src:$PWD" AQFLOW_CACHE="$STAGE/cache" PYTHONUNBUFFERED=1
 export HF_HOME="$STAGE/hf" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-mkdir -p "$STAGE"
+case "${1:-}" in kit|start|pv|wait|collect) mkdir -p "$STAGE" ;; esac  # not for --help
 
 targets() {  # the pre-PV targets of a shape: both inits' eval_pre_pv.json and the fp baseline
   local model=$1
@@ -48,7 +48,22 @@ card_name() {  # h100, h200, ... (cpu without a card), for file names
   echo "${name:-cpu}"
 }
 
-case "$1" in
+case "${1:-}" in
+carry)
+  # the kit's inputs (tokenizer, registry text, the zero-shot tasks), fetched here by the pipeline's own fetchers
+  PYTHONPATH="$PWD/src:$PWD" "$PY" -m benchmarks.headline_kit carry --out .device-carry/headline
+  du -sh .device-carry/headline
+  ;;
+rehearse)
+  # the GPU call's steps on a CPU, end to end: kit, pre-PV targets then PV-tuning alone, collected
+  export STAGE=${STAGE_REHEARSAL:-/tmp/headline-rehearsal}; export OUT=${OUT:-$STAGE/out} GPU_SLOTS=${GPU_SLOTS:-2}
+  export HEADLINE_ARGS="--cores ${CORES:-2}"
+  rm -rf "$STAGE"; mkdir -p "$OUT"
+  bash "$0" kit tiny "${2:-.device-carry/headline}"
+  bash "$0" start tiny all
+  bash "$0" wait 1500
+  [ "$(cat "$STAGE/snakemake.rc")" = 0 ] || { tail -60 "$STAGE/snakemake.out"; exit 1; }
+  ;;
 kit)
   shape=$2 carry=${3:-.device-carry/headline}
   if [ -d "$carry" ]; then rm -rf "$STAGE/carry"; cp -r "$carry" "$STAGE/carry"; fi
@@ -99,7 +114,7 @@ start|pv)
   printf '%s\n' "$shape" "$suffix" "$prepv" "$run_targets" "$(git rev-parse HEAD 2>/dev/null || echo unknown)" \
     "$(IFS=,; echo "${overrides[*]}")" > "$STAGE/headline_run"
   rm -f "$STAGE/samples.stop" "$STAGE/samples.csv"
-  setsid nohup "$PY" -m benchmarks.headline_gpu_memory --out "$STAGE/samples.csv" --disk "$STAGE" \
+  setsid nohup "$PY" -m benchmarks.headline_results sample --out "$STAGE/samples.csv" --disk "$STAGE" \
       --stop-file "$STAGE/samples.stop" ${HEADLINE_CARD:+--card "$HEADLINE_CARD"} > "$STAGE/samples.log" 2>&1 < /dev/null &
   if [ "$suffix" = _j1 ]; then  # the user's own command line: one job at a time, no profile
     PROFILE=none bash benchmarks/gpu_pipeline.sh start -j1 $run_targets "${extra[@]}" ${HEADLINE_ARGS:-}
@@ -159,6 +174,6 @@ collect)
   echo "commit $commit"; ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 kit SHAPE [CARRY] | start SHAPE [all|prepv|oaem|j1|j1oaem] | pv SHAPE | wait SECONDS | collect" >&2; exit 2
+  echo "usage: $0 carry | rehearse [CARRY] | kit SHAPE [CARRY] | start SHAPE [all|prepv|oaem|j1|j1oaem] | pv SHAPE | wait SECONDS | collect" >&2; exit 2
   ;;
 esac

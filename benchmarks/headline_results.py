@@ -1,6 +1,7 @@
 """What a headline run cost, rule by rule, from what the run left: Snakemake's job benchmarks, the
-GPU/disk samples of benchmarks/headline_gpu_memory.py, the outputs' sizes and PV-tuning's log.
+GPU/disk samples taken while it ran (`sample`), the outputs' sizes and PV-tuning's log.
 
+    python -m benchmarks.headline_results sample --out samples.csv --disk /root/stage --stop-file F [--interval 1]
     python -m benchmarks.headline_results --work DIR --shape llama3b --card "NVIDIA H100 80GB HBM3" \
         --started-at UNIX_SECONDS --targets T1 T2 T3 [--samples CSV] [--hf-home DIR] [--pv DIR] \
         [--plan-seconds S] [--merge PRE_PV.json] [--out headline.json]
@@ -29,14 +30,29 @@ Writes the JSON of benchmarks/results/headline_<shape>_<card>.json and prints a 
 --pv names the PV-tuning run's folder, in the same run as the pre-PV targets (headline_gpu.sh start:
 after them, alone on the card) or alone after it (headline_gpu.sh pv, no --targets; --merge then
 adds its measurement to the pre-PV record: one file per shape and card).
+
+`sample` writes, while the run goes on, each GPU process's memory with the rule it serves, the card's
+total and the disk's use. Rows: `unix_seconds,kind,pid,rule,value` with kind `process` (value: MiB the process holds on a
+card, `nvidia-smi --query-compute-apps`), `card` (MiB used on card `pid`, `--query-gpu`) and
+`disk` (bytes used on the file system of --disk). A process's rule comes from its command line or
+its parents': Snakemake runs a rule's script as `.snakemake/scripts/tmp<id>.<script>.py`, whose
+preamble names the rule (the three evaluation rules share evaluate.py); warm workers
+(`aqflow.jobs.warm_workers`) serve layer jobs only. Where nvidia-smi lists no processes (some
+container runtimes hide other processes' ids), the `card` rows remain and headline_results.py
+falls back to them. Stops when --stop-file exists.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import re
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -44,6 +60,82 @@ import pandas as pd
 from aqflow.experiments.job_benchmarks import benchmark_files, job_table, rule_table, run_span_seconds
 
 GIB = 2**30
+
+RULES = ("fetch_model", "fetch_data", "calibrate", "calibrate_block", "finetune_block", "quantize_layer", "stitch",
+         "evaluate_quantized", "evaluate_fp", "evaluate_pvtuned", "pvtune", "report", "domain_distances",
+         "paper_tables")
+SCRIPT = re.compile(r"\.snakemake/scripts/tmp[^/\s]*\.([A-Za-z_]+)\.py")
+
+
+def rule_of_command(cmdline: list[str], script_text: str | None = None) -> str | None:
+    """The rule a process serves, from its command line (and its rule script's text, which names
+    the rule in its preamble); None for a process that is no rule's."""
+    joined = " ".join(cmdline)
+    if "aqflow.jobs.warm_workers" in joined:
+        return "quantize_layer"
+    match = SCRIPT.search(joined)
+    if not match:
+        return None
+    script = match.group(1)
+    if script_text:
+        named = [rule for rule in RULES if re.search(rf"\b{rule}\b", script_text)]
+        # the script's own name is a rule's name too (calibrate.py): prefer the longer, more specific name
+        specific = [rule for rule in named if rule != script]
+        if script == "evaluate" and specific:
+            return max(specific, key=len)
+        if script in named:
+            return script
+    return script
+
+
+def rule_of_pid(pid: int, cache: dict) -> str | None:
+    """The rule of process `pid` or of its nearest ancestor that has one (cached per pid)."""
+    if pid in cache:
+        return cache[pid]
+    import psutil
+
+    rule = None
+    try:
+        process = psutil.Process(pid)
+        for candidate in [process, *process.parents()][:8]:
+            cmdline = candidate.cmdline()
+            match = SCRIPT.search(" ".join(cmdline))
+            text = None
+            if match:
+                script = Path(candidate.cwd()) / match.group(0)
+                text = script.read_text(errors="replace") if script.is_file() else None
+            rule = rule_of_command(cmdline, text)
+            if rule:
+                break
+    except (psutil.Error, OSError):
+        pass
+    cache[pid] = rule
+    return rule
+
+
+def query(fields: str, what: str) -> list[list[str]]:
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-{what}={fields}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return []
+    return [[part.strip() for part in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
+def sample(writer, disk: Path, cache: dict, card: str | None = None) -> None:
+    """One row per GPU process and per card (only card `card`, nvidia-smi's index, when given: two
+    runs on two cards of one machine each sample their own), and one for the disk."""
+    now = f"{time.time():.1f}"
+    cards = query("index,memory.used,pci.bus_id", "gpu")
+    bus = {bus_id for index, _, bus_id in cards if card is None or index == card}
+    for pid, used, bus_id in query("pid,used_memory,gpu_bus_id", "compute-apps"):
+        if pid.isdigit() and used.isdigit() and bus_id in bus:
+            writer.writerow([now, "process", pid, rule_of_pid(int(pid), cache) or "", used])
+    for index, used, _ in cards:
+        if used.isdigit() and (card is None or index == card):
+            writer.writerow([now, "card", index, "", used])
+    writer.writerow([now, "disk", "", "", shutil.disk_usage(disk).used])
+
 
 # (pattern on a path relative to the work folder) -> the rule that writes it, first match wins
 OUTPUT_RULES = (
@@ -289,7 +381,33 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def sample_main(argv: list[str]) -> int:
+    """`sample`: the sampler, until --stop-file exists."""
+    parser = argparse.ArgumentParser(prog="headline_results sample", description="Sample GPU processes, cards and disk into a CSV.")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--disk", type=Path, required=True, help="a folder on the file system the run writes to")
+    parser.add_argument("--stop-file", type=Path, required=True)
+    parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--card", default=None, help="sample this card only (nvidia-smi's index; with "
+                        "CUDA_DEVICE_ORDER=PCI_BUS_ID it is CUDA's too)")
+    args = parser.parse_args(argv)
+    cache: dict = {}
+    with open(args.out, "a", newline="") as handle:
+        writer = csv.writer(handle)
+        if handle.tell() == 0:
+            writer.writerow(["unix_seconds", "kind", "pid", "rule", "value"])
+        while not args.stop_file.exists():
+            sample(writer, args.disk, cache, args.card)
+            handle.flush()
+            time.sleep(args.interval)
+        sample(writer, args.disk, cache, args.card)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["sample"]:
+        return sample_main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, help="the folder Snakemake ran in (not with --synthetic-pv)")
     parser.add_argument("--shape", required=True)

@@ -42,14 +42,9 @@ import torch
 
 from aqflow.inference import cuda_kernels
 from aqflow.inference import gpu_kernels as gk
-from aqflow.inference.attention_switch import forwards_replaced
 from aqflow.inference.decode import fuse_projections, greedy_decode
 from aqflow.inference.layout import QuantizedWeights
-try:
-    from aqflow.inference.packed import in_tiles
-except ImportError:  # a source tree from before tiled codes (benchmarks/decode_ab.sh runs older trees too)
-    def in_tiles(packed):
-        return packed
+from aqflow.inference.packed import in_tiles
 
 SHAPES = {
     "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
@@ -161,10 +156,6 @@ def wait_for_extension(args, thread) -> dict:
     return status
 
 
-# shape key -> [(config, seconds)] of the last bench_kernels, fastest first (what --step-tune starts from)
-TIMED_CANDIDATES: dict[tuple, list] = {}
-
-
 def bench_kernels(shape_name: str, args, device, dtype, names, with_aqlm: bool) -> dict:
     """Checks and times every candidate configuration of the named linears; records the fastest correct one
     (which the models then run)."""
@@ -198,7 +189,7 @@ def bench_kernels(shape_name: str, args, device, dtype, names, with_aqlm: bool) 
         row["timing"] = timing
         # timed as the decode runs them: the split-K candidates with open sums (greedy_decode's default on CUDA)
         tuned = gk.tune(packed, 1, configs=candidates, check=True, rtol=args.rtol, log=log if args.verbose else None,
-                        timing=timing, open_sums=not args.closed_sums_tuning)
+                        timing=timing, open_sums=True)
         row["candidates"] = [{"config": c.label(), "us": None if s is None else s * 1e6, "note": note}
                              for c, s, note in tuned]
         timed = [(c, s) for c, s, _ in tuned if s is not None]
@@ -209,7 +200,6 @@ def bench_kernels(shape_name: str, args, device, dtype, names, with_aqlm: bool) 
             row["ours"] = {"error": "no candidate passed"}
             continue
         best, seconds = min(timed, key=lambda cs: cs[1])
-        TIMED_CANDIDATES[gk.shape_key(packed, 1)] = sorted(timed, key=lambda cs: cs[1])
         per_variant = {}
         for config, s in timed:
             if config.variant not in per_variant or s < per_variant[config.variant][1]:
@@ -397,76 +387,11 @@ def note_compile_seconds(run: dict) -> None:
         COMPILE_SECONDS["estimate"] = max(COMPILE_SECONDS["estimate"] * 0.5, run["capture_seconds"] * 1.15)
 
 
-def _norm_to_identity(module: torch.nn.Module):
-    """For --floor-norms-too: an RMSNorm's forward made the identity (wrong tokens; what the step costs
-    without the norms' kernels, an upper bound on folding them into the GEMVs)."""
-    if not type(module).__name__.endswith("RMSNorm"):
-        return None
-    return lambda norm, original: (lambda hidden_states: hidden_states)
-
-
 def compiled_runs(record: dict, model, args, device, shape_name: str, quantized: bool = False) -> None:
-    """compile+graph decodes into record: the default, then through SDPA (--sdpa-too, 3B), without
-    programmatic dependent launch (--pdl-off-too), with the attention modules' own forwards around the
-    attention kernels (--stock-layers-too), with every RMSNorm the identity (--floor-norms-too: a floor,
-    wrong tokens) and with the GEMVs finishing their own sums (--closed-sums-too) where asked."""
+    """The compile+graph decode into record (the A/B variants of the decode experiments, SDPA, no PDL,
+    stock layers, closed sums, norms as identity, are in the git history; docs/speed.md has their effects)."""
     note_compile_seconds(guarded(record, "compile+graph", decode_run, model, args, device, graphs=True,
                                  compile=True))
-    if args.sdpa_too and shape_name == "3b":
-        guarded(record, "compile+graph, sdpa", decode_run, model, args, device, graphs=True, compile=True,
-                fast_attention=False)
-    if args.pdl_off_too and shape_name in args.pdl_off_too.split(","):
-        guarded(record, "compile+graph, no PDL", decode_run, model, args, device, graphs=True, compile=True,
-                dependent_launch=False)
-    if args.stock_layers_too and shape_name in args.stock_layers_too.split(","):
-        guarded(record, "compile+graph, stock layers", decode_run, model, args, device, graphs=True, compile=True,
-                cuda_layers=False)
-    if args.floor_norms_too and shape_name in args.floor_norms_too.split(","):
-        with forwards_replaced(model, _norm_to_identity):
-            guarded(record, f"{FLOOR_PREFIX}: compile+graph, RMSNorms as identity", decode_run, model, args, device,
-                    graphs=True, compile=True)
-    if quantized and args.closed_sums_too and shape_name in args.closed_sums_too.split(","):
-        guarded(record, "compile+graph, closed sums", decode_run, model, args, device, graphs=True, compile=True,
-                open_sums=False)
-
-
-def step_tune(model, args, device, shape_keys: list[tuple], start_rate: float) -> dict:
-    """Coordinate descent over each shape's --step-tune fastest candidates (as timed alone), each judged
-    by the whole compile+graph decode: alone a kernel is timed back to back with itself, while in a
-    step it overlaps (programmatic dependent launch) with other kernels and finds the L2 as they left
-    it. Keeps a candidate only if the decode beats the best so far by more than 0.5 % (one machine's
-    spread between runs); then decodes the starting and the chosen configurations twice each, in turn,
-    so the gain is measured against the same machine's spread. Returns the trials and the result."""
-    start = {key: gk.tuned_configs()[key] for key in shape_keys}
-    trials, best_rate = [], start_rate
-    for key in shape_keys:
-        chosen = gk.tuned_configs()[key]
-        for config, _ in TIMED_CANDIDATES.get(key, [])[:args.step_tune]:
-            if config == chosen or remaining(args) < 60:
-                continue
-            gk.set_tuned(key, config)
-            rate = decode_run(model, args, device, graphs=True, compile=True)["decode_tokens_per_second"]
-            trials.append({"shape": str(key), "config": config.label(), "tokens_per_second": rate})
-            if rate > best_rate * 1.005:
-                chosen, best_rate = config, rate
-        gk.set_tuned(key, chosen)
-    tuned = {key: gk.tuned_configs()[key] for key in shape_keys}
-    confirm = []
-    for label, configs in (("start", start), ("tuned", tuned), ("start", start), ("tuned", tuned)):
-        if remaining(args) < 30:
-            break
-        for key, config in configs.items():
-            gk.set_tuned(key, config)
-        confirm.append((label, decode_run(model, args, device, graphs=True, compile=True)["decode_tokens_per_second"]))
-    best = {label: max((r for l, r in confirm if l == label), default=None) for label in ("start", "tuned")}
-    winner = tuned if best["tuned"] and best["start"] and best["tuned"] > best["start"] else start
-    for key, config in winner.items():
-        gk.set_tuned(key, config)
-    log(f"  step tuning: {len(trials)} trials; start {best['start']}, tuned {best['tuned']} tokens/s; changed: "
-        + ", ".join(f"{k}: {start[k].label()} -> {tuned[k].label()}" for k in shape_keys if tuned[k] != start[k]))
-    return {"trials": trials, "confirm": confirm, "best": best,
-            "start": {str(k): c.label() for k, c in start.items()},
-            "tuned": {str(k): c.label() for k, c in tuned.items()}}
 
 
 def bench_model(shape_name: str, args, device, dtype, kernels: dict, build_thread) -> dict:
@@ -492,7 +417,6 @@ def bench_model(shape_name: str, args, device, dtype, kernels: dict, build_threa
         guarded(bf16, "head", time_head, model)
     save_progress()
 
-    TIMED_CANDIDATES.clear()  # this model's shapes only
     if not args.skip_kernels:
         if cuda and cuda_kernels.enabled():
             kernels["cuda_extension"] = wait_for_extension(args, build_thread)
@@ -509,9 +433,6 @@ def bench_model(shape_name: str, args, device, dtype, kernels: dict, build_threa
         guarded(ours, "graph", decode_run, model, args, device, graphs=True)
         if compiled:
             compiled_runs(ours, model, args, device, shape_name, quantized=True)
-            rate = ours.get("compile+graph", {}).get("decode_tokens_per_second")
-            if args.step_tune and rate and TIMED_CANDIDATES:
-                guarded(ours, "step_tuning", step_tune, model, args, device, list(TIMED_CANDIDATES), rate)
     else:
         guarded(ours, "eager", decode_run, model, args, device, graphs=False, new_tokens=min(args.new_tokens, 16))
     if not args.quick and remaining(args) > 45:
@@ -531,7 +452,7 @@ def bench_model(shape_name: str, args, device, dtype, kernels: dict, build_threa
     return record
 
 
-FLOOR_PREFIX = "floor"  # runs that decode wrong tokens by design (--floor-norms-too): timed, never the best
+FLOOR_PREFIX = "floor"  # runs that decode wrong tokens by design (earlier files' norms-as-identity runs): never the best
 
 
 def best_rate(record: dict) -> float | None:
@@ -722,24 +643,7 @@ def main() -> None:
                         help="the run waits for the CUDA extension build until this many seconds into the run")
     parser.add_argument("--budget-seconds", type=float, default=225,
                         help="optional parts (compile, prefill, aqlm, checkpoints) are skipped past this")
-    parser.add_argument("--sdpa-too", action="store_true",
-                        help="at 3B also decode compile+graph through transformers' SDPA (both kinds)")
-    parser.add_argument("--pdl-off-too", default="",
-                        help="models (e.g. 3b,8b) also decoded compile+graph without programmatic dependent launch")
-    parser.add_argument("--closed-sums-too", default="",
-                        help="comma-separated shapes whose 2-bit model also decodes with the GEMVs finishing their "
-                             "own sums (open_sums=False)")
-    parser.add_argument("--stock-layers-too", default="",
-                        help="comma-separated shapes whose models (bf16 and 2-bit) also decode with the attention "
-                             "modules' own rotary embedding and cache write (cuda_layers=False)")
-    parser.add_argument("--floor-norms-too", default="",
-                        help="comma-separated shapes whose models also decode with every RMSNorm the identity "
-                             "(wrong tokens: the step without the norms' kernels, never counted as a result)")
-    parser.add_argument("--closed-sums-tuning", action="store_true",
-                        help="time the split-K candidates with their finishing pass (as before open sums)")
     parser.add_argument("--aqlm", action="store_true", help="also decode through aqlm's kernel (builds at first use)")
-    parser.add_argument("--step-tune", type=int, default=0, metavar="N",
-                        help="after the tuned decode, try each shape's N fastest candidates in the whole decode")
     parser.add_argument("--verbose", action="store_true", help="print every candidate configuration's time, the build")
     args = parser.parse_args()
     if args.no_cuda_kernels:

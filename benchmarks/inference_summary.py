@@ -3,9 +3,9 @@ top-level keys `gpu_decode_speedup_3b`, `gpu_decode_speedup_8b` (2 bpp over the 
 the same model on the card) and `cpu_decode_speedup_3b` (over the best dense decode on the box's CPU
 cores), gathered from the result files that measured them, each named in `sources`.
 
-    python3 benchmarks/inference_summary.py --gpu benchmarks/results/greedy_token_h200/argmax/inference_gpu.json \\
-        --cpu benchmarks/results/cpu_int16_h200/call1/decode.json benchmarks/results/cpu_int16_h200/call2/decode.json \\
-        benchmarks/results/cpu_int16_h200/call3/decode.json --out benchmarks/results/inference_h200.json
+    python3 benchmarks/inference_summary.py --gpu benchmarks/results/decode_h200/gpu_argmax.json \\
+        --cpu benchmarks/results/decode_h200/cpu_call1.json benchmarks/results/decode_h200/cpu_call2.json \\
+        benchmarks/results/decode_h200/cpu_call3.json --out benchmarks/results/inference_h200.json
 
 (a further machine's inference_gpu.json goes after the first, as the CPU files do).
 

@@ -269,13 +269,25 @@ def print_table(combined: dict) -> None:
                       f"{(r['beam_pass_seconds_median'] or 0):7.3f} {floors.get(r['layer'], float('nan')):6.1f} {r['final_relative_mse']:.5f} {r['peak_memory_gib']:5.2f}")
 
 
+def top_kernels(fn, label: str, rows: int = 12) -> None:
+    """Print the CUDA kernels of one call of `fn` (after one untimed call), costliest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"\n== {label}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
+
+
 def profile_phases(data_dir: Path, layer_name: str) -> None:
     """Top CUDA kernels of 10 eager Adam steps, one eager beam pass and 50 Lloyd iterations on one 3B layer."""
     from aqflow.quant.beam_search import beam_search_rows
     from aqflow.quant.codebook_update import CodebookAdam
     from aqflow.quant.kmeans import fit_kmeans
     from aqflow.quant.quantize import QuantizerSettings, quantize_layer
-    from benchmarks.profile_phases import top_kernels
 
     layer = next(l for l in synthetic_block("3b", data_dir, "cuda") if l["name"] == layer_name)
     quantized, _ = quantize_layer(layer["weight"], layer["xtx"], QuantizerSettings(init="greedy", max_epochs=0, kmeans_max_iter=20), device="cuda", progress=False)

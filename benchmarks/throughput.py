@@ -1,19 +1,22 @@
-"""PV-tuning throughput, today's code against this branch's, on one GPU, in one call per shape.
+"""PV-tuning throughput: one code against another on the same card in one call, several cards of
+a node, and the figures of pv_scale_<card>.json and node_<cards>x<card>.json.
 
-    # before = another copy of the source tree (e.g. `git archive 08f5c2e src`), after = this one
-    PYTHONPATH=src python3 benchmarks/throughput.py pv --shape smollm2 --before before/src --after src \\
-        --work /root/tp --out $OUT/pv_smollm2.json [--profile]
-    PYTHONPATH=src python3 benchmarks/throughput.py table $OUT/pv_*.json --out $OUT/throughput.json
+    # before = another copy of the source tree (e.g. `git archive 65c68e1 src`), after = this one
+    PYTHONPATH=src python3 benchmarks/throughput.py pv --shape llama3b --before before/src --after src \\
+        --work /root/tp --out $OUT/pv_llama3b.json --run 32 3 32 3 [--profile] [--processes N]
+    PYTHONPATH=src python3 benchmarks/throughput.py scale --pv3b pv_llama3b.json [--pv8b pv_llama8b.json] \\
+        --out benchmarks/results/pv_scale_h100.json
+    PYTHONPATH=src python3 benchmarks/throughput.py node pv_llama3b_x1.json pv_llama3b_x4.json \\
+        --pv8b pv_llama8b_x2.json --out benchmarks/results    (benchmarks/throughput_node.sh runs it all)
 
-Inputs are built once per shape and shared by both variants: a random bf16 teacher of the
-shape (SmolLM2-135M, or Llama-3.2-3B as in pvtune_gpu_check.py), its 2x8-bit AQLM student
-(codes from one pass of residual nearest-codeword assignment to codewords drawn from the
-weight's own groups, so the student starts near its teacher), and a corpus of random words.
-Each variant runs `python -m aqflow pvtune` from its own source tree with the same data, seed
-and steps (its defaults otherwise: micro-batch 1 before, 0 = automatic after), so the held-out
-KL curves must agree within run-to-run noise. Tokens/s is measured on steps that neither come
-first nor follow a held-out evaluation. `table` adds the paper's PV budget (10K windows x 4096
-tokens x 5 epochs) projected at the 3B rate, writes one JSON and prints a table.
+Inputs are built once per shape and shared by every run: a random bf16 teacher of the shape
+(SmolLM2-135M, Llama-3.2-3B or Llama-3.1-8B), its 2x8-bit AQLM student (codes from one pass of
+residual nearest-codeword assignment to codewords drawn from the weight's own groups, so the
+student starts near its teacher), and a corpus of random words. Each run is `python -m aqflow
+pvtune` from its own source tree with the same data, seed and steps, so the held-out KL curves
+must agree within run-to-run noise. Tokens/s comes from the median of the steps that neither come
+first nor follow a held-out evaluation; the paper's budget (1,563 steps of 32 windows, 157
+held-out evaluations of 128 windows) is projected from the measured step and evaluations.
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ from synthetic_models import random_teacher
 from synthetic_text import synthetic_corpus
 
 PAPER_PV_TOKENS = 10_000 * 4096 * 5
+PAPER_PV_STEPS = 1563  # 10,000 windows x 5 epochs / 32 a step
+PAPER_PV_EVALUATIONS = 157  # one before training, one every 10 steps and one after the last
+PAPER_HELDOUT_WINDOWS = 128  # config.yaml's heldout_samples
+# dense bf16 peak of a card (NVIDIA's figure without sparsity), for the model FLOP utilisation
+PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12}
 SHAPES = {
     "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
@@ -100,6 +108,48 @@ def build_student(teacher: Path, root: Path, device: str) -> Path:
     return checkpoint.write_aqlm_checkpoint(teacher, layers, root / "aqlm", num_codebooks=2, nbits=8, dtype="float16")
 
 
+def forward_flops_per_token(shape: dict, window_tokens: int) -> float:
+    """Matmul FLOPs of one token's forward pass through a Llama of `shape` in a causal window of
+    `window_tokens`: 2 per weight of every linear and the head, and the attention's scores and
+    weighted sum over the (on average) window_tokens / 2 positions before it."""
+    width, heads, kv_heads = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim = shape.get("head_dim", width // heads)
+    block = (width * heads * head_dim * 2 + width * kv_heads * head_dim * 2 + 3 * width * shape["intermediate_size"])
+    attention = 2 * 2 * heads * head_dim * window_tokens / 2
+    return shape["num_hidden_layers"] * (2 * block + attention) + 2 * shape["vocab_size"] * width
+
+
+def pv_flops_per_token(shape: dict, window_tokens: int) -> float:
+    """Model FLOPs of one PV-tuning token, recomputation not counted: the teacher's forward pass,
+    the student's forward pass and its backward pass (twice a forward: dL/dx and dL/dW)."""
+    return 4 * forward_flops_per_token(shape, window_tokens)
+
+
+def peak_flops(device_name: str) -> float | None:
+    return next((peak for card, peak in PEAK_BF16_FLOPS.items() if card in device_name), None)
+
+
+def evaluation_seconds(log: pd.DataFrame) -> list[float]:
+    """Duration of each held-out evaluation, in order (the first, before training, counted from
+    the loop's start; each later one from the training step before it)."""
+    rows = log.sort_values(["seconds"]).to_dict("records")
+    durations, previous = [], 0.0
+    for row in rows:
+        if row["split"] == "heldout":
+            durations.append(row["seconds"] - previous)
+        previous = row["seconds"]
+    return durations
+
+
+def paper_hours(step_seconds: float, evaluations: list[float], heldout_windows: int) -> float:
+    """The paper's PV budget at a measured step and held-out evaluation time: the first evaluation
+    as measured, every later one as the last measured (the teacher's held-out states are kept after
+    the first, where the code does), both scaled from `heldout_windows` to the paper's 128."""
+    scale = PAPER_HELDOUT_WINDOWS / heldout_windows
+    later = evaluations[-1] if len(evaluations) > 1 else evaluations[0]
+    return (PAPER_PV_STEPS * step_seconds + scale * (evaluations[0] + (PAPER_PV_EVALUATIONS - 1) * later)) / 3600
+
+
 # --- one variant ---------------------------------------------------------------------------------
 
 def steady_step_seconds(log: pd.DataFrame) -> list[float]:
@@ -127,21 +177,36 @@ def run_variant(label: str, source: Path, inputs: dict, shape_name: str, work: P
                "--batch-size", str(batch), "--epochs", "1", "--max-steps", str(steps), "--eval-every-steps", str(every),
                "--device", device, "--quiet", "--output-dir", str(out / "model"), "--train-log", str(out / "train_log.parquet"),
                "--metrics", str(out / "pvtune.json"), *extra]  # the pvtune rule's names: `out` reads as a pv/ folder
-    started = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - started
     out.mkdir(parents=True, exist_ok=True)  # the whole output, for a run that fails (an out-of-memory's place)
-    (out / "stdout.log").write_text(done.stdout)
-    (out / "stderr.log").write_text(done.stderr)
-    print(done.stdout[-1500:], flush=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{label} failed:\n{done.stderr[-4000:]}")
+    started = time.perf_counter()
+    with open(out / "stdout.log", "w") as stdout, open(out / "stderr.log", "w") as stderr:
+        process = subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, text=True)
+        _, status, usage = os.wait4(process.pid, 0)  # its own peak resident memory, not its siblings'
+    wall = time.perf_counter() - started
+    host_rss_gib = usage.ru_maxrss * 1024 / 2**30  # Linux reports KiB
+    print((out / "stdout.log").read_text()[-1500:], flush=True)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{label} failed:\n{(out / 'stderr.log').read_text()[-4000:]}")
     record = json.loads((out / "pvtune.json").read_text())
     log = pd.read_parquet(out / "train_log.parquet")
     durations = steady_step_seconds(log)
     heldout_rows = log[log["split"] == "heldout"]
+    step_seconds = float(np.median(durations))
+    evaluations = evaluation_seconds(log)
+    model_flops = pv_flops_per_token(SHAPES[shape_name], tokens) * batch * tokens / step_seconds
     return {
         "source": str(source), "extra_flags": extra, "wall_seconds": wall, "processes": processes,
+        "host_rss_gib": host_rss_gib, "step_seconds": step_seconds, "heldout_evaluation_seconds": evaluations,
+        "heldout_windows": record["data"]["heldout_samples"],
+        "paper_pv_hours_projected": paper_hours(step_seconds, evaluations, record["data"]["heldout_samples"]),
+        "model_flops_per_second": model_flops,
+        "model_flop_utilisation": model_flops / processes / peak_flops(record.get("device_name", "")) if peak_flops(
+            record.get("device_name", "")) else None,
+        "gradient_checkpointing_used": record.get("gradient_checkpointing_used", record["settings"].get(
+            "gradient_checkpointing")),
+        "v_state": record["settings"].get("v_state", "device"),
+        "state_bytes_per_process": record.get("state_bytes_per_process"),
+        "device_name": record.get("device_name"),
         "batch_windows, steps, heldout_windows, eval_every": run,
         "micro_batch_size": record.get("micro_batch_size_used", record["settings"]["micro_batch_size"]),
         "peak_memory_allocated_gib": record.get("peak_memory_allocated_gib"),
@@ -185,6 +250,9 @@ def command_pv(args: argparse.Namespace) -> int:
         teacher = random_teacher(work / "teacher", shape, args.device)
         inputs = {"teacher": teacher, "student": build_student(teacher, work, args.device), "corpus": synthetic_corpus(
             work / "corpus.parquet", *CORPUS[args.shape])}
+    if args.prepare_only:  # e.g. on the CPUs while another run has the card; a later --reuse runs it
+        print(f"inputs ready in {time.perf_counter() - started:.0f} s: {inputs}", flush=True)
+        return 0
     if args.device == "cuda":  # the pvtune processes get the card; this one keeps only its context
         torch.cuda.empty_cache()
     run = tuple(args.run) if args.run else RUNS[args.shape]
@@ -208,77 +276,158 @@ def command_pv(args: argparse.Namespace) -> int:
 
 
 def print_pv(report: dict) -> None:
-    if "before" not in report or "after" not in report:
-        for label in ("before", "after"):
-            if label in report:
-                row = report[label]
-                print(f"{report['shape_name']} {label} on {report['device']} x{row['processes']} processes: "
-                      f"{row['tokens_per_s']:.0f} tokens/s, micro-batch {row['micro_batch_size']}, held-out KL {row['heldout_kl']}")
-        return
-    before, after = report["before"], report["after"]
-    print(f"{report['shape_name']} on {report['device']}: tokens/s {before['tokens_per_s']:.0f} -> {after['tokens_per_s']:.0f} "
-          f"({after['tokens_per_s'] / before['tokens_per_s']:.1f}x); micro-batch {before['micro_batch_size']} -> "
-          f"{after['micro_batch_size']}; peak GiB {before['peak_memory_allocated_gib']} -> {after['peak_memory_allocated_gib']}")
-    for step in sorted(set(before["heldout_kl"]) | set(after["heldout_kl"]), key=int):
-        print(f"  held-out KL at step {step}: before {before['heldout_kl'].get(step, float('nan')):.5f}  "
-              f"after {after['heldout_kl'].get(step, float('nan')):.5f}")
+    """One line per variant run, and the held-out KL of each at every evaluation."""
+    for label in ("before", "after"):
+        if label in report:
+            row = report[label]
+            print(f"{report['shape_name']} {label} on {report['device']} x{row['processes']}: {row['tokens_per_s']:.0f} "
+                  f"tokens/s, micro-batch {row['micro_batch_size']}, peak GiB {row['peak_memory_allocated_gib']}, "
+                  f"held-out KL {row['heldout_kl']}")
 
 
-def command_table(args: argparse.Namespace) -> int:
-    reports = [json.loads(Path(path).read_text()) for path in args.reports]
-    table = {"device": reports[0]["device"], "paper_pv_tokens": PAPER_PV_TOKENS, "shapes": {}}
-    for report in reports:
-        before, after = report["before"], report["after"]
-        last = str(max(int(step) for step in after["heldout_kl"]))
-        table["shapes"][report["shape_name"]] = {
-            "pv_tokens_per_s_before": before["tokens_per_s"], "pv_tokens_per_s_after": after["tokens_per_s"],
-            "speedup": after["tokens_per_s"] / before["tokens_per_s"],
-            "pv_heldout_kl_before": before["heldout_kl"], "pv_heldout_kl_after": after["heldout_kl"],
-            "pv_heldout_kl_last_relative_difference": abs(after["heldout_kl"][last] - before["heldout_kl"][last])
-            / before["heldout_kl"][last],
-            "micro_batch_size_before": before["micro_batch_size"], "micro_batch_size_after": after["micro_batch_size"],
-            "peak_memory_allocated_gib_after": after["peak_memory_allocated_gib"],
-        }
-    if "llama3b" in table["shapes"]:
-        rates = table["shapes"]["llama3b"]
-        table["llama3b_paper_pv_hours_one_card_before"] = PAPER_PV_TOKENS / rates["pv_tokens_per_s_before"] / 3600
-        table["llama3b_paper_pv_hours_one_card_after"] = PAPER_PV_TOKENS / rates["pv_tokens_per_s_after"] / 3600
-    for path in args.vstep:  # after, with the V-step eager vs replayed as a CUDA graph (another call)
+def shape_headers(shape: dict, num_codebooks: int = 2, nbits: int = 8, group_size: int = 8) -> tuple[dict, dict]:
+    """(student, teacher) safetensors headers of a Llama of `shape` and its AQLM checkpoint, as
+    `aqflow.pvtune.memory` reads them (nothing is built)."""
+    from aqflow.models.folder import TensorHeader
+
+    width, ff = shape["hidden_size"], shape["intermediate_size"]
+    head_dim = shape.get("head_dim", width // shape["num_attention_heads"])
+    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    linears = {"self_attn.q_proj": (q, width), "self_attn.k_proj": (kv, width), "self_attn.v_proj": (kv, width),
+               "self_attn.o_proj": (width, q), "mlp.gate_proj": (ff, width), "mlp.up_proj": (ff, width),
+               "mlp.down_proj": (width, ff)}
+    student, teacher = {}, {}
+    for block in range(shape["num_hidden_layers"]):
+        for name, (out, inp) in linears.items():
+            prefix = f"model.layers.{block}.{name}"
+            teacher[f"{prefix}.weight"] = TensorHeader("BF16", (out, inp))
+            student[f"{prefix}.codes"] = TensorHeader("U8", (out, inp // group_size, num_codebooks))
+            student[f"{prefix}.codebooks"] = TensorHeader("F16", (num_codebooks, 1 << nbits, 1, group_size))
+            student[f"{prefix}.scales"] = TensorHeader("F16", (out, 1, 1, 1))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            teacher[f"model.layers.{block}.{norm}.weight"] = student[f"model.layers.{block}.{norm}.weight"] = \
+                TensorHeader("BF16", (width,))
+    outside = {"model.embed_tokens.weight": (shape["vocab_size"], width), "model.norm.weight": (width,)}
+    if not shape.get("tie_word_embeddings"):
+        outside["lm_head.weight"] = (shape["vocab_size"], width)
+    for name, size in outside.items():
+        teacher[name] = student[name] = TensorHeader("BF16", size)
+    return student, teacher
+
+
+def memory_plan(shape_name: str, cards: int, card_bytes: int) -> dict:
+    """One process's state on its card (GiB per part) for PV-tuning `shape_name` at config.yaml's
+    settings over `cards` processes, and whether it fits `card_bytes`."""
+    from aqflow.pvtune.memory import state_bytes
+    from aqflow.pvtune.train import PVSettings
+
+    student, teacher = shape_headers(SHAPES[shape_name])
+    parts = state_bytes(student, teacher, 2, PVSettings(), cards, "device")
+    return {"cards": cards, "card_gib": card_bytes / 2**30, "parts_gib": {k: v / 2**30 for k, v in parts.items()},
+            "total_gib": sum(parts.values()) / 2**30, "fits": sum(parts.values()) <= card_bytes}
+
+
+def command_scale(args: argparse.Namespace) -> int:
+    """pv_scale_<card>.json from a 3B report (before and after) and an 8B report (after, one card)."""
+    three, eight = json.loads(args.pv3b.read_text()), json.loads(args.pv8b.read_text()) if args.pv8b else None
+    before, after = three["before"], three["after"]
+    for row in (before, after):  # the projection at the paper's 128 held-out windows, whatever was measured
+        windows = row.get("heldout_windows") or three["batch_windows, steps, heldout_windows, eval_every"][2]
+        row["paper_pv_hours_projected"] = paper_hours(row["step_seconds"], row["heldout_evaluation_seconds"], windows)
+    steps = sorted(set(before["heldout_kl"]) & set(after["heldout_kl"]), key=int)
+    deviation = max(abs(after["heldout_kl"][s] - before["heldout_kl"][s]) / before["heldout_kl"][s] for s in steps)
+    card_bytes = int(args.card_gib * 2**30)
+    report = {
+        "card": three["device"], "shape_3b": "llama3b", "batch_windows, steps, heldout_windows, eval_every":
+            three["batch_windows, steps, heldout_windows, eval_every"],
+        "tokens_per_second_3b": after["tokens_per_s"], "tokens_per_second_3b_before": before["tokens_per_s"],
+        "speedup_3b": after["tokens_per_s"] / before["tokens_per_s"],
+        "step_seconds_3b": after["step_seconds"], "step_seconds_3b_before": before["step_seconds"],
+        "heldout_evaluation_seconds_3b": after["heldout_evaluation_seconds"],
+        "heldout_evaluation_seconds_3b_before": before["heldout_evaluation_seconds"],
+        "paper_pv_hours_projected_3b": after["paper_pv_hours_projected"],
+        "paper_pv_hours_projected_3b_before": before["paper_pv_hours_projected"],
+        "model_flop_utilisation_3b": after["model_flop_utilisation"],
+        "model_flop_utilisation_3b_before": before["model_flop_utilisation"],
+        "heldout_kl_3b": after["heldout_kl"], "heldout_kl_3b_before": before["heldout_kl"],
+        "heldout_kl_3b_largest_relative_deviation": deviation,
+        "micro_batch_size_3b": after["micro_batch_size"], "micro_batch_size_3b_before": before["micro_batch_size"],
+        "gradient_checkpointing_3b": after["gradient_checkpointing_used"],
+        "peak_gib_3b": after["peak_memory_allocated_gib"], "peak_gib_3b_before": before["peak_memory_allocated_gib"],
+        "memory_plan_8b": {f"{cards}x{args.card_gib:.0f}gib": memory_plan("llama8b", cards, card_bytes)
+                           for cards in (1, 2, 4)},
+        "targets": {"tokens_per_second_3b_at_least_1.5x": after["tokens_per_s"] >= 1.5 * before["tokens_per_s"],
+                    "paper_pv_hours_3b_at_most_5": after["paper_pv_hours_projected"] <= 5.0,
+                    "heldout_kl_within_1_percent": deviation <= 0.01},
+        "commands": args.commands,
+        "date": time.strftime("%Y-%m-%d"), "commit": args.commit,
+    }
+    if eight is not None:
+        row = eight["after"]
+        report.update({"pv_step_seconds_8b_one_card": row["step_seconds"],
+                       "peak_gib_8b_one_card": row["peak_memory_allocated_gib"], "card_8b": eight["device"],
+                       "v_state_8b": row["v_state"], "micro_batch_size_8b": row["micro_batch_size"],
+                       "host_rss_gib_8b": row.get("host_rss_gib"), "heldout_kl_8b": row["heldout_kl"],
+                       "batch_windows_8b": eight["batch_windows, steps, heldout_windows, eval_every"][0]})
+        report["targets"]["8b_steps_on_one_80gb_card"] = bool(row["steady_step_seconds"]) and "H100" in eight["device"]
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"card: {report['card']}")
+    print(f"{'figure':44s} {'before':>10s} {'after':>10s}")
+    for label, key in (("3B tokens/s (paper batch)", "tokens_per_second_3b"), ("3B step s", "step_seconds_3b"),
+                       ("3B paper budget, h (projected)", "paper_pv_hours_projected_3b"),
+                       ("3B model FLOP utilisation", "model_flop_utilisation_3b"), ("3B peak GiB", "peak_gib_3b")):
+        shown = ["-" if value is None else f"{value:10.3f}" for value in (report.get(f"{key}_before"), report.get(key))]
+        print(f"{label:44s} {shown[0]:>10s} {shown[1]:>10s}")
+    print(f"3B held-out KL, largest relative deviation: {deviation:.4f}")
+    if eight is not None:
+        print(f"8B on one card ({report['card_8b']}, V-step state {report['v_state_8b']}): "
+              f"{report['pv_step_seconds_8b_one_card']:.1f} s a step of {report['batch_windows_8b']} windows, "
+              f"peak {report['peak_gib_8b_one_card']} GiB, host RSS {report['host_rss_gib_8b']:.1f} GiB")
+    for name, plan in report["memory_plan_8b"].items():
+        print(f"8B memory plan {name}: {plan['total_gib']:.1f} GiB per process, fits: {plan['fits']}")
+    print("targets:", report["targets"])
+    return 0
+
+
+def command_node(args: argparse.Namespace) -> int:
+    """node_<cards>x<card>.json from after-only 3B reports at several process counts (one of them
+    1) and an 8B report over several cards."""
+    runs = {}
+    for path in args.reports:
         report = json.loads(Path(path).read_text())
-        name = f"{report['shape_name']}_{'graph' if '--no-v-step-graph' not in report['after']['extra_flags'] else 'eager'}"
-        table.setdefault("v_step_graph_call", {})[name] = {
-            "device": report["device"], "pv_tokens_per_s": report["after"]["tokens_per_s"],
-            "pv_heldout_kl": report["after"]["heldout_kl"], "v_step_seconds": report["after"]["timings"]["v_step_seconds"],
-            "steps": report["after"]["batch_windows, steps, heldout_windows, eval_every"][1]}
-    if "llama3b_graph" in table.get("v_step_graph_call", {}):
-        rate = table["v_step_graph_call"]["llama3b_graph"]["pv_tokens_per_s"]
-        table["llama3b_paper_pv_hours_one_card_after_with_v_step_graph"] = PAPER_PV_TOKENS / rate / 3600
-    if args.multi:
-        report = json.loads(Path(args.multi).read_text())
-        row = report["after"]
-        table["llama3b_multi_card"] = {"device": report["device"], "cards": row["processes"],
-                                       "pv_tokens_per_s": row["tokens_per_s"], "heldout_kl": row["heldout_kl"],
-                                       "micro_batch_size": row["micro_batch_size"],
-                                       "batch_windows": row["batch_windows, steps, heldout_windows, eval_every"][0]}
-        table[f"llama3b_paper_pv_hours_{row['processes']}_cards"] = PAPER_PV_TOKENS / row["tokens_per_s"] / 3600
-    table["eval_seconds_before"] = table["eval_seconds_after"] = None  # evaluation speed: not measured (README)
-    args.out.write_text(json.dumps(table, indent=2))
-    print(f"device: {table['device']}")
-    print(f"{'shape':8s} {'tok/s before':>12s} {'tok/s after':>12s} {'speedup':>8s} {'KL before':>10s} {'KL after':>10s} micro-batch")
-    for name, row in table["shapes"].items():
-        last = str(max(int(s) for s in row["pv_heldout_kl_after"]))
-        print(f"{name:8s} {row['pv_tokens_per_s_before']:12.0f} {row['pv_tokens_per_s_after']:12.0f} {row['speedup']:7.1f}x "
-              f"{row['pv_heldout_kl_before'][last]:10.5f} {row['pv_heldout_kl_after'][last]:10.5f} "
-              f"{row['micro_batch_size_before']} -> {row['micro_batch_size_after']}")
-    for name, row in table.get("v_step_graph_call", {}).items():
-        print(f"{name:14s} {row['pv_tokens_per_s']:8.0f} tokens/s, V-step {row['v_step_seconds'] / row['steps']:.2f} s a step "
-              f"({row['device']})")
-    if "llama3b_multi_card" in table:
-        row = table["llama3b_multi_card"]
-        print(f"llama3b on {row['cards']} cards ({row['device']}): {row['pv_tokens_per_s']:.0f} tokens/s")
-    for key, value in table.items():
-        if key.startswith("llama3b_paper_pv_hours"):
-            print(f"{key}: {value:.1f} h")
+        runs[report["after"]["processes"]] = report
+    if 1 not in runs:
+        raise SystemExit("node: one of the 3B reports must be of one process (the scaling's baseline)")
+    one = runs[1]["after"]["tokens_per_s"]
+    cards = max(runs)
+    card = runs[cards]["device"]
+    rows = {str(n): {"tokens_per_second": r["after"]["tokens_per_s"], "tokens_per_second_per_card":
+                     r["after"]["tokens_per_s"] / n, "scaling_efficiency": r["after"]["tokens_per_s"] / (n * one),
+                     "step_seconds": r["after"]["step_seconds"], "paper_pv_hours_projected": paper_hours(
+                         r["after"]["step_seconds"], r["after"]["heldout_evaluation_seconds"],
+                         r["after"].get("heldout_windows") or r["batch_windows, steps, heldout_windows, eval_every"][2]),
+                     "peak_gib_per_card": r["after"]["peak_memory_allocated_gib"],
+                     "micro_batch_size": r["after"]["micro_batch_size"]} for n, r in sorted(runs.items())}
+    node = {"cards": cards, "card": card, "date": time.strftime("%Y-%m-%d"), "pv_3b": rows,
+            "pv_3b_paper_hours_projected": rows[str(cards)]["paper_pv_hours_projected"],
+            "pv_3b_scaling_efficiency": rows[str(cards)]["scaling_efficiency"],
+            "targets": {"pv_3b_paper_hours_at_most_1.5_on_4_cards": cards >= 4 and rows[str(cards)][
+                "paper_pv_hours_projected"] <= 1.5}}
+    if args.pv8b:
+        eight = json.loads(args.pv8b.read_text())["after"]
+        node.update({"pv_8b_cards": eight["processes"], "pv_8b_step_seconds": eight["step_seconds"],
+                     "pv_8b_peak_gib": eight["peak_memory_allocated_gib"], "pv_8b_v_state": eight["v_state"]})
+    name = f"node_{cards}x{card.split()[1].lower() if len(card.split()) > 1 else card.lower()}.json"
+    (args.out / name).write_text(json.dumps(node, indent=2))
+    print(f"{'processes':>9s} {'tokens/s':>10s} {'per card':>9s} {'efficiency':>10s} {'paper h':>8s} {'peak GiB':>9s}")
+    for n, row in rows.items():
+        peak = row["peak_gib_per_card"]
+        print(f"{n:>9s} {row['tokens_per_second']:10.0f} {row['tokens_per_second_per_card']:9.0f} "
+              f"{row['scaling_efficiency']:10.2f} {row['paper_pv_hours_projected']:8.2f} "
+              f"{'-' if peak is None else f'{peak:9.1f}':>9s}")
+    if args.pv8b:
+        print(f"8B over {node['pv_8b_cards']} cards: {node['pv_8b_step_seconds']:.1f} s a step, peak {node['pv_8b_peak_gib']} GiB")
+    print(f"-> {args.out / name}")
     return 0
 
 
@@ -296,17 +445,24 @@ def main() -> int:
     pv.add_argument("--profile", action="store_true", help="also print a torch.profiler table of the new code")
     pv.add_argument("--device", default="cuda", help="cuda; cpu only for --shape smoke")
     pv.add_argument("--reuse", action="store_true", help="use the inputs an earlier run left in --work")
+    pv.add_argument("--prepare-only", action="store_true", help="build the inputs (on --device) and stop")
     pv.add_argument("--variants", nargs="+", default=["before", "after"], choices=["before", "after"])
     pv.add_argument("--processes", type=int, default=1, help="torchrun processes (one per GPU)")
     pv.add_argument("--run", type=int, nargs=4, metavar=("BATCH", "STEPS", "HELDOUT", "EVAL_EVERY"),
                     help="override the shape's run (windows per step, steps, held-out windows, eval every)")
-    table = commands.add_parser("table", help="merge pv reports into one JSON and print the table")
-    table.add_argument("reports", nargs="+")
-    table.add_argument("--vstep", nargs="*", default=[], help="after-only reports, V-step graph vs eager")
-    table.add_argument("--multi", default=None, help="after-only report of a torchrun run over several cards")
-    table.add_argument("--out", type=Path, required=True)
+    scale = commands.add_parser("scale", help="pv_scale_<card>.json: 3B before/after, 8B on one card, memory plans")
+    scale.add_argument("--pv3b", type=Path, required=True, help="pv report of --shape llama3b (before and after)")
+    scale.add_argument("--pv8b", type=Path, default=None, help="pv report of --shape llama8b (after, one card)")
+    scale.add_argument("--card-gib", type=float, default=79.19, help="card memory for the 8B memory plans")
+    scale.add_argument("--commands", nargs="*", default=[], help="the commands that made the reports (recorded)")
+    scale.add_argument("--commit", default=None, help="the commit the reports were made at (recorded)")
+    scale.add_argument("--out", type=Path, required=True)
+    node = commands.add_parser("node", help="node_<cards>x<card>.json: 3B scaling over cards, the 8B over several")
+    node.add_argument("reports", nargs="+", help="after-only pv reports of --shape llama3b, one per process count")
+    node.add_argument("--pv8b", type=Path, default=None, help="after-only pv report of --shape llama8b over cards")
+    node.add_argument("--out", type=Path, required=True, help="folder for node_<cards>x<card>.json")
     args = parser.parse_args()
-    return {"pv": command_pv, "table": command_table}[args.command](args)
+    return {"pv": command_pv, "scale": command_scale, "node": command_node}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""The headline rehearsal kit (benchmarks/headline_kit.py) and its measurement (headline_results.py,
-headline_gpu_memory.py): the models have the real checkpoints' tensors, the hub cache resolves
+"""The headline rehearsal kit (benchmarks/headline_kit.py) and its measurement (headline_results.py):
+the models have the real checkpoints' tensors, the hub cache resolves
 offline through the pipeline's own hub code, the corpora hold the windows the settings draw, the
 DAG plans with HF_HUB_OFFLINE=1, and the collection adds up what it should. The whole tiny DAG
-through the same scripts is benchmarks/headline_rehearsal.sh (minutes; run by hand)."""
+through the same scripts is `bash benchmarks/headline_gpu.sh rehearse` (minutes; run by hand)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from benchmarks import headline_kit as kit
-from benchmarks.headline_gpu_memory import rule_of_command
+from benchmarks.headline_results import rule_of_command
 from benchmarks.headline_results import gpu_peaks, merge_pv, pv_measurement, rule_of_output
 
 REPO = Path(__file__).resolve().parents[2]

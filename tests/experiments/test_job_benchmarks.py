@@ -99,8 +99,8 @@ def test_stage_times_script_reads_a_benchmark_folder(run, tmp_path):
     root, _ = run
     out = tmp_path / "stage_times.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "stage_times.py"), str(root), "--json", str(out)],
-                            capture_output=True, text=True, env=env)
+    result = subprocess.run([sys.executable, "-m", "benchmarks.run_stats", "stages", str(root), "--json", str(out)],
+                            capture_output=True, text=True, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert "quantize_layer" in result.stdout and "first job start to last job end: 20 s" in result.stdout
     summary = json.loads(out.read_text())
@@ -110,13 +110,12 @@ def test_stage_times_script_reads_a_benchmark_folder(run, tmp_path):
     assert summary["first_start_to_last_end_seconds"] == 20.0
 
 
-def test_the_gpu_sample_log_gives_each_cards_share_of_busy_samples_and_a_smoothed_line():
-    """benchmarks/gpu_utilisation: per card in a window, the share of busy samples and their mean;
-    the plot's rolling mean equals the mean of the last `width` values at every index."""
+def test_the_gpu_sample_log_gives_each_cards_share_of_busy_samples():
+    """benchmarks/run_stats cards: per card in a window, the share of busy samples and their mean."""
     from datetime import datetime, timedelta
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from benchmarks.gpu_utilisation import per_card, rolling_mean
+    from benchmarks.run_stats import per_card
 
     start = datetime(2026, 1, 1)
     samples = [{"time": start + timedelta(seconds=second), "card": card, "utilisation": value, "memory_mib": 10.0 * second}
@@ -124,6 +123,3 @@ def test_the_gpu_sample_log_gives_each_cards_share_of_busy_samples_and_a_smoothe
     rows = per_card(samples, start + timedelta(seconds=1), start + timedelta(seconds=3))
     assert [(row["card"], row["samples"], row["busy_share"], row["mean_utilisation"], row["peak_memory_mib"])
             for row in rows] == [("0", 3, 2 / 3, 20.0, 30.0), ("1", 3, 1 / 3, 100 / 3, 30.0)]
-    values = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0]
-    assert rolling_mean(values, 3) == pytest.approx(
-        [sum(values[max(0, i - 2): i + 1]) / len(values[max(0, i - 2): i + 1]) for i in range(len(values))])

@@ -62,3 +62,15 @@ def test_a_damaged_resume_state_is_refused_with_the_advice_to_delete_it(tmp_path
     (state / "state.json").write_text('{"step": 4}')
     verdict = InputGuard(DigestCache(None)).check_state(str(state), "PV-tuning")
     assert f"delete the folder {state} and rerun (PV-tuning then starts from the beginning)" in verdict.refusal
+
+
+def test_a_damaged_part_of_a_state_saved_by_several_processes_is_refused(tmp_path):
+    """PV-tuning saves one checksummed folder per step and process (step-N/rank-r): each is checked."""
+    state = tmp_path / "state"
+    for rank in range(2):
+        with artifacts.atomic_dir(state / "step-0000002" / f"rank-{rank}") as staging:
+            (staging / "state.json").write_text('{"step": 2}')
+    assert InputGuard(DigestCache(None)).check_state(str(state), "PV-tuning") is None
+    (state / "step-0000002" / "rank-1" / "state.json").write_text('{"step": 3}')
+    verdict = InputGuard(DigestCache(None)).check_state(str(state), "PV-tuning")
+    assert "rank-1" in verdict.refusal and f"delete the folder {state} and rerun" in verdict.refusal

@@ -189,10 +189,10 @@ def test_domain_distances_of_a_model_are_one_job_on_its_own_text(tmp_path):
 
 
 def test_published_grid_and_device_batches_are_the_config_grid(tmp_path):
-    """results/published/paper/grid.json is what config.yaml's grid writes today, and the batch files
-    that run it on the device machine (benchmarks/paper_batches_*.txt) name only its cells: the
-    one-card SmolLM2 file every SmolLM2 cell, the node file the ones it lists after the seeds done, both
-    Gemma3-270M files its every cell, Qwen's three files its every cell."""
+    """results/published/paper/grid.json is what config.yaml's grid writes today, and the runs that
+    ran it on the device machine (benchmarks/paper_runs.yaml) name only its cells: the one-card
+    SmolLM2 run every SmolLM2 cell, the node run the ones it lists after the seeds done, both
+    Gemma3-270M runs its every cell, Qwen's three runs its every cell."""
     import json
 
     result = snakemake(tmp_path, [REPO / "config.yaml"], "-c1", "results/paper/grid.json")
@@ -202,18 +202,19 @@ def test_published_grid_and_device_batches_are_the_config_grid(tmp_path):
     assert written == published
     cells = {cell["eval_json"] for cell in written}
 
-    def targets(name):
-        lines = (REPO / "benchmarks" / name).read_text().splitlines()
-        return [target for line in lines for target in line.split() if target != "all"]
+    runs = yaml.safe_load((REPO / "benchmarks" / "paper_runs.yaml").read_text())["runs"]
 
-    one_card, node, gemma, gemma_node, qwen = (targets(f"paper_batches_{name}.txt")
+    def targets(name):
+        return [target for line in runs[name]["batches"] for target in line.split() if target != "all"]
+
+    one_card, node, gemma, gemma_node, qwen = (targets(name)
                                                for name in ("smollm2", "smollm2_node", "gemma3", "gemma3_node", "qwen"))
     # Qwen's cells ran from its own batch file (all six before PV-tuning), the last one (two of
     # them PV-tuned) and the pair's (OA-EM seed 44 PV-tuned): together they name every Qwen cell,
     # and nothing but the grid's variants
     qwen_cells = {cell for cell in cells if cell.startswith("results/qwen2.5-coder-1.5b/")}
-    qwen_targets = set(qwen) | set(targets("paper_batches_qwen_pair.txt")) | {
-        target for target in targets("paper_batches_last.txt") if target.startswith("results/qwen")}
+    qwen_targets = set(qwen) | set(targets("qwen_pair")) | {
+        target for target in targets("last") if target.startswith("results/qwen")}
     assert qwen_cells <= qwen_targets
     assert {str(Path(target).parent) for target in qwen_targets} == {str(Path(cell).parent) for cell in qwen_cells}
     for batch in (one_card, node, gemma, gemma_node):
@@ -225,8 +226,8 @@ def test_published_grid_and_device_batches_are_the_config_grid(tmp_path):
     # the node's last cells: the batch file's lines are what the override's cell order ranks, each
     # cell once a line; the SmolLM2 cells, then twice Gemma's with every SmolLM2 cell again (a cell
     # that failed runs again)
-    rest_lines = [line.split() for line in (REPO / "benchmarks" / "paper_batches_rest_node.txt").read_text().splitlines()]
-    order = yaml.safe_load((REPO / "benchmarks" / "paper_rest_node.yaml").read_text())["execution"]["cell_order"]
+    rest_lines = [line.split() for line in runs["rest_node"]["batches"]]
+    order = runs["rest_node"]["overrides"]["execution"]["cell_order"]
     assert len(order) == len(set(order)) and set(order) <= cells and all(len(line) == len(set(line)) for line in rest_lines)
     assert len(rest_lines) == 3 and set(rest_lines[1]) == set(rest_lines[2]) == set(order) == set(rest_lines[0]) | set(gemma)
     assert set(node[-len(rest_lines[0]):]) == set(rest_lines[0])

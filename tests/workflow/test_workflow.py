@@ -90,6 +90,8 @@ def test_dag_runs_end_to_end_and_writes_a_sane_eval(finished_run):
     html = (finished_run / "report.html").read_text(errors="ignore")
     assert "summary.csv" in html and "pareto.png" in html and "layers.png" in html and "pvtune.png" in html
     assert "stage_times.csv" in html
+    # the description names the corpus each model was calibrated on (the config has no single one)
+    assert "calibrated on its model's corpus (tiny: c4-standin)" in html
 
 
 def assert_report_times_every_job(workdir: Path) -> pd.DataFrame:

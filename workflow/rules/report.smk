@@ -1,3 +1,10 @@
+# The report's workflow description (workflow/report/workflow.rst) sees only the config: it names the
+# corpus each target model was calibrated on from this entry (a model's text world picks its corpus).
+config["report_calibration_corpora"] = {
+    model: PLAN.text_corpus(model, "calibration") for model in PLAN.target_models()
+}
+
+
 # The speed figure is an output only with speed on: a finished run without it stays current.
 SPEED_FIGURE = (
     {

@@ -14,7 +14,7 @@ the inputs are built on the host and copied once a batch, the log-softmax is tak
 continuation positions only (it is row-wise, so these rows are the same numbers), and every
 request's sum and greedy match come back in one copy a batch.
 
-Two more host costs go, measured on an H100 (benchmarks/eval_profile.py: of ~170 s for the six
+Two more host costs go, measured on an H100 (benchmarks/eval_profile.py in the git history: of ~170 s for the six
 tasks at 128 requests a batch, ~55 s were Jinja compiling the same few prompt templates once per
 document and choice, ~25 s tokenizing one string at a time):
 - `cached_templates()`: lm-eval's `apply_template` compiles each distinct template once (the
@@ -23,7 +23,7 @@ document and choice, ~25 s tokenizing one string at a time):
   of the fast tokenizer (the same ids as one `encode` a string) before lm-eval's own loop reads them,
   from its Rust backend where that is checked to give the tokenizer's own ids (`batch_input_ids`);
 - `batch_layout` lays a batch out with array operations, not a Python step per token.
-Measured on a 2-core CPU with the model work replaced by constants (benchmarks/eval_overhead.py
+Measured on a 2-core CPU with the model work replaced by constants (benchmarks/eval_overhead.py in the git history
 --host-only), the last two took the six tasks' host work from 12.6 to 10.2 s.
 """
 

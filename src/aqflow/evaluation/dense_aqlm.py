@@ -2,7 +2,7 @@
 
 aqlm's CPU kernel for 8-bit codebooks (numba, a lookup table per call) runs on one thread only
 (it gives wrong outputs with more) and is 5-14x slower than a dense matmul of the same shape on one
-thread (benchmarks/aqlm_cpu_kernel.py), so a CPU evaluation of SmolLM2 through it is very slow.
+thread (benchmarks/aqlm_cpu_kernel.py, in the git history), so a CPU evaluation of SmolLM2 through it is very slow.
 On a GPU, aqlm's 2x8 kernel runs one matrix-vector product per input row: made for decoding one
 token at a time, not for lm-eval's batches of thousands of tokens.
 The checkpoint is still loaded by transformers + aqlm (the format is what is evaluated); each

@@ -2,7 +2,7 @@
 
 Every evaluation of a model tokenizes its whole evaluation text again to cut the same windows
 (WikiText-2's joined text in one single-threaded call): a fixed cost of each evaluation (about
-1.7 s of ~9 s on a 2-core CPU, benchmarks/eval_overhead.py), while the five evaluations of a DAG
+1.7 s of ~9 s on a 2-core CPU, benchmarks/eval_overhead.py in the git history), while the five evaluations of a DAG
 share one tokenizer and one text. Here the windows (and the protocol's record of where sampled
 windows come from) are stored under a key that fixes them: the protocol and its settings, the
 source of the code that cuts them, the text's sha256, and a fingerprint of the tokenizer's

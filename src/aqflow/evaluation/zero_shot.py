@@ -12,7 +12,7 @@ prompt template compiled once and the request strings tokenized in one batch
 (`aqflow.evaluation.batched_scoring`: same requests, batches and numbers, less host work).
 
 Three fixed costs of an evaluation go too, without changing a request or a number (measured by
-`benchmarks/eval_overhead.py`): the Arrow copies `datasets` makes of the JSONL (and of hellaswag's
+`benchmarks/eval_overhead.py`, in the git history): the Arrow copies `datasets` makes of the JSONL (and of hellaswag's
 preprocessed split) can live in a folder kept between evaluations (`datasets_cache_dir`); each task
 is built without the few-shot sampler lm-eval fills with a list of every document (a zero-shot
 prompt never draws from it); and lambada's bootstrapped stderr is computed in this process, with

@@ -96,7 +96,9 @@ class InputGuard:
         it is refused with the advice to delete it (the job then starts over)."""
         if not os.path.isdir(folder):
             return None
-        found = damage(folder, self.cache)
+        # the folder and every checksummed folder inside it (PV-tuning writes one per step and process)
+        parts = [folder] + sorted(str(sums.parent) for sums in Path(folder).rglob(SUMS_FILE) if sums.parent != Path(folder))
+        found = next((damaged for damaged in (damage(part, self.cache) for part in parts) if damaged), None)
         if found is None:
             return None
         kind = CORRUPT if found.kind != MISSING else MISSING

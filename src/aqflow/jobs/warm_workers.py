@@ -4,7 +4,7 @@ set up, instead of by the job's own fresh process.
 A layer job's own work is short (~1.5 s of quantization for a SmolLM2 linear on an H100), and a
 fresh process spends ~3 s more before and around it: importing CUDA-enabled torch (~1.9 s) and
 the card's first use (~1.3 s: Triton kernels loaded, cuBLAS set up, CUDA graphs captured), as
-measured by benchmarks/layer_job_overhead.py; under Snakemake such a job took 4.6 s in its own
+measured by benchmarks/layer_job_overhead.py (in the git history); under Snakemake such a job took 4.6 s in its own
 process and 0.7 s in a warm worker. With `execution.warm_workers` in the config, a
 rule script (which imports no torch) hands its call to a worker instead:
 

@@ -11,6 +11,12 @@ student distribution q over the vocabulary,
 
 summed over tokens here; the caller divides by the token count of the whole batch, so that
 micro-batches and processes add up to the batch mean.
+
+`head_kl_sum` is the training path: the heads' logits of a chunk exist once, in the forward pass,
+which also takes the KL's gradient with respect to the student's hidden states and head weight
+(for z the student's logits of a token, dKL/dz = q - p); the backward pass only scales what the
+forward kept. `chunked_kl_sum` recomputes both heads in the backward pass instead (two of six
+head matmuls more) and serves heads that are not one bias-free linear.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ def output_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
     hidden [N, d] in the head's dtype (or autocast's) -> logits [N, vocab] float32
     """
-    logits = model.get_output_embeddings()(hidden).float()
+    logits = model.get_output_embeddings()(hidden)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     cap = getattr(model.config, "final_logit_softcapping", None)
     return cap * torch.tanh(logits / cap) if cap else logits
 
@@ -37,6 +44,105 @@ def final_hidden(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     input_ids [B, T] int64 -> hidden [B, T, d] in the model's compute dtype (autocast's, if on)
     """
     return model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+
+
+def softcap(model: nn.Module) -> float | None:
+    """The model's final logit soft-capping (Gemma 2's), or None."""
+    return getattr(model.config, "final_logit_softcapping", None) or None
+
+
+def fusable_head(model: nn.Module) -> nn.Linear | None:
+    """The model's output head where `head_kl_sum` can take it (one linear without bias), else None."""
+    head = model.get_output_embeddings()
+    return head if isinstance(head, nn.Linear) and head.bias is None else None
+
+
+def add_matmul_float32(accumulator: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """accumulator [a, c] float32 += left [a, b] @ right [b, c], the product summed in float32
+    (bf16/fp16 operands give a float32 result straight from the matmul where the backend can)."""
+    if left.dtype == accumulator.dtype:
+        accumulator.addmm_(left, right)
+        return
+    try:
+        accumulator.add_(torch.mm(left, right, out_dtype=accumulator.dtype))
+    except (RuntimeError, TypeError, NotImplementedError):
+        accumulator.add_(torch.mm(left, right).to(accumulator.dtype))
+
+
+def compute_dtype_of(tensor: torch.Tensor) -> torch.dtype:
+    """What a matmul on `tensor` computes in: autocast's dtype where it is on, else the tensor's."""
+    if torch.is_autocast_enabled(tensor.device.type):
+        return torch.get_autocast_dtype(tensor.device.type)
+    return tensor.dtype
+
+
+def _capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return cap * torch.tanh(logits / cap) if cap else logits
+
+
+class _HeadKL(torch.autograd.Function):
+    """sum over tokens of KL(teacher || student) from both heads, its gradients taken in the forward
+    pass chunk by chunk (see `head_kl_sum`)."""
+
+    @staticmethod
+    def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, cap, chunk_tokens):
+        dtype = compute_dtype_of(student_hidden)
+        exact = torch.promote_types(student_weight.dtype, torch.float32)  # logits, softmaxes and sums
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.autocast(student_hidden.device.type, enabled=False):
+            hidden = student_hidden.detach().to(dtype)
+            weight = student_weight.detach().to(dtype)
+            teacher = teacher_hidden.detach().to(dtype)
+            teacher_head = teacher_weight.detach().to(dtype)
+            grad_hidden = torch.empty_like(student_hidden) if want_hidden else None
+            grad_weight = torch.zeros(student_weight.shape, dtype=exact, device=student_weight.device) \
+                if want_weight else None
+            total = torch.zeros((), dtype=exact, device=student_hidden.device)
+            for start in range(0, hidden.shape[0], chunk_tokens):
+                part = slice(start, start + chunk_tokens)
+                student_logits = _capped((hidden[part] @ weight.T).to(exact), cap)  # [c, vocab]
+                log_q = F.log_softmax(student_logits, dim=-1)
+                log_p = F.log_softmax(_capped((teacher[part] @ teacher_head.T).to(exact), cap), dim=-1)
+                p = log_p.exp()
+                total += (p * (log_p - log_q)).sum()
+                if not (want_hidden or want_weight):
+                    continue
+                grad_logits = log_q.exp_().sub_(p)  # dKL/dz, in log_q's storage
+                if cap:  # through z = cap tanh(u / cap): dz/du = 1 - (z / cap)^2
+                    grad_logits.mul_(1 - (student_logits / cap).square())
+                grad_logits = grad_logits.to(dtype)
+                if want_hidden:
+                    grad_hidden[part] = (grad_logits @ weight).to(grad_hidden.dtype)
+                if want_weight:
+                    add_matmul_float32(grad_weight, grad_logits.T, hidden[part])
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = student_weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden = None if grad_hidden is None else grad_hidden * grad_total.to(grad_hidden.dtype)
+        weight = None if grad_weight is None else (grad_weight * grad_total).to(ctx.weight_dtype)
+        return hidden, weight, None, None, None, None
+
+
+def head_kl_sum(student_hidden: torch.Tensor, student_head: torch.Tensor, teacher_hidden: torch.Tensor,
+                teacher_head: torch.Tensor, cap: float | None, chunk_tokens: int) -> torch.Tensor:
+    """Sum over tokens of KL(teacher || student), both heads bias-free linears run `chunk_tokens`
+    tokens at a time, with the gradient taken in the forward pass.
+
+    student_hidden [N, d] (differentiable), student_head [vocab, d] (differentiable where it
+    trains), teacher_hidden [N, d], teacher_head [vocab, d]; cap: the logits' soft-capping or None
+    -> scalar float32 (nats). The matmuls run in autocast's dtype where it is on (else the hidden
+    states'), logits and softmaxes in float32, the head's gradient summed in float32 (float64
+    for a float64 head). Holds at most
+    one chunk of logits per model, and dKL/dhidden [N, d] and dKL/dhead [vocab, d] float32 until
+    the backward pass.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    return _HeadKL.apply(student_hidden, student_head, teacher_hidden, teacher_head, cap, chunk_tokens)
 
 
 def _kl_sum(student: nn.Module, teacher: nn.Module, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor) -> torch.Tensor:

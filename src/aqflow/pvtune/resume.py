@@ -10,10 +10,13 @@ steps an uninterrupted one would have taken (same held-out curve, same selected 
   generator's state, and torch's global RNG state(s);
 * the loop's record: the log so far, the initial and best held-out rows, the best state's snapshot.
 
-Tensors go to `state.safetensors`, the rest to `state.json`, both in one folder written with
-`artifacts.atomic_dir` (checksummed, one rename): a kill while saving leaves the previous state.
-A state belongs to one run: `fingerprint` (settings, inputs) is stored in it and a state with
-another fingerprint is ignored, never resumed from.
+Each process writes its own part (its shards of the sharded tensors, `aqflow.pvtune.distributed`;
+process 0 also the codes, which every process holds alike) to `step-<N>/rank-<r>/`: tensors to
+`state.safetensors`, the rest to `state.json`, one folder written with `artifacts.atomic_dir`
+(checksummed, one rename). A step's state is whole once every process's folder exists; the
+older ones are removed only after that, so a kill while saving leaves the previous whole state.
+A state belongs to one run: `fingerprint` (settings, inputs, the number of processes) is stored
+in it and a state with another fingerprint is ignored, never resumed from.
 """
 
 from __future__ import annotations
@@ -33,7 +36,31 @@ from .student import pv_linears
 
 STATE_TENSORS = "state.safetensors"
 STATE_RECORD = "state.json"
-FORMAT = 1
+FORMAT = 2
+
+
+def step_folder(folder: Path, step: int) -> Path:
+    return folder / f"step-{step:07d}"
+
+
+def rank_folder(folder: Path, step: int, rank: int) -> Path:
+    return step_folder(folder, step) / f"rank-{rank}"
+
+
+def whole_steps(folder: Path, size: int) -> list[int]:
+    """The saved steps of which every one of `size` processes' folders exists, newest first."""
+    steps = []
+    for path in folder.glob("step-*"):
+        if path.name[len("step-"):].isdigit() and all((path / f"rank-{r}" / STATE_RECORD).is_file() for r in range(size)):
+            steps.append(int(path.name[len("step-"):]))
+    return sorted(steps, reverse=True)
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 @dataclass
@@ -65,19 +92,37 @@ class Resumer:
         return self.every > 0 and step % self.every == 0 and step < total_steps
 
     def save(self, student: nn.Module, optimizers: dict[str, torch.optim.Optimizer | None], loop: LoopState) -> None:
-        save_state(self.folder, student, optimizers, loop, self.fingerprint)
+        """Every process writes its part of step `loop.step`; then the older steps are removed."""
+        from .distributed import world
+
+        rank, size = world()
+        save_state(rank_folder(self.folder, loop.step, rank), student, optimizers, loop, self.fingerprint, rank == 0)
+        _barrier()  # every part of this step is written before an older whole state goes
+        if rank == 0:
+            import shutil
+
+            for older in whole_steps(self.folder, size)[1:]:
+                shutil.rmtree(step_folder(self.folder, older), ignore_errors=True)
 
     def load(self, student: nn.Module, optimizers: dict[str, torch.optim.Optimizer | None]) -> LoopState | None:
-        """The saved loop state with student and optimisers restored, or None (no state, or one of
-        another run: reported on stdout and left alone)."""
-        if not (self.folder / STATE_RECORD).is_file():
+        """The newest whole saved loop state with student and optimisers restored, or None (no
+        state, or one of another run: reported on stdout and left alone)."""
+        from .distributed import world
+
+        rank, size = world()
+        steps = whole_steps(self.folder, size) if self.folder.is_dir() else []
+        if not steps:
             return None
-        record = read_json(self.folder / STATE_RECORD)
+        record = read_json(rank_folder(self.folder, steps[0], rank) / STATE_RECORD)
         if record.get("fingerprint") != _jsonable(self.fingerprint) or record.get("format") != FORMAT:
-            print(f"{self.folder}: a saved PV-tuning state of other settings or inputs; starting from step 0", flush=True)
+            if rank == 0:
+                print(f"{self.folder}: a saved PV-tuning state of other settings or inputs; starting from step 0",
+                      flush=True)
             return None
-        loop = load_state(self.folder, student, optimizers)
-        print(f"{self.folder}: resuming PV-tuning after step {loop.step}", flush=True)
+        loop = load_state(rank_folder(self.folder, steps[0], rank), rank_folder(self.folder, steps[0], 0), student,
+                          optimizers)
+        if rank == 0:
+            print(f"{self.folder}: resuming PV-tuning after step {loop.step}", flush=True)
         return loop
 
     def finish(self) -> None:
@@ -111,43 +156,53 @@ def _parameter_names(student: nn.Module) -> dict[int, str]:
     return {id(parameter): name for name, parameter in student.named_parameters()}
 
 
-def save_state(folder: str | os.PathLike, student: nn.Module, optimizers: dict[str, torch.optim.Optimizer | None],
-               loop: LoopState, fingerprint: dict) -> Path:
-    """Write the loop's full state to `folder` atomically (replacing an earlier one).
+def _saved_parameters(student: nn.Module) -> dict[str, torch.Tensor]:
+    """What training changes besides the codes: every trainable parameter and every
+    straight-through weight (also one in host memory, which takes no gradient), this process's part."""
+    from .distributed import local
 
-    state.safetensors holds, on the CPU: "student/<layer>.codes" [out, G, M] packed int8/int16,
-    "student/<parameter>" for every trainable parameter (its shape, float32), "optim/<p|v>/<parameter>/<slot>"
-    (Adam's exp_avg and exp_avg_sq in the parameter's shape, step 0-dim float32), "best/<name>" the best
+    return {name: local(parameter.detach()) for name, parameter in student.named_parameters()
+            if parameter.requires_grad or name.endswith(".straight_through")}
+
+
+def save_state(folder: str | os.PathLike, student: nn.Module, optimizers: dict[str, torch.optim.Optimizer | None],
+               loop: LoopState, fingerprint: dict, with_codes: bool = True) -> Path:
+    """Write this process's part of the loop's state to `folder` atomically (replacing an earlier one).
+
+    state.safetensors holds, on the CPU: "student/<layer>.codes" [out, G, M] packed int8/int16
+    (`with_codes`), "student/<parameter>" for every trainable parameter and straight-through
+    weight (this process's part, float32), "optim/<key>/<parameter>/<slot>" (Adam's exp_avg and
+    exp_avg_sq in the parameter's part's shape, step 0-dim float32), "best/<name>" the best
     snapshot, "loop/order" [n] int64, and the generator and RNG states [*] uint8.
     """
+    from .distributed import local
+
     tensors: dict[str, torch.Tensor] = {}
-    for name, layer in pv_linears(student).items():
-        tensors[f"student/{name}.codes"] = pack_codes(layer.codes, layer.nbits).cpu()
-    for name, parameter in student.named_parameters():
-        if parameter.requires_grad:  # P-step parameters and straight-through weights
-            tensors[f"student/{name}"] = parameter.detach().cpu()
+    if with_codes:
+        for name, layer in pv_linears(student).items():
+            tensors[f"student/{name}.codes"] = pack_codes(layer.codes, layer.nbits).cpu()
+    for name, value in _saved_parameters(student).items():
+        tensors[f"student/{name}"] = value.cpu()
     names = _parameter_names(student)
     optimizer_records = {}
     for key, optimizer in optimizers.items():
         if optimizer is None:
             continue
-        state = optimizer.state_dict()
-        index_to_name = {}
-        for group in optimizer.param_groups:
-            for parameter in group["params"]:
-                index_to_name[len(index_to_name)] = names[id(parameter)]
+        order = [names[id(parameter)] for group in optimizer.param_groups for parameter in group["params"]]
         per_param = {}
-        for index, values in state["state"].items():
+        for parameter, values in optimizer.state.items():
+            name = names[id(parameter)]
             entries = {}
             for slot, value in values.items():
                 if torch.is_tensor(value):
-                    tensors[f"optim/{key}/{index_to_name[index]}/{slot}"] = value.detach().cpu()
+                    tensors[f"optim/{key}/{name}/{slot}"] = local(value.detach()).cpu()
                     entries[slot] = "tensor"
                 else:
                     entries[slot] = value
-            per_param[index_to_name[index]] = entries
-        optimizer_records[key] = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
-                                  "order": [index_to_name[i] for i in range(len(index_to_name))], "state": per_param}
+            per_param[name] = entries
+        optimizer_records[key] = {"param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                                   for g in optimizer.state_dict()["param_groups"]],
+                                  "order": order, "state": per_param}
     for name, value in loop.best_state.items():
         tensors[f"best/{name}"] = value
     if loop.order is not None:
@@ -175,29 +230,45 @@ def save_state(folder: str | os.PathLike, student: nn.Module, optimizers: dict[s
     return folder
 
 
+def _like(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
+    """A saved optimiser state tensor as its parameter holds it: a DTensor of the parameter's
+    sharding (from this process's part) for a sharded parameter, on the parameter's device."""
+    if hasattr(parameter, "to_local") and value.dim() > 0:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(value.to(parameter.to_local().device), parameter.device_mesh, parameter.placements,
+                                  run_check=False, shape=parameter.shape, stride=parameter.stride())
+    return value
+
+
 @torch.no_grad()
-def load_state(folder: str | os.PathLike, student: nn.Module,
+def load_state(folder: str | os.PathLike, codes_folder: str | os.PathLike, student: nn.Module,
                optimizers: dict[str, torch.optim.Optimizer | None]) -> LoopState:
-    """Restore student and optimisers from `folder` (checked against its checksums); the loop state."""
+    """Restore student and optimisers from this process's `folder` and the codes from
+    `codes_folder` (process 0's), both checked against their checksums; the loop state."""
+    from .distributed import local
+
     folder = verified_tree(folder, required=True)
     record = read_json(folder / STATE_RECORD)
     tensors = load_safetensors(folder / STATE_TENSORS)
+    codes = tensors if Path(codes_folder) == folder else load_safetensors(verified_tree(codes_folder, required=True)
+                                                                          / STATE_TENSORS)
     parameters = dict(student.named_parameters())
     for name, layer in pv_linears(student).items():
-        layer.codes.copy_(unpack_codes(tensors[f"student/{name}.codes"], layer.nbits).to(layer.codes.device))
+        layer.codes.copy_(unpack_codes(codes[f"student/{name}.codes"], layer.nbits).to(layer.codes.device))
     for key, value in tensors.items():
         if key.startswith("student/") and not key.endswith(".codes"):
-            parameters[key[len("student/"):]].copy_(value)
+            local(parameters[key[len("student/"):]]).copy_(value)
     for key, optimizer in optimizers.items():
         if optimizer is None:
             continue
         saved = record["optimizers"][key]
-        names = saved["order"]
         state = {}
-        for index, name in enumerate(names):
+        for index, name in enumerate(saved["order"]):
             if name not in saved["state"]:
                 continue
-            state[index] = {slot: (tensors[f"optim/{key}/{name}/{slot}"] if kind == "tensor" else kind)
+            state[index] = {slot: (_like(tensors[f"optim/{key}/{name}/{slot}"], parameters[name]) if kind == "tensor"
+                                   else kind)
                             for slot, kind in saved["state"][name].items()}
         groups = []
         start = 0

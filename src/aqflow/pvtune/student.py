@@ -20,6 +20,12 @@ weight's .grad when there is one). `close_weight_gradients` then pushes that sum
 dequantization once per optimiser step, into codebooks and scales. Per micro-batch the old path
 ran the gather's backward (a sort of every code) and several float32 passes over each weight;
 this one runs one matmul for dL/dW.
+
+Over several processes (`aqflow.pvtune.distributed`) a layer's straight-through weight and the
+dL/dW buffer hold only this process's rows (`PVLinear.rows`): each micro-batch's dL/dW, of this
+process's windows, is reduce-scattered onto the processes' rows, and `close_weight_gradients`
+pushes each process's rows through the dequantization and sums the codebooks' and scales'
+gradients over the processes.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from torch import nn
 
 from aqflow.io.artifacts import atomic_dir, write_json
 from ..models import folder as model_folder
+from .distributed import RowReducer, all_reduce_flat, rows_per_process, world
+from .loss import add_matmul_float32, compute_dtype_of
 from ..models.fetch import torch_dtype
 from ..quant.representation import dequantize_weight, pack_codes, unpack_codes
 
@@ -44,12 +52,19 @@ class StudentError(ValueError):
     one with incomplete quantized linears ModelFolderError (aqflow.models.folder)."""
 
 
+def code_dtype(num_codewords: int) -> torch.dtype:
+    """The smallest signed integer dtype that holds codes in [0, num_codewords): int16 up to 2^15, else int32."""
+    return torch.int16 if num_codewords <= 1 << 15 else torch.int32
+
+
 class PVLinear(nn.Module):
     """A quantized linear with trainable codebooks and scales and integer codes.
 
-    codes [out, G, M] int32 in [0, K) (buffer; int32 halves the memory of int64, and embedding_bag
-    takes it), codebooks [M, K, g] float32, scales [out] float32, bias [out] or None;
-    straight_through [out, in] float32 or None (see `enable_straight_through`).
+    codes [out, G, M] int16 in [0, K) for K <= 2^15, else int32 (a buffer whole on every process:
+    at 8-bit codes int16 takes half of int32's 6.5 GiB at Llama-3.1-8B; the dequantization's index
+    arithmetic promotes it), codebooks [M, K, g] float32, scales [out] float32, bias [out] or None;
+    straight_through [stop - start, in] float32 or None, this process's `rows` [start, stop) of
+    the weight (all of them in a single process; see `enable_straight_through`).
     """
 
     def __init__(self, codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
@@ -59,12 +74,18 @@ class PVLinear(nn.Module):
             raise StudentError(f"codes {tuple(codes.shape)}, codebooks {tuple(codebooks.shape)} and scales "
                                f"{tuple(scales.shape)} do not form one AQLM layer")
         self.out_features, self.in_features = num_rows, num_groups * codebooks.shape[-1]
-        self.register_buffer("codes", codes.to(torch.int32))
+        self.register_buffer("codes", codes.to(code_dtype(codebooks.shape[1])))
         self.codebooks = nn.Parameter(codebooks.float())
         self.scales = nn.Parameter(scales.float())
         self.bias = None if bias is None else nn.Parameter(bias.float())
         self.straight_through: nn.Parameter | None = None
-        self.weight_gradient: torch.Tensor | None = None  # float32 [out, in] while open_weight_gradients is on
+        self.rows = (0, num_rows)  # the rows of the V-step's state this process holds
+        self.weight_gradient: torch.Tensor | None = None  # float32 [rows, in] while open_weight_gradients is on
+        self.reducer: RowReducer | None = None  # sums dL/dW over processes onto `rows` (set while open)
+        # dL/dW's buffer on the card where the straight-through weight is in host memory (offload)
+        self.device_gradient: torch.Tensor | None = None
+        self.keep_weight = False  # keep the compute-dtype weight between optimiser steps (`compute_weight`)
+        self.weight_cache: torch.Tensor | None = None
 
     @property
     def nbits(self) -> int:
@@ -78,45 +99,66 @@ class PVLinear(nn.Module):
         """The weight the codes represent, [out, in] float32; differentiable in codebooks and scales."""
         return dequantize_weight(self.codes, self.codebooks, self.scales)
 
-    def enable_straight_through(self) -> None:
-        """Create the float copy [out, in] of the weight that the V-step optimises."""
+    def dequantized_rows(self) -> torch.Tensor:
+        """Rows `self.rows` of the weight, [stop - start, in] float32; differentiable in codebooks and scales."""
+        start, stop = self.rows
+        return dequantize_weight(self.codes[start:stop], self.codebooks, self.scales[start:stop])
+
+    @torch.no_grad()
+    def weight_rms(self) -> float:
+        """Root mean square of the whole weight the codes represent (every process computes it alike)."""
+        return float(self.dequantized().square().mean().sqrt())
+
+    def enable_straight_through(self, rows: tuple[int, int] | None = None) -> None:
+        """Create the float copy of the weight that the V-step optimises: of `rows` [start, stop)
+        (default: every row), [stop - start, in] float32."""
+        self.rows = (0, self.out_features) if rows is None else rows
         with torch.no_grad():
-            self.straight_through = nn.Parameter(self.dequantized().detach().clone())
+            self.straight_through = nn.Parameter(self.dequantized_rows().detach().clone())
 
     @torch.no_grad()
     def compute_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dequantized weight [out, in] in `dtype`, outside autograd."""
-        return self.dequantized().to(dtype)
+        """The dequantized weight [out, in] in `dtype`, outside autograd: made once and kept while
+        `keep_weight` is on (codes, codebooks and scales change only between optimiser steps, and
+        a step's micro-batches and held-out passes would dequantize it two or three times each)."""
+        cached = self.weight_cache
+        if cached is not None and cached.dtype == dtype:
+            return cached
+        weight = self.dequantized().to(dtype)
+        if self.keep_weight:
+            self.weight_cache = weight
+        return weight
+
+    def forget_weight(self) -> None:
+        """Drop the kept weight (after an optimiser step changed what it is made of)."""
+        self.weight_cache = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]: in x's dtype, or autocast's on the accumulate-dL/dW path."""
         if self.weight_gradient is not None:
-            compute_dtype = _compute_dtype(x)
+            compute_dtype = compute_dtype_of(x)
             output = _WeightGradientLinear.apply(x.to(compute_dtype), self)
             return output if self.bias is None else output + self.bias.to(output.dtype)
         weight = self.dequantized()
-        if self.straight_through is not None:
-            weight = weight + (self.straight_through - self.straight_through.detach())
+        if self.straight_through is not None and self.straight_through.requires_grad and torch.is_grad_enabled():
+            # zero in value: dL/dst = dL/dW of its rows
+            start, stop = self.rows
+            moved = self.straight_through - self.straight_through.detach()
+            weight = torch.cat([weight[:start], weight[start:stop] + moved, weight[stop:]])
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, weight.to(x.dtype), bias)
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a linear on x computes in: autocast's, if it is on for x's device, else x's."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
-
-
-def _add_weight_gradient(accumulator: torch.Tensor, grad_output: torch.Tensor, x: torch.Tensor) -> None:
-    """accumulator [out, in] float32 += grad_output [N, out]ᵀ @ x [N, in], the product summed in float32."""
-    if grad_output.dtype == accumulator.dtype:
-        accumulator.addmm_(grad_output.t(), x)
+def _add_weight_gradient(layer: "PVLinear", grad_output: torch.Tensor, x: torch.Tensor) -> None:
+    """The layer's rows of grad_output [N, out]ᵀ @ x [N, in], summed in float32 over processes,
+    added into its `weight_gradient` [rows, in] float32 (in place, or through its `reducer`)."""
+    if world()[1] == 1:
+        add_matmul_float32(layer.weight_gradient, grad_output.t(), x)
         return
-    try:  # bf16/fp16 operands, float32 result straight from the matmul (CUDA)
-        accumulator.add_(torch.mm(grad_output.t(), x, out_dtype=accumulator.dtype))
-    except (RuntimeError, TypeError, NotImplementedError):
-        accumulator.add_(torch.mm(grad_output.t(), x).to(accumulator.dtype))
+    padded = rows_per_process(layer.out_features, world()[1]) * world()[1]
+    full = torch.zeros(padded, layer.in_features, dtype=layer.weight_gradient.dtype, device=x.device)
+    add_matmul_float32(full[:layer.out_features], grad_output.t(), x)
+    layer.reducer.add(full, layer.weight_gradient)
 
 
 class _WeightGradientLinear(torch.autograd.Function):
@@ -129,54 +171,76 @@ class _WeightGradientLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: "PVLinear") -> torch.Tensor:
-        weight = layer.compute_weight(x.dtype)
         ctx.layer = layer
-        # under activation checkpointing this forward runs without saving, then once more per
-        # block in the backward: only one block's weights are held at a time
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight)
+        # the weight is dequantized again in the backward pass rather than kept: without activation
+        # checkpointing every layer's weight would otherwise stay alive until its backward
+        ctx.save_for_backward(x)
+        return F.linear(x, layer.compute_weight(x.dtype))
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        x, weight = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
         layer = ctx.layer
         if layer.weight_gradient is None:
             raise RuntimeError("a PVLinear's backward ran after close_weight_gradients: its dL/dW would be lost")
-        _add_weight_gradient(layer.weight_gradient, grad_output.reshape(-1, grad_output.shape[-1]),
-                             x.reshape(-1, x.shape[-1]))
-        grad_x = grad_output @ weight if ctx.needs_input_grad[0] else None
+        grad_x = grad_output @ layer.compute_weight(grad_output.dtype) if ctx.needs_input_grad[0] else None
+        _add_weight_gradient(layer, grad_output.reshape(-1, grad_output.shape[-1]), x.reshape(-1, x.shape[-1]))
         return grad_x, None
 
 
-def open_weight_gradients(layers) -> None:
+def open_weight_gradients(layers, reducer: RowReducer | None = None) -> None:
     """Switch `layers` (PVLinear) to the accumulate-dL/dW path until `close_weight_gradients`.
 
-    The buffer is the straight-through weight's .grad (created as zeros if absent), else a new
-    float32 zero tensor [out, in]; a no-op for a layer whose weight gradient nothing needs.
+    The buffer [rows, in] float32 is the straight-through weight's .grad (created as zeros if
+    absent), else a new zero tensor of the layer's `rows`; a no-op for a layer whose weight
+    gradient nothing needs. `reducer`: the processes' reductions (one is made if none is given).
     """
+    reducer = reducer or RowReducer()
     for layer in layers:
         if layer.weight_gradient is not None:
             continue
         straight_through = layer.straight_through
-        if straight_through is not None and straight_through.requires_grad:
+        if layer.device_gradient is not None:  # the V-step's state is in host memory (offload)
+            layer.weight_gradient = layer.device_gradient
+        elif straight_through is not None and straight_through.requires_grad:
             if straight_through.grad is None:
                 straight_through.grad = torch.zeros_like(straight_through)
             layer.weight_gradient = straight_through.grad
         elif layer.codebooks.requires_grad or layer.scales.requires_grad:
-            layer.weight_gradient = torch.zeros(layer.out_features, layer.in_features, device=layer.codes.device)
+            start, stop = layer.rows
+            layer.weight_gradient = torch.zeros(stop - start, layer.in_features, dtype=layer.codebooks.dtype,
+                                                device=layer.codes.device)
+        else:
+            continue
+        layer.reducer = reducer
 
 
 def close_weight_gradients(layers) -> None:
-    """Back-propagate each layer's accumulated dL/dW through its dequantization (into the .grad of
-    codebooks and scales) and switch the layer back to the plain path."""
+    """Back-propagate each layer's accumulated dL/dW (its rows, once every pending reduction is
+    done) through its dequantization into the .grad of codebooks and scales, sum those over
+    processes, and switch the layers back to the plain path."""
+    for reducer in {id(layer.reducer): layer.reducer for layer in layers if layer.reducer is not None}.values():
+        reducer.finish()
+    reached = []
     for layer in layers:
         accumulated = layer.weight_gradient
         if accumulated is None:
             continue
-        layer.weight_gradient = None
+        layer.weight_gradient, layer.reducer = None, None
         if layer.codebooks.requires_grad or layer.scales.requires_grad:
             with torch.enable_grad():
-                layer.dequantized().backward(accumulated)
+                layer.dequantized_rows().backward(accumulated)
+        for parameter in (layer.codebooks, layer.scales):
+            if parameter.requires_grad:  # a process without rows of the layer adds zeros
+                if parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
+                reached.append(parameter.grad)
+    if world()[1] > 1:  # each process summed its rows: one flat sum over processes
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for gradient in reached:
+            by_dtype.setdefault(gradient.dtype, []).append(gradient)
+        for gradients in by_dtype.values():
+            all_reduce_flat(gradients)
 
 
 # --- reading -------------------------------------------------------------------------------------
@@ -202,7 +266,7 @@ def _plain_config(checkpoint_dir: Path):
 
 def load_student(checkpoint_dir: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Module:
     """The AQLM checkpoint as a float32 causal LM whose quantized linears are `PVLinear`
-    (codes [out, G, M] int32 unpacked from the stored int8/int16, codebooks [M, K, g] from the
+    (codes [out, G, M] int16/int32 unpacked from the stored int8/int16, codebooks [M, K, g] from the
     stored [M, K, 1, g], scales [out] from [out, 1, 1, 1], all on `device`).
 
     Every tensor of the checkpoint is used: quantized linears from their codes, codebooks and
@@ -258,12 +322,14 @@ def pv_linears(model: nn.Module) -> dict[str, PVLinear]:
 
 # --- writing -------------------------------------------------------------------------------------
 
-def student_tensors(model: nn.Module, like: dict[str, str]) -> dict[str, torch.Tensor]:
+def student_tensors(model: nn.Module, like: dict[str, str], state: dict[str, torch.Tensor] | None = None
+                    ) -> dict[str, torch.Tensor]:
     """The student as checkpoint tensors with exactly the names and dtypes of `like` ({name: dtype}):
     X.codes packed as AQLM stores them, X.codebooks [M, K, 1, g], X.scales [out, 1, 1, 1], every other
-    tensor from the state dict. Straight-through copies are not part of a checkpoint."""
+    tensor from the state dict (`state`, where given: the whole one of a sharded student).
+    Straight-through copies are not part of a checkpoint."""
     layers = pv_linears(model)
-    state = model.state_dict()
+    state = model.state_dict() if state is None else state
     out: dict[str, torch.Tensor] = {}
     for name, stored in like.items():
         prefix, _, key = name.rpartition(".")
@@ -282,12 +348,14 @@ def student_tensors(model: nn.Module, like: dict[str, str]) -> dict[str, torch.T
     return out
 
 
-def save_student(model: nn.Module, source_dir: str | os.PathLike, output_dir: str | os.PathLike, record: dict) -> Path:
+def save_student(model: nn.Module, source_dir: str | os.PathLike, output_dir: str | os.PathLike, record: dict,
+                 state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the student as an AQLM checkpoint like `source_dir` (same config, tensor names and
-    dtypes, tokenizer files), atomically, with `record` added to the aqflow marker as "pvtune"."""
+    dtypes, tokenizer files), atomically, with `record` added to the aqflow marker as "pvtune";
+    `state`: its whole state dict where its modules hold only shards (`student_tensors`)."""
     source_dir, output_dir = Path(source_dir), Path(output_dir)
     stored_dtypes = {name: header.dtype for name, header in model_folder.tensor_headers(source_dir).items()}
-    tensors = student_tensors(model, stored_dtypes)
+    tensors = student_tensors(model, stored_dtypes, state)
     marker = model_folder.read_marker(source_dir) or {}
     with atomic_dir(output_dir) as staging:
         model_folder.write_weights(staging, tensors)

@@ -4,11 +4,13 @@ held-out evaluation and selection of the best held-out state.
 One optimiser step consumes `batch_size` windows, split into micro-batches of
 `micro_batch_size` (and, under torch.distributed, over processes: process r takes the
 micro-batches r, r + world, ...). Each micro-batch's KL sum is divided by the token count of the
-whole batch, so the accumulated and all-reduced gradient is that of the batch's mean token KL.
-`micro_batch_size: 0` picks the largest micro-batch the card's free memory allows, measured on
-one window before training (`choose_micro_batch_size`; 1 on a CPU); a step that still runs out
-of memory is redone with half as many (one process; `batch_gradients`). The quantized layers'
-dL/dW is summed over the micro-batches and pushed into codebooks and scales once per step
+whole batch, so the accumulated gradient, summed over processes, is that of the batch's mean
+token KL. `micro_batch_size: 0` picks the largest micro-batch the card's free memory allows,
+measured on one window before training (`choose_micro_batch_size`; 1 on a CPU), and with
+`gradient_checkpointing: auto` keeps every block's activations instead of recomputing them
+where the card has room for one window so; a step that still runs out of memory is redone with
+half as many (one process; `batch_gradients`). The quantized layers' dL/dW is summed over the
+micro-batches and pushed into codebooks and scales once per step
 (`student.open_weight_gradients`). On a GPU, float32 matmuls outside autocast may use TF32.
 Then:
 
@@ -17,12 +19,19 @@ Then:
 * V-step: Adam on each layer's straight-through weight (its gradient is dL/dW; with beta1 = 0
   one that keeps no first moment, `vstep_adam`), then the codes
   are re-encoded toward it (`vstep.v_step_layer`), at most `max_code_change_fraction` of each
-  layer's groups per step. The codes are integer buffers: nothing else ever writes them.
+  layer's groups per step. The codes are integer buffers: nothing else ever writes them. With
+  `v_state: host` the straight-through weights and their moments live in host memory and
+  stream through the card once a step (`offload`).
+
+Several processes (torchrun) shard the state with FSDP2 and by rows (`distributed`).
 
 The held-out windows (calibration documents the training never sees) are scored before the
 first step, every `eval_every_steps` steps and after the last; the state with the lowest
 held-out `selection_metric` (the training loss, "kl", by default; or "perplexity"; step 0
-included) is kept in CPU memory and restored at the end.
+included) is kept in CPU memory and restored at the end. The teacher's final hidden states of
+the held-out windows never change: they are computed at the first evaluation and kept in host
+memory. With `plateau_evaluations` set, training ends early once that many evaluations in a row
+have not lowered the best held-out metric by `plateau_min_improvement` (relative).
 """
 
 from __future__ import annotations
@@ -40,7 +49,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..quant.representation import pack_codes, unpack_codes
-from .loss import chunked_kl_sum, chunked_nll_sum, final_hidden
+from .distill import StudentKL, TeacherHidden
+from .distributed import (RowReducer, all_reduce_sum, gathered_state, held_bytes, local, row_range,
+                          shard_over_processes, world)
+from .offload import HostVStep, move_straight_through_to_host
 from .resume import LoopState, Resumer
 from .student import PVLinear, close_weight_gradients, open_weight_gradients, pv_linears
 from .vstep import DEFAULT_MEMORY_BUDGET_BYTES, VStep
@@ -48,6 +60,9 @@ from .vstep_adam import state_bytes_per_parameter_byte, v_step_optimizer
 
 SELECTION_METRICS = ("kl", "perplexity")
 CODE_LR_SCALES = ("absolute", "weight_rms")
+CHECKPOINTING = ("auto", "always", "never")
+HELDOUT_WINDOWS_PER_PASS = 4  # on a GPU, at least
+V_STATES = ("auto", "device", "host")
 
 
 @dataclass(frozen=True)
@@ -78,7 +93,24 @@ class PVSettings:
     eval_every_steps: int = 10
     max_steps: int | None = None  # stop early (CPU budgets); None: every epoch
     kl_chunk_tokens: int = 1024
-    gradient_checkpointing: bool = True
+    # auto: recompute each block's activations in the backward pass only where one window's do
+    # not fit the card beside the state (measured before training); always; never
+    gradient_checkpointing: str = field(default="auto", metadata={"choices": CHECKPOINTING,
+                                                                  "help": "recompute activations in the backward pass"})
+    # keep every quantized layer's dequantized weight in the autocast dtype from its first use in a
+    # step to the optimiser step (2 bytes a weight; auto: on a GPU where the card has room for it
+    # twice over beside the state, measured before training)
+    keep_weights: str = field(default="auto", metadata={"choices": ("auto", "always", "never"),
+                                                        "help": "keep dequantized weights between optimiser steps"})
+    # where the V-step's straight-through weights and their moments live: on the card, or in host
+    # memory streamed through the card once a step (auto: host only where the card is too small,
+    # which the pvtune stage decides from its memory plan; one process only)
+    v_state: str = field(default="auto", metadata={"choices": V_STATES,
+                                                   "help": "where the V-step's state lives (host: offloaded)"})
+    # stop once this many held-out evaluations in a row have not lowered the best held-out metric
+    # by plateau_min_improvement (relative); None: train the whole budget
+    plateau_evaluations: int | None = None
+    plateau_min_improvement: float = 0.01
     # autocast dtype on the accelerator ("bfloat16"), None: float32 (the pvtune stage resolves it
     # from its own --amp-dtype, so it is no command-line option of its own)
     amp_dtype: str | None = field(default=None, metadata={"cli": False})
@@ -89,6 +121,8 @@ class PVSettings:
     v_step_graph: bool = True  # on a GPU, replay the V-step of all layers as one CUDA graph
 
     def __post_init__(self):
+        if isinstance(self.gradient_checkpointing, bool):  # configs written before "auto" said true / false
+            object.__setattr__(self, "gradient_checkpointing", "always" if self.gradient_checkpointing else "never")
         problems = []
         for name in ("epochs", "batch_size", "code_beam_size", "eval_every_steps", "kl_chunk_tokens"):
             if getattr(self, name) < 1:
@@ -105,6 +139,16 @@ class PVSettings:
             problems.append(f"code_lr_scale must be one of {CODE_LR_SCALES}, got {self.code_lr_scale!r}")
         if self.selection_metric not in SELECTION_METRICS:
             problems.append(f"selection_metric must be one of {SELECTION_METRICS}, got {self.selection_metric!r}")
+        if self.gradient_checkpointing not in CHECKPOINTING:
+            problems.append(f"gradient_checkpointing must be one of {CHECKPOINTING}, got {self.gradient_checkpointing!r}")
+        if self.keep_weights not in ("auto", "always", "never"):
+            problems.append(f"keep_weights must be one of ('auto', 'always', 'never'), got {self.keep_weights!r}")
+        if self.v_state not in V_STATES:
+            problems.append(f"v_state must be one of {V_STATES}, got {self.v_state!r}")
+        if self.plateau_evaluations is not None and self.plateau_evaluations < 1:
+            problems.append(f"plateau_evaluations must be >= 1 or None, got {self.plateau_evaluations}")
+        if not 0.0 <= self.plateau_min_improvement < 1.0:
+            problems.append(f"plateau_min_improvement must lie in [0, 1), got {self.plateau_min_improvement}")
         if self.amp_dtype not in (None, "bfloat16", "float16"):
             problems.append(f"amp_dtype must be None, 'bfloat16' or 'float16', got {self.amp_dtype!r}")
         if problems:
@@ -120,58 +164,64 @@ class TrainResult:
     steps: int
     micro_batch_size: int  # the one used (chosen, if the settings said 0)
     timings: dict[str, float] = field(default_factory=dict)
-
-
-# --- distributed ---------------------------------------------------------------------------------
-
-def world() -> tuple[int, int]:
-    """(rank, world size); (0, 1) outside torch.distributed."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over processes, in place (a no-op in a single process); any shape and dtype, returned as given."""
-    if world()[1] > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
+    gradient_checkpointing: bool = True  # whether activations were recomputed (chosen, if the settings said auto)
+    stopped_at_plateau: bool = False  # training ended before its budget (plateau_evaluations)
+    budget_steps: int = 0  # the steps the budget allowed
+    state_bytes: int = 0  # the training state this process held in its second step (`distributed.held_bytes`)
+    # the student's state dict gathered whole where FSDP2 shards it over processes (None in one
+    # process: its modules hold it), what its checkpoint is written from
+    student_state: dict[str, torch.Tensor] | None = None
 
 
 # --- parameters ----------------------------------------------------------------------------------
 
-def v_step_param_groups(weights: list[nn.Parameter], code_lr: float, scale: str) -> list[dict]:
-    """The V-step optimiser's parameter groups: one group of every straight-through weight
-    [out, in] at `code_lr` ("absolute"), or one group per weight at code_lr x its RMS ("weight_rms")."""
-    if scale == "absolute":
-        return [{"params": list(weights), "lr": code_lr}]
-    if scale != "weight_rms":
+def v_step_param_groups(weights: list[nn.Parameter], code_lr: float, scale: str,
+                        rms: list[float] | None = None) -> list[dict]:
+    """The V-step optimiser's parameter groups, one per straight-through weight [rows, in]: at
+    `code_lr` ("absolute"), or at code_lr x the RMS of its layer's whole weight ("weight_rms";
+    `rms` per weight, default each weight's own, which over several processes is only its rows')."""
+    if scale not in CODE_LR_SCALES:
         raise ValueError(f"code_lr_scale must be one of {CODE_LR_SCALES}, got {scale!r}")
-    return [{"params": [weight], "lr": code_lr * float(weight.detach().float().square().mean().sqrt())}
-            for weight in weights]
+    if rms is None:
+        rms = [float(weight.detach().float().square().mean().sqrt()) for weight in weights]
+    return [{"params": [weight], "lr": code_lr * (1.0 if scale == "absolute" else size)}
+            for weight, size in zip(weights, rms)]
 
 
-def trainable_groups(student: nn.Module, settings: PVSettings) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(P-step parameters, V-step straight-through parameters); sets requires_grad accordingly.
+@dataclass
+class Trainable:
+    """What the loop trains: non_quantized (norms, embeddings, head, biases; FSDP2's over several
+    processes), quantized (every layer's codebooks [M, K, g] and scales [out]) and
+    straight_through (every layer's straight-through weight [rows, in]), in module order."""
 
-    P-step: every layer's codebooks [M, K, g] and scales [out] float32, and, with
-    `update_non_quantized`, every other parameter once (tied ones once); V-step: every layer's
-    straight-through weight [out, in] float32 (created here where missing).
-    """
+    non_quantized: list[nn.Parameter]
+    quantized: list[nn.Parameter]
+    straight_through: list[nn.Parameter]
+
+
+def trainable_groups(student: nn.Module, settings: PVSettings) -> Trainable:
+    """The student's trainable parameters; sets requires_grad accordingly and creates each layer's
+    straight-through weight where the V-step needs one and it is missing (of this process's rows,
+    `distributed.row_range`; in host memory with v_state "host"). Tied parameters appear once."""
     layers = pv_linears(student)
     if not layers:
         raise ValueError("the student has no quantized linears (PVLinear)")
+    rank, size = world()
     student.requires_grad_(False)
     quantized_ids = set()
-    p_params, v_params = [], []
+    trainable = Trainable([], [], [])
     for layer in layers.values():
-        if settings.update_codes and layer.straight_through is None:
-            layer.enable_straight_through()
+        if layer.straight_through is None:
+            layer.rows = row_range(layer.out_features, rank, size)
+            if settings.update_codes:
+                layer.enable_straight_through(layer.rows)
+                if settings.v_state == "host":  # one layer at a time: the card never holds them all
+                    move_straight_through_to_host([layer])
         quantized_ids.update(id(p) for p in (layer.codebooks, layer.scales))
         if settings.update_codebooks_and_scales:
-            p_params += [layer.codebooks, layer.scales]
+            trainable.quantized += [layer.codebooks, layer.scales]
         if settings.update_codes:
-            v_params.append(layer.straight_through)
+            trainable.straight_through.append(layer.straight_through)
         if layer.straight_through is not None:
             quantized_ids.add(id(layer.straight_through))
     if settings.update_non_quantized:
@@ -179,18 +229,21 @@ def trainable_groups(student: nn.Module, settings: PVSettings) -> tuple[list[nn.
         for parameter in student.parameters():  # deduplicated: tied embeddings appear once
             if id(parameter) not in seen:
                 seen.add(id(parameter))
-                p_params.append(parameter)
-    for parameter in p_params + v_params:
+                trainable.non_quantized.append(parameter)
+    for parameter in trainable.non_quantized + trainable.quantized:
         parameter.requires_grad_(True)
-    return p_params, v_params
+    for parameter in trainable.straight_through:  # host-resident ones take no .grad (offload)
+        parameter.requires_grad_(parameter.device == layers[next(iter(layers))].codes.device)
+    return trainable
 
 
 def snapshot(student: nn.Module, parameters: list[nn.Parameter]) -> dict[str, torch.Tensor]:
     """CPU copy of everything training changes: {"<layer>.codes": [out, G, M] packed int8/int16
-    (the AQLM storage dtype), "<parameter name>": a copy of each of `parameters` in its own shape and dtype}."""
+    (the AQLM storage dtype), "<parameter name>": a copy of each of `parameters` in its own dtype,
+    this process's part of it (`distributed.local`)}."""
     names = {id(p): name for name, p in student.named_parameters()}
     state = {name + ".codes": pack_codes(layer.codes, layer.nbits).cpu() for name, layer in pv_linears(student).items()}
-    state.update({names[id(p)]: p.detach().to("cpu", copy=True) for p in parameters})
+    state.update({names[id(p)]: local(p.detach()).to("cpu", copy=True) for p in parameters})
     return state
 
 
@@ -202,10 +255,10 @@ def restore(student: nn.Module, state: dict[str, torch.Tensor]) -> None:
         layer.codes.copy_(unpack_codes(state[name + ".codes"], layer.nbits))
     for name, value in state.items():
         if not name.endswith(".codes"):
-            parameters[name].copy_(value)
+            local(parameters[name]).copy_(value)
     for layer in pv_linears(student).values():
         if layer.straight_through is not None:
-            layer.straight_through.copy_(layer.dequantized())
+            layer.straight_through.copy_(layer.dequantized_rows())
 
 
 def set_checkpointing(model: nn.Module, enabled: bool) -> None:
@@ -222,6 +275,48 @@ def set_checkpointing(model: nn.Module, enabled: bool) -> None:
         model.gradient_checkpointing_disable()
 
 
+@dataclass
+class Roots:
+    """The student and teacher as the loop runs them (`distill`), sharded by FSDP2 over several processes."""
+
+    student: StudentKL
+    teacher: TeacherHidden
+    sharded: bool = False
+
+    def teacher_whole(self) -> None:
+        """Gather the teacher's root unit (embeddings, final norm, head) where it is sharded: the
+        head is read outside the teacher's forward."""
+        if self.sharded:
+            self.teacher.unshard()
+
+    def teacher_sharded(self) -> None:
+        if self.sharded:
+            self.teacher.reshard()
+
+    def student_sharded(self) -> None:
+        """Shard the student's root unit again after a forward pass without backward (FSDP2 keeps
+        a root whole after its forward; until resharded, its modules hold other parameter objects)."""
+        if self.sharded:
+            self.student.reshard()
+
+
+def roots(student: nn.Module, teacher: nn.Module) -> Roots:
+    """`Roots` of two models, or of roots already made (held-out evaluation of the loop's own)."""
+    if isinstance(student, StudentKL):
+        return Roots(student, teacher, sharded=hasattr(student, "unshard"))
+    return Roots(StudentKL(student), TeacherHidden(teacher))
+
+
+def shard(pair: Roots, layers: list[PVLinear], device: torch.device) -> Roots:
+    """FSDP2 over every process of both models (the quantized layers' codebooks, scales and
+    straight-through rows left to `distributed`)."""
+    ignored = [p for layer in layers for p in (layer.codebooks, layer.scales, layer.straight_through) if p is not None]
+    shard_over_processes(pair.student, pair.student.model, ignored, device)
+    shard_over_processes(pair.teacher, pair.teacher.model, [], device)
+    pair.sharded = True
+    return pair
+
+
 # --- one step ------------------------------------------------------------------------------------
 
 def _autocast(device: torch.device, amp_dtype: str | None):
@@ -233,14 +328,13 @@ def _autocast(device: torch.device, amp_dtype: str | None):
 def micro_batch_kl(student: nn.Module, teacher: nn.Module, input_ids: torch.Tensor, settings: PVSettings,
                    device: torch.device) -> torch.Tensor:
     """Summed token KL(teacher || student) of input_ids [B, T] int64 on `device`: a scalar float32,
-    differentiable in the student (nats summed over the B * T positions)."""
+    differentiable in the student (nats summed over the B * T positions). student and teacher:
+    the models, or the loop's `Roots` members."""
+    pair = roots(student, teacher)
     with _autocast(device, settings.amp_dtype):
         with torch.no_grad():
-            teacher_hidden = final_hidden(teacher, input_ids)
-        student_hidden = final_hidden(student, input_ids)
-        width = student_hidden.shape[-1]
-        return chunked_kl_sum(student, teacher, student_hidden.reshape(-1, width),
-                              teacher_hidden.reshape(-1, teacher_hidden.shape[-1]), settings.kl_chunk_tokens)
+            teacher_hidden = pair.teacher(input_ids)
+        return pair.student(input_ids, teacher_hidden, pair.teacher.model, settings.kl_chunk_tokens)
 
 
 def windows_that_fit(available: int, gradients: int, moments: int, reserved: int, per_window: int, most: int) -> int:
@@ -263,49 +357,111 @@ def memory_warning(available: int, gradients: int, moments: int, per_window: int
             f"pvtune.update_non_quantized: false, or a shorter pvtune.window_tokens")
 
 
-def choose_micro_batch_size(student: nn.Module, teacher: nn.Module, window: torch.Tensor, settings: PVSettings,
-                            device: torch.device, p_params: list[nn.Parameter], v_params: list[nn.Parameter]) -> int:
-    """The most windows per micro-batch that fit the card, from one measured window.
-
-    window [1, T] int64. Runs one forward/backward (gradients discarded) and measures its peak memory
-    over what the models hold; the gradients it leaves and the optimisers' moments (not yet
-    allocated before the first step: two per P-step parameter, one or two per V-step weight,
-    `vstep_adam`) are reserved, and so are the V-step's beam-search budget and 10 % of the rest.
-    Capped at this process's share of a batch; 1 on a CPU. Where not even one window fits, says
-    so on stderr (the first step will run out of memory) with what would help.
-    """
-    trainable = p_params + v_params
-    size = world()[1]
-    most = max(1, math.ceil(settings.batch_size / size))
-    if device.type != "cuda":
-        return 1
-    layers = list(pv_linears(student).values())
+def _window_peak(pair: Roots, window: torch.Tensor, settings: PVSettings, device: torch.device,
+                 layers: list[PVLinear], trainable: list[nn.Parameter]) -> tuple[int, int]:
+    """(bytes of gradients one window's forward/backward leaves, its activations' peak bytes):
+    one pass on window [1, T], measured on the card; the gradients are discarded."""
     torch.cuda.synchronize(device)
     held = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     open_weight_gradients(layers)
-    micro_batch_kl(student, teacher, window.to(device), settings, device).backward()
+    micro_batch_kl(pair.student, pair.teacher, window.to(device), settings, device).backward()
     close_weight_gradients(layers)
+    pair.teacher_sharded()
     torch.cuda.synchronize(device)
     gradients = torch.cuda.memory_allocated(device) - held
     activations = max(torch.cuda.max_memory_allocated(device) - held - gradients, 1)
     for parameter in trainable:
         parameter.grad = None
-    free, _ = torch.cuda.mem_get_info(device)
-    reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    for layer in layers:
+        if layer.device_gradient is not None:
+            layer.device_gradient.zero_()
+    return gradients, activations
+
+
+def keeping_weights(layers: list[PVLinear], settings: PVSettings, device: torch.device) -> bool:
+    """Whether to keep the layers' dequantized weights between optimiser steps (`PVLinear.keep_weight`):
+    as set, or with "auto" on a GPU whose free memory is at least twice what they take (the rest is
+    for activations: the micro-batch probe measures beside them)."""
+    if settings.keep_weights != "auto":
+        return settings.keep_weights == "always"
+    if device.type != "cuda":
+        return False
+    itemsize = torch.finfo(getattr(torch, settings.amp_dtype)).bits // 8 if settings.amp_dtype else 4
+    needed = sum(layer.out_features * layer.in_features for layer in layers) * itemsize
+    return _agreed_minimum(int(torch.cuda.mem_get_info(device)[0] >= 2 * needed), device) == 1
+
+
+def forget_weights(layers: list[PVLinear]) -> None:
+    for layer in layers:
+        layer.forget_weight()
+
+
+def _agreed_minimum(value: int, device: torch.device) -> int:
+    """The smallest of every process's `value` (each process's own where there is one)."""
+    if world()[1] == 1:
+        return value
+    agreed = torch.tensor(value, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return int(agreed.item())
+
+
+def choose_micro_batch_size(student: nn.Module, teacher: nn.Module, window: torch.Tensor, settings: PVSettings,
+                            device: torch.device, p_params: list[nn.Parameter], v_params: list[nn.Parameter],
+                            layers: list[PVLinear] | None = None) -> tuple[int, bool]:
+    """(the most windows per micro-batch that fit the card, whether to recompute activations),
+    from one measured window.
+
+    window [1, T] int64. Runs one forward/backward (gradients discarded) and measures its peak memory
+    over what the models hold; the gradients it leaves and the optimisers' moments (not yet
+    allocated before the first step: two per P-step parameter, one or two per V-step weight,
+    `vstep_adam`, none on the card where the V-step's state is in host memory) are reserved, and
+    so are the V-step's beam-search budget and 10 % of the rest. With gradient_checkpointing
+    "auto" the window is measured without recomputation first, and recomputation is chosen only
+    where that window does not fit. Capped at this process's share of a batch; (1, as set) on a
+    CPU. Where not even one window fits, says so on stderr (the first step will run out of
+    memory) with what would help. Every process takes the same choice (the smallest card decides).
+    """
+    pair = roots(student, teacher)
+    layers = layers if layers is not None else list(pv_linears(pair.student.model).values())
+    size = world()[1]
+    most = max(1, math.ceil(settings.batch_size / size))
+    if device.type != "cuda":
+        return 1, settings.gradient_checkpointing != "never"
     v_moments = state_bytes_per_parameter_byte(settings.code_beta1)
-    moments = (sum(2 * p.numel() * p.element_size() for p in p_params)
-               + sum(v_moments * p.numel() * p.element_size() for p in v_params))
-    chosen = windows_that_fit(free + reusable, gradients, moments, settings.beam_memory_budget_bytes, activations, most)
-    if chosen == 0:
-        print(memory_warning(free + reusable, gradients, moments, activations, window.shape[1]), file=sys.stderr,
-              flush=True)
-        chosen = 1
-    if size > 1:  # every process takes the same size (the smallest card decides)
-        agreed = torch.tensor(chosen, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        chosen = int(agreed.item())
-    return chosen
+    on_card = [p for p in v_params if p.device.type == "cuda"]
+    moments = (sum(2 * local(p).numel() * p.element_size() for p in p_params)
+               + sum(v_moments * p.numel() * p.element_size() for p in on_card))
+
+    def fitting(checkpointing: bool) -> int:
+        set_checkpointing(pair.student.model, checkpointing)
+        try:
+            gradients, activations = _window_peak(pair, window, settings, device, layers, p_params + v_params)
+        except torch.OutOfMemoryError:
+            gradients, activations = 0, None
+        if activations is None:  # past the except block, the failed pass's tensors are released
+            for layer in layers:
+                layer.weight_gradient, layer.reducer = None, None
+            for parameter in p_params + v_params:
+                parameter.grad = None
+            torch.cuda.empty_cache()
+            return 0
+        free, _ = torch.cuda.mem_get_info(device)
+        reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        chosen = windows_that_fit(free + reusable, gradients, moments, settings.beam_memory_budget_bytes, activations,
+                                  most)
+        if chosen == 0 and checkpointing:
+            print(memory_warning(free + reusable, gradients, moments, activations, window.shape[1]), file=sys.stderr,
+                  flush=True)
+        return chosen
+
+    checkpointing = settings.gradient_checkpointing == "always"
+    chosen = _agreed_minimum(fitting(checkpointing), device)
+    if chosen == 0 and settings.gradient_checkpointing == "auto":
+        checkpointing = True
+        chosen = _agreed_minimum(fitting(True), device)
+    set_checkpointing(pair.student.model, checkpointing)
+    return max(chosen, 1), checkpointing
 
 
 @contextmanager
@@ -323,73 +479,117 @@ def tf32_matmuls(device: torch.device) -> Iterator[None]:
         torch.set_float32_matmul_precision(previous)
 
 
+def rank_batches(count: int, batch: int, rank: int, size: int) -> list[slice | None]:
+    """This process's batches of `count` items taken `batch` at a time round-robin over `size`
+    processes (r, r + size, ...), padded with None so that every process has as many: each
+    batch runs collectives (FSDP's gathers), which every process must enter alike."""
+    starts = list(range(0, count, batch))
+    rounds = math.ceil(len(starts) / size)
+    mine = starts[rank::size]
+    return [slice(start, min(start + batch, count)) for start in mine] + [None] * (rounds - len(mine))
+
+
+class TeacherCache:
+    """The teacher's final hidden states of this process's held-out batches, [b, T, d] each, kept
+    in host memory after the first evaluation (the teacher never changes)."""
+
+    def __init__(self):
+        self.hidden: dict[tuple[int, int], torch.Tensor] = {}
+
+    def get(self, rows: tuple[int, int], make: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The hidden states of held-out windows [start, stop) on `device`: made by `make()` the
+        first time, kept after (a micro-batch size changed since makes them anew)."""
+        if rows in self.hidden:
+            return self.hidden[rows].to(device, non_blocking=True)
+        made = make()
+        host = made.to("cpu", copy=True)
+        self.hidden[rows] = host.pin_memory() if made.is_cuda else host
+        return made
+
+
 @torch.no_grad()
 def heldout_metrics(student: nn.Module, teacher: nn.Module, windows: torch.Tensor, settings: PVSettings,
-                    device: torch.device) -> dict[str, float]:
+                    device: torch.device, cache: TeacherCache | None = None) -> dict[str, float]:
     """Mean token KL and perplexity of the student on held-out windows [n, T] int64 (any device;
-    sharded over processes): {"kl": nats per token, "perplexity": exp(mean next-token NLL)}."""
+    sharded over processes): {"kl": nats per token, "perplexity": exp(mean next-token NLL)}.
+    student and teacher: the models, or the loop's `Roots` members; cache: the teacher's hidden
+    states of earlier evaluations (`TeacherCache`)."""
+    pair = roots(student, teacher)
     rank, size = world()
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # KL nats, NLL nats, predicted tokens, tokens
-    was_training = student.training
-    student.eval()
-    for start in range(rank * settings.micro_batch_size, windows.shape[0], size * settings.micro_batch_size):
-        input_ids = windows[start:start + settings.micro_batch_size].to(device)
+    was_training = pair.student.model.training
+    pair.student.model.eval()
+    # no gradient, no activations kept: a GPU takes more windows a pass than a training micro-batch
+    step = max(settings.micro_batch_size, HELDOUT_WINDOWS_PER_PASS if device.type == "cuda" else 1)
+    for part in rank_batches(windows.shape[0], step, rank, size):
+        padding = part is None  # a process without windows left runs its collectives all the same
+        part = part if part is not None else slice(0, 1)
+        input_ids = windows[part].to(device)
         with _autocast(device, settings.amp_dtype):
-            student_hidden = final_hidden(student, input_ids)
-            teacher_hidden = final_hidden(teacher, input_ids)
-            width = student_hidden.shape[-1]
-            totals[0] += chunked_kl_sum(student, teacher, student_hidden.reshape(-1, width),
-                                        teacher_hidden.reshape(-1, width), settings.kl_chunk_tokens).double()
-            totals[1] += chunked_nll_sum(student, student_hidden[:, :-1].reshape(-1, width),
-                                         input_ids[:, 1:].reshape(-1), settings.kl_chunk_tokens)
+            make = lambda: pair.teacher(input_ids)  # noqa: E731
+            teacher_hidden = make() if cache is None else cache.get((part.start, part.stop), make, device)
+            pair.teacher_whole()
+            kl, nll = pair.student(input_ids, teacher_hidden, pair.teacher.model, settings.kl_chunk_tokens,
+                                   with_nll=True)
+            pair.teacher_sharded()
+        if padding:  # the collectives ran, nothing is counted
+            continue
+        totals[0] += kl.double()
+        totals[1] += nll
         totals[2] += input_ids[:, 1:].numel()
         totals[3] += input_ids.numel()  # the KL scores every position, the NLL all but the last
-    student.train(was_training)
+    pair.student.model.train(was_training)
+    pair.student_sharded()
     all_reduce_sum(totals)
     return {"kl": totals[0].item() / totals[3].item(), "perplexity": math.exp(totals[1].item() / totals[2].item())}
 
 
-def _average_gradients(parameters: list[nn.Parameter]) -> None:
-    """Sum the .grad of every parameter (its own shape, float32) over processes, in place (each
-    micro-batch loss is already divided by the batch's tokens); a missing .grad counts as zeros."""
-    if world()[1] == 1:
-        return
-    for parameter in parameters:
-        if parameter.grad is None:
-            parameter.grad = torch.zeros_like(parameter)
-        dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+def plateau_reached(values: list[float], evaluations: int | None, min_improvement: float) -> bool:
+    """Whether the last `evaluations` of the held-out `values` (in order, lower is better) have
+    all failed to lower the best value before them by `min_improvement` of it (relative); never
+    where `evaluations` is None or fewer than evaluations + 1 values exist."""
+    if evaluations is None or len(values) <= evaluations:
+        return False
+    best = min(values[:-evaluations])
+    return min(values[-evaluations:]) > best * (1 - min_improvement)
 
 
 # --- the loop ------------------------------------------------------------------------------------
 
 def batch_gradients(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, batch: torch.Tensor,
-                    settings: PVSettings, device: torch.device, layers: list[PVLinear]) -> torch.Tensor:
+                    settings: PVSettings, device: torch.device, layers: list[PVLinear],
+                    reducer: RowReducer | None = None) -> torch.Tensor:
     """This process's micro-batches of one batch forward and backward: the gradient of the batch's
     mean token KL added into every trainable .grad (the quantized layers' through their weight
-    gradients). train_windows [n, T] int64, batch [b] int64 indices into it; returns this process's
-    KL sum, a float64 scalar on `device`."""
+    gradients, summed over processes by `reducer`). train_windows [n, T] int64, batch [b] int64
+    indices into it; returns this process's KL sum, a float64 scalar on `device`."""
+    pair = roots(student, teacher)
     rank, size = world()
     batch_tokens = batch.numel() * train_windows.shape[1]
-    step = settings.micro_batch_size
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    open_weight_gradients(layers)
-    for first in range(rank * step, batch.numel(), size * step):
-        kl = micro_batch_kl(student, teacher, train_windows[batch[first:first + step]].to(device), settings, device)
-        (kl / batch_tokens).backward()
-        loss_sum += kl.detach().double()
+    open_weight_gradients(layers, reducer)
+    for part in rank_batches(batch.numel(), settings.micro_batch_size, rank, size):
+        windows = train_windows[batch[part if part is not None else slice(0, 1)]].to(device)
+        kl = micro_batch_kl(pair.student, pair.teacher, windows, settings, device)
+        # padding (a process without windows left): its passes' collectives run, its gradient is zero
+        (kl * (1.0 / batch_tokens if part is not None else 0.0)).backward()
+        pair.teacher_sharded()
+        if part is not None:
+            loss_sum += kl.detach().double()
     close_weight_gradients(layers)
     return loss_sum
 
 
 def gradients_within_memory(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, batch: torch.Tensor,
                             settings: PVSettings, device: torch.device, layers: list[PVLinear],
-                            trainable: list[nn.Parameter], step: int) -> tuple[torch.Tensor, PVSettings]:
+                            trainable: list[nn.Parameter], step: int,
+                            reducer: RowReducer | None = None) -> tuple[torch.Tensor, PVSettings]:
     """`batch_gradients`, redone with half the windows per forward pass while a pass runs out of
     memory (one process only: processes would disagree on the micro-batch; one window is the
     floor). Returns the KL sum and the settings with the micro-batch that worked."""
     while True:
         try:
-            return batch_gradients(student, teacher, train_windows, batch, settings, device, layers), settings
+            return batch_gradients(student, teacher, train_windows, batch, settings, device, layers, reducer), settings
         except torch.OutOfMemoryError:
             if world()[1] > 1 or settings.micro_batch_size == 1:
                 raise
@@ -404,7 +604,9 @@ def discard_gradients(layers: list[PVLinear], parameters: list[nn.Parameter], de
     """Drop what a failed forward/backward pass left: the layers' open weight gradients, every
     parameter's .grad and, on a GPU, the allocator's cached blocks."""
     for layer in layers:
-        layer.weight_gradient = None
+        layer.weight_gradient, layer.reducer = None, None
+        if layer.device_gradient is not None:
+            layer.device_gradient.zero_()
     for parameter in parameters:
         parameter.grad = None
     if device.type == "cuda":
@@ -427,7 +629,8 @@ def batches_per_epoch(num_windows: int, batch_size: int) -> int:
 def train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, heldout_windows: torch.Tensor,
           settings: PVSettings, device: str | torch.device, progress: bool = True,
           on_eval: Callable[[dict], None] | None = None, resumer: Resumer | None = None) -> TrainResult:
-    """PV-tune `student` against `teacher` in place; the student ends in its best held-out state.
+    """PV-tune `student` against `teacher` in place; the student ends in its best held-out state
+    (over several processes sharded by FSDP2, and gathered whole in the result's `student_state`).
 
     train_windows [n, T] int64, heldout_windows [h, T] int64 (on any device). resumer: where the
     loop's full state is saved every few steps and resumed from (`aqflow.pvtune.resume`).
@@ -437,6 +640,43 @@ def train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, h
         return _train(student, teacher, train_windows, heldout_windows, settings, device, progress, on_eval, resumer)
 
 
+def _optimizers(trainable: Trainable, layers: list[PVLinear], settings: PVSettings) -> dict:
+    """The loop's optimisers: "p" Adam on the non-quantized parameters, "q" Adam on codebooks and
+    scales (separate: over several processes the former are FSDP2's sharded tensors, the latter
+    whole), "v" the V-step's (`HostVStep` where its state is in host memory); None where unused."""
+    adam = lambda params: (torch.optim.Adam(params, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2))  # noqa: E731
+                           if params else None)
+    with_v = [layer for layer in layers if layer.straight_through is not None] if settings.update_codes else []
+    groups = v_step_param_groups([layer.straight_through for layer in with_v], settings.code_lr, settings.code_lr_scale,
+                                 [layer.weight_rms() for layer in with_v])
+    if not with_v:
+        v_optimizer = None
+    elif settings.v_state == "host":
+        v_optimizer = HostVStep(groups, with_v, settings.code_beta1, settings.code_beta2,
+                                settings.max_code_change_fraction, settings.code_beam_size,
+                                settings.beam_memory_budget_bytes)
+    else:
+        v_optimizer = v_step_optimizer(groups, settings.code_beta1, settings.code_beta2)
+    return {"p": adam(trainable.non_quantized), "q": adam(trainable.quantized), "v": v_optimizer}
+
+
+def _prepare(student: nn.Module, teacher: nn.Module, settings: PVSettings,
+             device: torch.device) -> tuple[Roots, Trainable, list[PVLinear]]:
+    """The loop's roots, trainable parameters and quantized layers: the straight-through rows made
+    (in host memory with v_state "host", `trainable_groups`), and over several processes both
+    models sharded."""
+    size = world()[1]
+    if settings.v_state == "host" and size > 1:
+        raise ValueError("v_state 'host' (the V-step's state in host memory) runs in one process only")
+    layers = list(pv_linears(student).values())
+    trainable = trainable_groups(student, settings)
+    pair = roots(student, teacher)
+    if size > 1:
+        shard(pair, layers, device)
+        trainable = trainable_groups(student, settings)  # FSDP2 replaced the parameters by sharded ones
+    return pair, trainable, layers
+
+
 def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, heldout_windows: torch.Tensor,
            settings: PVSettings, device: torch.device, progress: bool,
            on_eval: Callable[[dict], None] | None, resumer: Resumer | None) -> TrainResult:
@@ -444,34 +684,41 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
     if settings.micro_batch_size * size > settings.batch_size:
         raise ValueError(f"batch_size {settings.batch_size} is smaller than micro_batch_size "
                          f"{settings.micro_batch_size} x {size} processes")
-    p_params, v_params = trainable_groups(student, settings)
-    layers = list(pv_linears(student).values())
-    p_optimizer = torch.optim.Adam(p_params, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2)) if p_params else None
-    v_optimizer = (v_step_optimizer(v_step_param_groups(v_params, settings.code_lr, settings.code_lr_scale),
-                                    settings.code_beta1, settings.code_beta2) if v_params else None)
-    if settings.gradient_checkpointing:
-        set_checkpointing(student, True)
+    pair, trainable, layers = _prepare(student, teacher, settings, device)
+    optimizers = _optimizers(trainable, layers, settings)
+    all_trainable = trainable.non_quantized + trainable.quantized + trainable.straight_through
+    p_params = trainable.non_quantized + trainable.quantized
     student.train()
     teacher.eval()
 
     timings: dict[str, float] = {}
+    keep = keeping_weights(layers, settings, device)
+    for layer in layers:
+        layer.keep_weight = keep
+    checkpointing = settings.gradient_checkpointing != "never"
+    set_checkpointing(student, checkpointing)
     if settings.micro_batch_size == 0:
         with _timed(timings, "micro_batch_probe_seconds", device):
-            settings = replace(settings, micro_batch_size=choose_micro_batch_size(
-                student, teacher, train_windows[:1], settings, device, p_params, v_params))
+            chosen, checkpointing = choose_micro_batch_size(pair.student, pair.teacher, train_windows[:1], settings,
+                                                            device, p_params, trainable.straight_through, layers)
+            settings = replace(settings, micro_batch_size=chosen)
     log: list[dict] = []
     started = time.perf_counter()
     steps_per_epoch = batches_per_epoch(train_windows.shape[0], settings.batch_size)
-    total_steps = settings.epochs * steps_per_epoch
+    budget_steps = settings.epochs * steps_per_epoch
     if settings.max_steps is not None:
-        total_steps = min(total_steps, settings.max_steps)
+        budget_steps = min(budget_steps, settings.max_steps)
+    total_steps = budget_steps
     total_groups = sum(layer.codes.shape[0] * layer.codes.shape[1] for layer in layers)
     v_step = VStep(layers, settings.max_code_change_fraction, settings.code_beam_size,
                    settings.beam_memory_budget_bytes, use_graph=settings.v_step_graph)
+    reducer = RowReducer()
+    cache = TeacherCache()
+    state_bytes = 0
 
     def evaluate(step: int, epoch: float) -> dict:
         with _timed(timings, "heldout_eval_seconds", device):
-            metrics = heldout_metrics(student, teacher, heldout_windows, settings, device)
+            metrics = heldout_metrics(pair.student, pair.teacher, heldout_windows, settings, device, cache)
         row = {"step": step, "epoch": epoch, "split": "heldout", "kl": metrics["kl"], "perplexity": metrics["perplexity"],
                "codes_changed_fraction": float("nan"), "seconds": time.perf_counter() - started}
         log.append(row)
@@ -479,10 +726,14 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
             on_eval(row)
         return row
 
+    def plateaued() -> bool:
+        values = [row[metric] for row in log if row["split"] == "heldout"]
+        return plateau_reached(values, settings.plateau_evaluations, settings.plateau_min_improvement)
+
     metric = settings.selection_metric
     generator = torch.Generator().manual_seed(settings.seed)
-    optimizers = {"p": p_optimizer, "v": v_optimizer}
     resumed = resumer.load(student, optimizers) if resumer is not None else None
+    forget_weights(layers)  # the probe's, or made before the resumed state was loaded
     if resumed is None:
         best = initial = evaluate(0, 0.0)
         best_state = snapshot(student, p_params)
@@ -493,6 +744,9 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
         generator.set_state(resumed.generator_state)
         started -= resumed.elapsed_seconds
         timings.update(resumed.timings)
+    stopped_at_plateau = plateaued()
+    if stopped_at_plateau:
+        total_steps = step
     bar = tqdm(total=total_steps, initial=step, desc="pv-tune", unit="step", disable=not progress or rank != 0)
     while step < total_steps:
         if order is None:
@@ -502,20 +756,25 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
             first += settings.batch_size
             batch_tokens = batch.numel() * train_windows.shape[1]
             with _timed(timings, "forward_backward_seconds", device):
-                loss_sum, settings = gradients_within_memory(student, teacher, train_windows, batch, settings, device,
-                                                             layers, p_params + v_params, step + 1)
-                _average_gradients(p_params + v_params)
+                loss_sum, settings = gradients_within_memory(pair.student, pair.teacher, train_windows, batch, settings,
+                                                             device, layers, all_trainable, step + 1, reducer)
                 all_reduce_sum(loss_sum)
+            if step < 2:  # with the gradients, and (from the second step) every optimiser moment
+                state_bytes = max(state_bytes, held_bytes([student, teacher], optimizers.values()))
             with _timed(timings, "p_step_seconds", device):
-                if p_optimizer is not None:
-                    p_optimizer.step()
-                    p_optimizer.zero_grad(set_to_none=True)
+                for key in ("p", "q"):
+                    if optimizers[key] is not None:
+                        optimizers[key].step()
+                        optimizers[key].zero_grad(set_to_none=True)
             changed = 0
             with _timed(timings, "v_step_seconds", device):
-                if v_optimizer is not None:
-                    v_optimizer.step()
-                    v_optimizer.zero_grad(set_to_none=True)
+                if isinstance(optimizers["v"], HostVStep):
+                    changed = optimizers["v"].step()
+                elif optimizers["v"] is not None:
+                    optimizers["v"].step()
+                    optimizers["v"].zero_grad(set_to_none=True)
                     changed = v_step()
+            forget_weights(layers)  # codebooks, scales and codes have moved
             step += 1
             epoch = step / steps_per_epoch
             log.append({"step": step, "epoch": epoch, "split": "train", "kl": loss_sum.item() / batch_tokens,
@@ -528,20 +787,30 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
                 if row[metric] < best[metric]:
                     best = row
                     best_state = snapshot(student, p_params)
-            if resumer is not None and rank == 0 and resumer.due(step, total_steps):
+                if plateaued():
+                    stopped_at_plateau, total_steps = step < budget_steps, step
+            if resumer is not None and resumer.due(step, total_steps):
                 resumer.save(student, optimizers, LoopState(
                     step=step, order=order if first < len(order) else None, next_batch=first,
                     generator_state=generator.get_state(), log=log, initial=initial, best=best,
                     best_state=best_state, elapsed_seconds=time.perf_counter() - started, timings=timings))
         order = None
     bar.close()
-    if settings.gradient_checkpointing:
-        set_checkpointing(student, False)
+    if stopped_at_plateau and progress and rank == 0:
+        print(f"pv-tune: held-out {metric} no better by {settings.plateau_min_improvement:.1%} over the last "
+              f"{settings.plateau_evaluations} evaluations; stopped after step {step} of {budget_steps}", flush=True)
+    set_checkpointing(student, False)
+    for layer in layers:
+        layer.keep_weight = False
+    forget_weights(layers)
     restore(student, best_state)
+    student_state = gathered_state(student) if pair.sharded else None
     student.eval()
     timings["train_seconds"] = time.perf_counter() - started
     return TrainResult(log=log, best_step=best["step"], best_heldout=best, initial_heldout=initial, steps=step,
-                       micro_batch_size=settings.micro_batch_size, timings=timings)
+                       micro_batch_size=settings.micro_batch_size, timings=timings,
+                       gradient_checkpointing=checkpointing, stopped_at_plateau=stopped_at_plateau,
+                       budget_steps=budget_steps, state_bytes=state_bytes, student_state=student_state)
 
 
 def settings_record(settings: PVSettings) -> dict:

@@ -14,6 +14,33 @@ import math
 import torch
 
 
+def adam_update_(parameter: torch.Tensor, gradient: torch.Tensor, state: dict, lr: float, beta1: float, beta2: float,
+                 eps: float) -> None:
+    """One Adam step of `parameter` (any shape) in place, torch.optim.Adam's arithmetic; `state`
+    holds "step" (float32 scalar, on the host), "exp_avg_sq" and, where beta1 is not 0,
+    "exp_avg" (both in the parameter's shape), created on the first step. At beta1 0 the first
+    moment is the gradient itself and is not kept."""
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+        if beta1 != 0.0:
+            state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+    if beta1 == 0.0:
+        state.pop("exp_avg", None)  # resumed from torch's Adam: at beta1 0 it is the last gradient, unused
+    state["step"] += 1
+    step = float(state["step"])
+    second = state["exp_avg_sq"]
+    second.mul_(beta2).addcmul_(gradient, gradient, value=1 - beta2)
+    # one layer's temporary at a time: the denominator is never held for all layers
+    denominator = second.sqrt().div_(math.sqrt(1 - beta2**step)).add_(eps)
+    if beta1 == 0.0:
+        parameter.addcdiv_(gradient, denominator, value=-lr)
+        return
+    first = state["exp_avg"]
+    first.lerp_(gradient, 1 - beta1)
+    parameter.addcdiv_(first, denominator, value=-lr / (1 - beta1**step))
+
+
 class SecondMomentAdam(torch.optim.Optimizer):
     """Adam with beta1 = 0 and no stored first moment: per parameter p [any shape] with gradient g,
     v = beta2 v + (1 - beta2) g², p -= lr g / (sqrt(v / (1 - beta2^t)) + eps). State per parameter:
@@ -36,18 +63,7 @@ class SecondMomentAdam(torch.optim.Optimizer):
             for parameter in group["params"]:
                 if parameter.grad is None:
                     continue
-                state = self.state[parameter]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
-                state.pop("exp_avg", None)  # resumed from torch's Adam: at beta1 0 it is the last gradient, unused
-                state["step"] += 1
-                gradient, second = parameter.grad, state["exp_avg_sq"]
-                second.mul_(beta2).addcmul_(gradient, gradient, value=1 - beta2)
-                correction = math.sqrt(1 - beta2 ** float(state["step"]))
-                # one layer's temporary at a time: the denominator is never held for all layers
-                denominator = second.sqrt().div_(correction).add_(eps)
-                parameter.addcdiv_(gradient, denominator, value=-lr)
+                adam_update_(parameter, parameter.grad, self.state[parameter], lr, 0.0, beta2, eps)
         return loss
 
 

@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
 MAX_REGISTER_CANDIDATES = 4096  # b·K held per program
 # Warps per row of the stage kernel. The stage is latency-bound (b dependent selection rounds per
 # row): fewer warps per row let more rows share an SM. One beam pass over 8192x3072 on an H100:
-# 0.115 s at 1 warp, 0.110 s at 2, 0.252 s at 4, 0.402 s at 8 (benchmarks/beam_pass.py --sweep).
+# 0.115 s at 1 warp, 0.110 s at 2, 0.252 s at 4, 0.402 s at 8 (benchmarks/beam_pass.py --sweep, in the git history).
 STAGE_NUM_WARPS = 2
 
 

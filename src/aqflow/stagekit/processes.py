@@ -31,7 +31,7 @@ def exit_now(code: int) -> NoReturn:
     """End this process with `code`, skipping the interpreter's teardown of every module.
 
     With torch and transformers imported, that teardown takes about a second (benchmarks/
-    eval_overhead.py, "process exit"), after a stage has written and closed its outputs. atexit
+    eval_overhead.py in the git history, "process exit"), after a stage has written and closed its outputs. atexit
     callbacks (logging's flush, multiprocessing's joins) still run and the standard streams are
     flushed. A process in a torch.distributed group (a torchrun worker) exits the ordinary way."""
     distributed = sys.modules.get("torch.distributed")

@@ -10,8 +10,9 @@ Writes, atomically: --output-dir (a standard AQLM checkpoint again, same layout 
 the input), --train-log (Parquet: step, epoch, split, kl, perplexity, codes_changed_fraction,
 seconds, selected) and --metrics (JSON: settings, data, results, timings per phase).
 
-Several GPUs of one host: `torchrun --nproc-per-node N -m aqflow pvtune ...` averages gradients
-over the processes (each takes its share of every batch); process 0 writes the outputs.
+Several GPUs of one host: `torchrun --nproc-per-node N -m aqflow pvtune ...` shards the state over
+the processes (FSDP2, and the V-step's state by rows: `aqflow.pvtune.distributed`), each taking
+its share of every batch; the checkpoint is gathered once and process 0 writes the outputs.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from aqflow.models.fetch import ModelInputError, load_tokenizer, model_compute_d
 from aqflow.models.folder import tensor_headers
 from aqflow.stagekit.processes import die_with_parent
 from aqflow.pvtune.data import pv_windows
-from aqflow.pvtune.memory import PVMemoryError, require_fit, state_bytes, wait_for_free_memory
+from aqflow.pvtune.memory import PVMemoryError, host_bytes, plan_v_state, wait_for_free_memory
 from aqflow.pvtune.resume import Resumer, run_fingerprint
 from aqflow.pvtune.student import StudentError, load_student, load_teacher, pv_linears, save_student
 from aqflow.pvtune.train import PVSettings, settings_record, train, world
@@ -168,6 +169,34 @@ def wait_for_card(needed: int, device: torch.device, timeout_seconds: float, ran
           + ("" if free >= needed else "; loading anyway"), flush=True)
 
 
+def plan_memory(settings: PVSettings, paths: PvtunePaths, teacher_bytes: int, device: torch.device, size: int,
+                say) -> PVSettings:
+    """The loop's settings with `v_state` decided from the memory plan (`pvtune.memory`): the
+    V-step's state on the card where one process's share fits it, else in host memory (one
+    process); PVMemoryError naming what would fit where nothing does."""
+    import psutil
+
+    card_bytes = torch.cuda.get_device_properties(device).total_memory
+    v_state, parts = plan_v_state(tensor_headers(paths.checkpoint_dir), tensor_headers(paths.model_dir), teacher_bytes,
+                                  settings, size, card_bytes, psutil.virtual_memory().available, str(device))
+    listed = ", ".join(f"{name} {value / 2**30:.1f}" for name, value in parts.items())
+    say(f"memory: {sum(parts.values()) / 2**30:.1f} GiB of state per process before activations ({listed} GiB) on a "
+        f"{card_bytes / 2**30:.1f} GiB card, {size} process(es)", flush=True)
+    if v_state == "host":
+        say(f"memory: the V-step's straight-through weights and moments ("
+            f"{host_bytes(tensor_headers(paths.checkpoint_dir), settings) / 2**30:.1f} GiB) live in host memory and "
+            f"stream through the card once a step (the card is too small for them)", flush=True)
+    return dataclasses.replace(settings, v_state=v_state)
+
+
+def settings_bytes_on_card(settings: PVSettings, paths: PvtunePaths, teacher_dtype: str, size: int) -> int:
+    """One process's state on its card for the decided settings (`memory.state_bytes`)."""
+    from aqflow.pvtune.memory import state_bytes
+
+    return sum(state_bytes(tensor_headers(paths.checkpoint_dir), tensor_headers(paths.model_dir),
+                           torch_dtype(teacher_dtype).itemsize, settings, size, settings.v_state).values())
+
+
 def pvtune(options: PvtuneSettings, paths: PvtunePaths) -> dict:
     """PV-tuning; the metrics record (outputs written by process 0)."""
     check_inputs(options, paths)
@@ -192,13 +221,11 @@ def pvtune(options: PvtuneSettings, paths: PvtunePaths) -> dict:
     phase = time.perf_counter()
     teacher_dtype = options.teacher_dtype if options.teacher_dtype != "auto" else model_compute_dtype(paths.model_dir, device)
     if device.type == "cuda":  # a card too small is named before minutes of loading
-        parts = state_bytes(tensor_headers(paths.checkpoint_dir), tensor_headers(paths.model_dir),
-                            torch_dtype(teacher_dtype).itemsize, settings)
-        card_bytes = torch.cuda.get_device_properties(device).total_memory
-        say(f"memory: {sum(parts.values()) / 2**30:.1f} GiB of state before activations on a "
-            f"{card_bytes / 2**30:.1f} GiB card", flush=True)
-        require_fit(parts, card_bytes, str(device))
-        wait_for_card(sum(parts.values()), device, options.memory_wait_seconds, rank)
+        settings = plan_memory(settings, paths, torch_dtype(teacher_dtype).itemsize, device, size, say)
+        wait_for_card(settings_bytes_on_card(settings, paths, teacher_dtype, size), device, options.memory_wait_seconds,
+                      rank)
+    elif settings.v_state == "auto":
+        settings = dataclasses.replace(settings, v_state="device")
     teacher = load_teacher(paths.model_dir, device, teacher_dtype)
     student = load_student(paths.checkpoint_dir, device)
     initial_codes = {name: pack_codes(layer.codes, layer.nbits).cpu() for name, layer in pv_linears(student).items()}
@@ -212,8 +239,10 @@ def pvtune(options: PvtuneSettings, paths: PvtunePaths) -> dict:
 
     resumer = None
     if paths.state_dir is not None:
+        # where the V-step's state lives changes no step: a state saved with it on the card resumes in host memory
+        run_settings = {key: value for key, value in settings_record(settings).items() if key != "v_state"}
         resumer = Resumer(paths.state_dir, options.save_state_every, run_fingerprint(
-            settings_record(settings) | {"world_size": size}, data.record,
+            run_settings | {"world_size": size}, data.record,
             [paths.model_dir, paths.checkpoint_dir, paths.corpus]))
     result = train(student, teacher, data.train.input_ids, data.heldout.input_ids, settings, device,
                    progress=not options.quiet, on_eval=report, resumer=resumer)
@@ -224,7 +253,11 @@ def pvtune(options: PvtuneSettings, paths: PvtunePaths) -> dict:
         "model_dir": str(paths.model_dir),
         "checkpoint_dir": str(paths.checkpoint_dir),
         "steps": result.steps,
+        "budget_steps": result.budget_steps,
+        "stopped_at_plateau": result.stopped_at_plateau,
         "micro_batch_size_used": result.micro_batch_size,
+        "gradient_checkpointing_used": result.gradient_checkpointing,
+        "state_bytes_per_process": result.state_bytes,
         "best_step": result.best_step,
         "initial_heldout_kl": result.initial_heldout["kl"],
         "best_heldout_kl": result.best_heldout["kl"],
@@ -244,7 +277,8 @@ def pvtune(options: PvtuneSettings, paths: PvtunePaths) -> dict:
         import pandas as pd
 
         phase = time.perf_counter()
-        save_student(student, paths.checkpoint_dir, paths.output_dir, {k: record[k] for k in ("settings", "data", "best_step")})
+        save_student(student, paths.checkpoint_dir, paths.output_dir, {k: record[k] for k in ("settings", "data", "best_step")},
+                     result.student_state)
         log = pd.DataFrame(result.log)
         log["selected"] = (log["split"] == "heldout") & (log["step"] == result.best_step)
         artifacts.write_parquet(paths.train_log, log)
@@ -266,7 +300,9 @@ def summary(record: dict) -> str | None:
     phases = ", ".join(f"{key.removesuffix('_seconds')} {value:.1f} s" for key, value in record["timings"].items())
     return (f"held-out KL {record['initial_heldout_kl']:.5f} -> {record['best_heldout_kl']:.5f}, perplexity "
             f"{record['initial_heldout_perplexity']:.4f} -> {record['best_heldout_perplexity']:.4f} (selected step "
-            f"{record['best_step']} of {record['steps']}), {record['codes_changed_fraction']:.2%} of code groups "
+            f"{record['best_step']} of {record['steps']}"
+            f"{', stopped early: the held-out metric reached a plateau' if record.get('stopped_at_plateau') else ''}), "
+            f"{record['codes_changed_fraction']:.2%} of code groups "
             f"changed -> {record['output_dir']}\nwall time: {phases}")
 
 
