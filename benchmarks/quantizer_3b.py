@@ -48,15 +48,9 @@ FP32_PEAK_FLOPS = {"H100": 67e12, "H200": 67e12}
 def block_layers(model: str) -> list[tuple[str, int, int, str]]:
     """(name, out, in, input site) of the seven linears of one block."""
     _, hidden, kv, inter = MODELS[model]
-    return [
-        ("q_proj", hidden, hidden, "attn_in"),
-        ("k_proj", kv, hidden, "attn_in"),
-        ("v_proj", kv, hidden, "attn_in"),
-        ("o_proj", hidden, hidden, "o_in"),
-        ("gate_proj", inter, hidden, "mlp_in"),
-        ("up_proj", inter, hidden, "mlp_in"),
-        ("down_proj", hidden, inter, "down_in"),
-    ]
+    return [("q_proj", hidden, hidden, "attn_in"), ("k_proj", kv, hidden, "attn_in"), ("v_proj", kv, hidden, "attn_in"),
+            ("o_proj", hidden, hidden, "o_in"), ("gate_proj", inter, hidden, "mlp_in"),
+            ("up_proj", inter, hidden, "mlp_in"), ("down_proj", hidden, inter, "down_in")]
 
 
 def synthetic_xtx(size: int, generator: torch.Generator, device: str) -> torch.Tensor:
@@ -113,20 +107,13 @@ def run_layer(layer: dict, settings, device: str) -> dict:
     floor = 2 * settings.num_codebooks * settings.beam_size * out_features * in_features**2
     beam = [e["beam_seconds"] for e in epochs]
     return {
-        "layer": layer["name"],
-        "shape": [out_features, in_features],
-        "init_seconds": report.init_seconds,
-        "adam_seconds": sum(e["adam_seconds"] for e in epochs),
-        "beam_seconds": sum(beam),
+        "layer": layer["name"], "shape": [out_features, in_features], "init_seconds": report.init_seconds,
+        "adam_seconds": sum(e["adam_seconds"] for e in epochs), "beam_seconds": sum(beam),
         "beam_pass_seconds_median": sorted(beam)[len(beam) // 2] if beam else None,
-        "beam_pass_flop_floor": floor,
-        "epochs": len(epochs),
-        "stopped_because": report.stopped_because,
-        "total_seconds": report.total_seconds,
-        "init_relative_mse": report.init_relative_mse,
+        "beam_pass_flop_floor": floor, "epochs": len(epochs), "stopped_because": report.stopped_because,
+        "total_seconds": report.total_seconds, "init_relative_mse": report.init_relative_mse,
         "final_relative_mse": report.final_relative_mse,
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "history": epochs,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "history": epochs,
     }
 
 
@@ -152,14 +139,9 @@ def measure(args) -> dict:
 
     device = "cuda"
     settings = QuantizerSettings(beam_size=args.beam_size, max_epochs=args.max_epochs, relative_tolerance=args.tolerance)
-    result = {
-        "label": args.label,
-        "aqflow_src": os.path.relpath(Path(aqflow.quant.__file__).parent),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "settings": dataclasses.asdict(settings),
-        "blocks": {},
-    }
+    result = {"label": args.label, "aqflow_src": os.path.relpath(Path(aqflow.quant.__file__).parent),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "settings": dataclasses.asdict(settings), "blocks": {}}
     for model in args.models:
         if args.bundles is not None:
             from benchmarks.quantizer_gpu import load_bundle

@@ -104,12 +104,9 @@ def check_graph_replay(weight, xtx, settings) -> dict:
     second = graphed(w, codebooks, scales, codes)  # a replay, not the capture
     before = float(relative_output_mse(w, dequantize_weight(codes, codebooks, scales), h))
     after = float(relative_output_mse(w, dequantize_weight(eager, codebooks, scales), h))
-    return {
-        "graph_equals_eager": bool(torch.equal(first, eager) and torch.equal(second, eager)),
-        "relative_mse_before_pass": before,
-        "relative_mse_after_pass": after,
-        "pass_never_worse": after <= before * (1 + 1e-6),
-    }
+    return {"graph_equals_eager": bool(torch.equal(first, eager) and torch.equal(second, eager)),
+            "relative_mse_before_pass": before, "relative_mse_after_pass": after,
+            "pass_never_worse": after <= before * (1 + 1e-6)}
 
 
 def compare_with_reference(layer, settings, reference_search) -> dict:
@@ -118,27 +115,13 @@ def compare_with_reference(layer, settings, reference_search) -> dict:
     searcher = BeamSearcher(h, settings.beam_size, settings.memory_budget_bytes, settings.use_cuda_graphs)
     searcher(w, codebooks, scales, codes)  # capture
     ours, ours_seconds = cuda_time(lambda: searcher(w, codebooks, scales, codes))
-    theirs, theirs_seconds = cuda_time(
-        lambda: reference_search(
-            XTX=h,
-            reference_weight=w,
-            codebooks=codebooks[:, :, None, :],
-            prev_codes=codes.to(torch.int32),
-            scales=scales.reshape(-1, 1, 1, 1),
-            beam_size=settings.beam_size,
-            verbose=False,
-        )
-    )
+    theirs, theirs_seconds = cuda_time(lambda: reference_search(
+        XTX=h, reference_weight=w, codebooks=codebooks[:, :, None, :], prev_codes=codes.to(torch.int32),
+        scales=scales.reshape(-1, 1, 1, 1), beam_size=settings.beam_size, verbose=False))
     rel = lambda c: float(relative_output_mse(w, dequantize_weight(c.long(), codebooks, scales), h))
-    return {
-        "layer": layer["name"],
-        "start_relative_mse": rel(codes),
-        "ours_relative_mse": rel(ours),
-        "reference_relative_mse": rel(theirs),
-        "ours_pass_seconds": ours_seconds,
-        "reference_pass_seconds": theirs_seconds,
-        "speedup": theirs_seconds / ours_seconds,
-    }
+    return {"layer": layer["name"], "start_relative_mse": rel(codes), "ours_relative_mse": rel(ours),
+            "reference_relative_mse": rel(theirs), "ours_pass_seconds": ours_seconds,
+            "reference_pass_seconds": theirs_seconds, "speedup": theirs_seconds / ours_seconds}
 
 
 def run_reference_layer(layer, settings, engine_class) -> dict:
@@ -175,24 +158,16 @@ def run_layer(layer, settings) -> dict:
     adam = [e["adam_seconds"] for e in epochs]
     m, b = settings.num_codebooks, settings.beam_size
     return {
-        "layer": layer["name"],
-        "model": layer.get("model"),
-        "shape": [out_features, in_features],
-        "bpp": m,
-        "init": settings.init,
-        "rho": layer_rho(out_features, in_features, m, settings.nbits),
-        "init_seconds": report.init_seconds,
-        "epochs": len(epochs),
-        "stopped_because": report.stopped_because,
+        "layer": layer["name"], "model": layer.get("model"), "shape": [out_features, in_features], "bpp": m,
+        "init": settings.init, "rho": layer_rho(out_features, in_features, m, settings.nbits),
+        "init_seconds": report.init_seconds, "epochs": len(epochs), "stopped_because": report.stopped_because,
         "beam_pass_seconds_median": sorted(beam)[len(beam) // 2] if beam else None,
         "beam_pass_seconds_first": beam[0] if beam else None,
         "adam_phase_seconds_median": sorted(adam)[len(adam) // 2] if adam else None,
-        "total_seconds": report.total_seconds,
-        "init_relative_mse": report.init_relative_mse,
+        "total_seconds": report.total_seconds, "init_relative_mse": report.init_relative_mse,
         "final_relative_mse": report.final_relative_mse,
         "beam_pass_flop_floor": 2 * m * b * out_features * in_features**2,
-        "adam_step_flop_floor": 2 * out_features * in_features**2,
-        "history": epochs,
+        "adam_step_flop_floor": 2 * out_features * in_features**2, "history": epochs,
     }
 
 
@@ -225,13 +200,10 @@ def main(argv=None) -> int:
     if args.layers:
         layers = [l for l in layers if any(s in l["name"] for s in args.layers)]
     results = {
-        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
-        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
         "settings": {"beam_size": args.beam_size, "max_epochs": args.max_epochs, "relative_tolerance": args.tolerance,
                      "seeds": args.seeds},
-        "runs": [],
-        "reference_comparison": [],
-        "reference_full": [],
+        "runs": [], "reference_comparison": [], "reference_full": [],
     }
 
     def save():
