@@ -1,47 +1,31 @@
-"""2-bit decoding on a CPU: the lookup-table kernel against dense matmuls, and batch-1 decode of
-whole models, on all cores.
+"""2-bit decoding on a CPU: the lookup-table kernels against dense matmuls, and batch-1 decode of
+whole models, on all cores (or --threads N).
 
     PYTHONPATH=src .venv/bin/python benchmarks/inference_cpu.py --out benchmarks/results/inference_cpu_<machine>.json \\
-        [--checkpoint results/smollm2/2bpp/.../model --fp resources/models/smollm2] [--new-tokens 8] \\
-        [--cpu-kernel avx2]
+        [--checkpoint results/smollm2/2bpp/.../model --fp resources/models/smollm2] [--cpu-kernel avx2]
 
---cpu-kernel forces the compiled lookup kernel of 8-bit codes (cpu_dispatch: avx512, avx2, neon or
-numba; auto, the default, takes the best one this CPU runs), for every variant: a machine with
-AVX-512 measures the AVX2 kernel that way. The kernel each row ran is recorded (`cpu_kernel`), with
-the CPU's model and SIMD flags, the commit, the date and the command.
+--cpu-kernel forces the kernel of 8-bit codes for every variant (cpu_dispatch: avx512, avx2, neon,
+numba; `auto` takes the best this CPU runs), so an AVX-512 machine can measure the AVX2 kernel. Each
+row records its kernel, with the CPU's model and SIMD flags, the commit, the date and the command.
 
-(a) kernels: every linear shape of Llama-3.2-3B and SmolLM2-135M (and the 3B's tied lm_head), one
-    token: `lut_matmul` on 2x8 codes (2 bits per weight) against torch's dense matmul in float32 and
-    bfloat16, on all cores. Each variant cycles through copies of its tensors totalling twice the
-    last-level cache, so every call reads its weights from DRAM as a decode step does. GB/s are
-    the bytes of the stored tensors read per second (codes for the tables, the weight for dense).
-    --crossover adds lut_matmul against dequantized_matmul at 1..64 tokens (FastQuantizedLinear's
-    LUT_MAX_TOKENS).
-(b) decode: a Llama-3.2-3B-shaped model with seeded random weights (random codes: speed does not
-    depend on their values), batch 1, --prompt-tokens then --new-tokens greedy tokens through
-    aqflow.inference.decode.greedy_decode (a static KV cache; a warm-up decode first; the fastest
-    of --repeats decodes): dense
-    float32, dense bfloat16 (torch's GEMV, and every linear through numba's bf16 GEMV,
-    cpu_kernels.bf16_matmul), 2x8 through FastQuantizedLinear (unquantized parts in bfloat16 with
-    the tied lm_head through numba's bf16 GEMV as runtime's fast path has it (for its bf16 activations
-    the tables timed faster, register_kernel.tables_for_16bit; the same with float32, float16 and int16
-    tables), the same with torch's
-    lm_head, and float32 parts), and aqlm's own numba kernel (one thread: it races with more;
-    float32, its only dtype) unless --no-aqlm-kernel; --variants picks some. Each in a fresh process: weight bytes as held and the process's
-    peak RSS are its own. `cpu_decode_speedup_3b` = decode tokens/s of 2x8 with bf16 unquantized
-    parts (the variant within the memory target: its embedding in float32 alone is 1.5 GiB) over
-    the best of the three dense variants; `..._fp32_rest` the same for float32 unquantized parts; `..._cpu_time` by
-    CPU seconds of the decode steps (meaningful with --threads 1 on a shared machine).
-(c) with --checkpoint and --fp: the real SmolLM2 checkpoint and its fp16 source through the speed
-    stage's measurement (aqflow.stages.speed.measure): fp in float32, bfloat16 and float16 (its
-    stored dtype; the speed-up is over the fastest of the three), the checkpoint
-    through the fast path (float32 and bfloat16 for its unquantized parts) and plain
-    transformers + aqlm.
-
-(d) with --checkpoint and --eval-windows: evaluate's perplexity over random windows of the
-    checkpoint through `evaluation.cpu_kernel` dense (AQLM layers dequantized once after loading)
-    and fast (FastQuantizedLinear: rows dequantized a chunk at a time per forward), seconds and
-    memory held, each in a fresh process.
+(a) kernels: every linear shape of Llama-3.2-3B and SmolLM2-135M, one token: `lut_matmul` on 2x8
+    codes against torch's dense matmul in float32 and bfloat16, cycling through copies totalling twice
+    the last-level cache so every call reads DRAM as a decode step does (GB/s of the stored tensors).
+    --crossover adds lut_matmul against dequantized_matmul at 1..64 tokens.
+(b) decode: a Llama-3.2-3B-shaped model with seeded random weights (speed does not depend on the
+    codes' values), --prompt-tokens then --new-tokens greedy tokens through greedy_decode, the
+    fastest of --repeats after a warm-up, each variant (--variants) in a fresh process so its weight
+    bytes and peak RSS are its own: dense float32, dense bfloat16 (torch's GEMV, and numba's bf16
+    GEMV), 2x8 through FastQuantizedLinear (bf16 or float32 unquantized parts, the tied lm_head
+    through numba's bf16 GEMV) and aqlm's own numba kernel (one thread, float32) unless
+    --no-aqlm-kernel. `cpu_decode_speedup_3b` = tokens/s of 2x8 with bf16 unquantized parts (within
+    the memory target: the float32 embedding alone is 1.5 GiB) over the best dense variant;
+    `..._fp32_rest` with float32 parts; `..._cpu_time` by CPU seconds (for --threads 1 on a shared box).
+(c) with --checkpoint and --fp: the real checkpoint and its fp16 source through the speed stage's
+    measurement: fp in float32, bfloat16 and float16 (the speed-up is over the fastest), the
+    checkpoint through the fast path (float32 and bfloat16 parts) and plain transformers + aqlm.
+(d) with --checkpoint and --eval-windows: evaluate's perplexity over random windows through
+    `evaluation.cpu_kernel` dense and fast, seconds and memory held, each in a fresh process.
 
 Prints a table last; --out writes everything as JSON.
 """

@@ -1,19 +1,12 @@
 """Quantizer benchmark on real SmolLM2-135M layers: time and output error, greedy vs OA-EM.
 
-Input: the layer bundles written by `benchmarks/prepare_layers.py` (one safetensors file
-per block: fp16 weights of its linears and the XᵀX of each input site, from real text).
-For each linear, bit rate and init it runs the full quantizer (init, then epochs of Adam + beam
-search until max epochs or the relative tolerance) and records seconds for init and per epoch,
-relative output MSE after init and at the end, next to the FLOP floors of one beam-search pass
-(2·M·b·out·in², the per-pass work of a whole-row beam that updates every hypothesis' residual at
-every (group, codebook) step) and of one Adam step (2·out·in², the product ΔW·XᵀX).
-
-Before timing it checks, on the first layer, that the CUDA-graph replay of a beam-search pass
-gives exactly the codes of the eager pass and never raises the objective.
-
-With --reference-src DIR (a folder holding a module `src.beam_search_xtx` with AQLM's public
-`beam_search_optimal_codes`), it also times one reference pass from the same starting state as
-one of ours, and compares the output error after each: equal settings, same card.
+Input: the layer bundles of `benchmarks/prepare_layers.py` (fp16 weights and each input site's XᵀX
+from real text). For each linear, bit rate and init it runs the full quantizer and records seconds
+for init and per epoch and the relative output MSE after init and at the end, beside the FLOP floors
+of one beam-search pass (2·M·b·out·in²) and one Adam step (2·out·in²). It first checks on one layer
+that the CUDA-graph replay of a beam pass gives the eager pass's codes and never raises the
+objective. With --reference-src DIR (a module `src.beam_search_xtx` holding AQLM's public
+`beam_search_optimal_codes`) it also times one reference pass from the same state and compares errors.
 
 Prints a table last and writes everything as JSON (--out, default $OUT/quantizer_gpu.json).
 """

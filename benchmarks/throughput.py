@@ -9,14 +9,11 @@ a node, and the figures of pv_scale_<card>.json and node_<cards>x<card>.json.
     PYTHONPATH=src python3 benchmarks/throughput.py node pv_llama3b_x1.json pv_llama3b_x4.json \\
         --pv8b pv_llama8b_x2.json --out benchmarks/results    (benchmarks/throughput_node.sh runs it all)
 
-Inputs are built once per shape and shared by every run: a random bf16 teacher of the shape
-(SmolLM2-135M, Llama-3.2-3B or Llama-3.1-8B), its 2x8-bit AQLM student (codes from one pass of
-residual nearest-codeword assignment to codewords drawn from the weight's own groups, so the
-student starts near its teacher), and a corpus of random words. Each run is `python -m aqflow
-pvtune` from its own source tree with the same data, seed and steps, so the held-out KL curves
-must agree within run-to-run noise. Tokens/s comes from the median of the steps that neither come
-first nor follow a held-out evaluation; the paper's budget (1,563 steps of 32 windows, 157
-held-out evaluations of 128 windows) is projected from the measured step and evaluations.
+Every run of a shape shares its inputs: a random bf16 teacher, its 2x8 AQLM student (one pass of
+residual nearest-codeword assignment, so it starts near its teacher) and a corpus of random words;
+each run is `python -m aqflow pvtune` from its own source tree with the same data, seed and steps.
+Tokens/s is the median of the steps that neither come first nor follow a held-out evaluation; the
+paper's budget (1,563 steps of 32 windows, 157 evaluations of 128 windows) is projected from them.
 """
 
 from __future__ import annotations
