@@ -1,15 +1,11 @@
 """Planning time of `snakemake -n` on a finished run at Llama-3.2-3B scale, with the DAG-time
-integrity check (aqflow.jobs.currency): cold (no digest cache yet: every artifact is hashed) and
-warm (every file recognised by its size, mtime, ctime and inode), against the same tree planned by
-a Snakefile without the check (--baseline-src: a checkout of the commit before it).
-
-The tree is synthetic, of the real sizes: the fetched model (3.2 B float16 parameters, 6.4 GB), 28
-XᵀX NPZ of float32 sites of 3072 and 8192 inputs (q/k/v, o, gate/up, down: 10.7 GB), the 196 layers
-at 2 bits (codes int8 [out, in/8, 2], codebooks, scales), the stitched and the PV-tuned checkpoint
-(codes + float16 embeddings), the evaluations, each written as aqflow writes it (sidecars,
-SHA256SUMS); `snakemake --touch -F` then records Snakemake's metadata, as a finished run has it.
-Bytes are a repeated random block (hashing costs the same for any bytes); NPZ members and
-safetensors headers are valid.
+integrity check (aqflow.jobs.currency): cold (every artifact hashed) and warm (every file recognised
+by size, mtime, ctime and inode), against the same tree planned by a Snakefile without the check
+(--baseline-src: a checkout of the commit before it). The tree is synthetic at the real sizes (the
+6.4 GB model, 28 XᵀX NPZ of 10.7 GB, 196 layers at 2 bits, the stitched and PV-tuned checkpoints,
+the evaluations), each written as aqflow writes it (sidecars, SHA256SUMS; bytes a repeated random
+block, since hashing costs the same for any bytes); `snakemake --touch -F` then records Snakemake's
+metadata as a finished run has it.
 
     PYTHONPATH=src python benchmarks/dag_planning.py --workdir /tmp/plan3b --baseline-src /tmp/before [--keep]
 """

@@ -7,12 +7,10 @@
         --work /root/es --out $OUT/eval_speed.json
     python3 benchmarks/eval_speed.py merge $OUT/eval_speed.json --into benchmarks/results/throughput_h100.json
 
-Each evaluation is `python -m aqflow evaluate` of one model folder from one source tree, run as the
-DAG runs it on a GPU (six zero-shot tasks, WikiText-2 and C4 stand-in perplexity of 4096-token
-windows, batch 32 as profiles/gpu), one at a time on an otherwise idle card. Seconds are the
-wall time of the whole process (imports, model load, data, perplexity, lm-eval); eval.json's
-own split of that time is kept. "after" runs once per --task-batch-size. The metrics of every
-run are kept, with their largest differences from "before" per model.
+Each evaluation is `python -m aqflow evaluate` of one model folder from one source tree, as the DAG
+runs it on a GPU, one at a time on an idle card; seconds are the whole process's wall time, with
+eval.json's own split kept. "after" runs once per --task-batch-size; every run's metrics are kept
+with their largest differences from "before".
 """
 
 from __future__ import annotations

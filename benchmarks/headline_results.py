@@ -13,33 +13,26 @@ Writes the JSON of benchmarks/results/headline_<shape>_<card>.json and prints a 
 * `stages`: per rule, `jobs`; `wall_seconds` (first job start to last job end), the sum and median
   of job wall times; `gpu_peak_gib` (the largest sum over the rule's processes in one sample, or,
   where nvidia-smi listed no processes, the card's largest total while a job of the rule ran: an
-  upper bound when other rules' jobs ran beside it; `gpu_peak_source` says which);
-  `host_peak_rss_gib` (Snakemake's benchmark: the job process and its children; a layer job's warm
-  worker is not its child); `disk_written_bytes` (the bytes of the rule's outputs, files hard-linked
-  to the hub cache counted as 0) and Snakemake's `io_out_mib` (psutil's count, NaN where unseen).
+  upper bound; `gpu_peak_source` says which); `host_peak_rss_gib` (Snakemake's benchmark: the job
+  and its children, not a warm worker); `disk_written_bytes` (the rule's outputs, files hard-linked
+  to the hub cache counted as 0) and Snakemake's `io_out_mib`.
 * `pre_pv_total_seconds`: from `--started-at` (Snakemake started on an empty results/) to the last
   of `--targets` written.
-* `pv_step_seconds`: the median training step of the PV-tuning run under `--pv` (its
-  train_log.parquet; steps whose interval holds a held-out evaluation are left out, and the first);
-  `paper_pv_hours_projected`: the paper budget's steps (num_samples x epochs / batch of config.yaml)
-  at that step time, plus its held-out evaluations (one every eval_every_steps, at the measured
-  evaluation time). A projection, labelled so; everything else is measured.
-* `disk_bytes`: results/, resources/ and the hub cache (du, hard links once), and the peak rise of
-  the file system's use during the run (from the samples).
+* `pv_step_seconds`: the median training step of the PV-tuning run under `--pv` (the first and those
+  holding a held-out evaluation left out); `paper_pv_hours_projected`: the paper budget's steps and
+  held-out evaluations at the measured times. A projection, labelled so; everything else is measured.
+* `disk_bytes`: results/, resources/ and the hub cache (hard links once), and the file system's peak
+  rise during the run.
 
---pv names the PV-tuning run's folder, in the same run as the pre-PV targets (headline_gpu.sh start:
-after them, alone on the card) or alone after it (headline_gpu.sh pv, no --targets; --merge then
-adds its measurement to the pre-PV record: one file per shape and card).
+--pv names the PV-tuning run's folder, of the same run as the pre-PV targets or of a later one
+(headline_gpu.sh pv, no --targets; --merge then adds its measurement to the pre-PV record).
 
-`sample` writes, while the run goes on, each GPU process's memory with the rule it serves, the card's
-total and the disk's use. Rows: `unix_seconds,kind,pid,rule,value` with kind `process` (value: MiB the process holds on a
-card, `nvidia-smi --query-compute-apps`), `card` (MiB used on card `pid`, `--query-gpu`) and
-`disk` (bytes used on the file system of --disk). A process's rule comes from its command line or
-its parents': Snakemake runs a rule's script as `.snakemake/scripts/tmp<id>.<script>.py`, whose
-preamble names the rule (the three evaluation rules share evaluate.py); warm workers
-(`aqflow.jobs.warm_workers`) serve layer jobs only. Where nvidia-smi lists no processes (some
-container runtimes hide other processes' ids), the `card` rows remain and headline_results.py
-falls back to them. Stops when --stop-file exists.
+`sample` writes, until --stop-file exists, rows `unix_seconds,kind,pid,rule,value` of kind `process`
+(MiB a GPU process holds, with the rule it serves), `card` (MiB used on card `pid`) and `disk` (bytes
+used on the file system of --disk). A process's rule comes from its or its parents' command line:
+Snakemake runs a rule's script as `.snakemake/scripts/tmp<id>.<script>.py`, whose preamble names the
+rule; warm workers serve layer jobs only. Where nvidia-smi lists no processes (some container
+runtimes hide them), the `card` rows remain and the collection falls back to them.
 """
 
 from __future__ import annotations
@@ -162,15 +155,17 @@ def rule_of_output(relative: str) -> str | None:
     return None
 
 
-def tree_inodes(folder: Path) -> set[tuple[int, int]]:
-    """(device, inode) of every file under `folder` (symlinks not followed)."""
-    found = set()
+def files_under(folder: Path):
+    """(path, (device, inode), size) of every file under `folder` (symlinks not followed)."""
     if folder.is_dir():
         for path in folder.rglob("*"):
             if path.is_file() and not path.is_symlink():
                 stat = path.stat()
-                found.add((stat.st_dev, stat.st_ino))
-    return found
+                yield path, (stat.st_dev, stat.st_ino), stat.st_size
+
+
+def tree_inodes(folder: Path) -> set[tuple[int, int]]:
+    return {key for _, key, _ in files_under(folder)}
 
 
 def du_bytes(folders: list[Path], seen: set | None = None) -> int:
@@ -178,15 +173,10 @@ def du_bytes(folders: list[Path], seen: set | None = None) -> int:
     seen = set() if seen is None else seen
     total = 0
     for folder in folders:
-        if not folder.is_dir():
-            continue
-        for path in folder.rglob("*"):
-            if path.is_file() and not path.is_symlink():
-                stat = path.stat()
-                key = (stat.st_dev, stat.st_ino)
-                if key not in seen:
-                    seen.add(key)
-                    total += stat.st_size
+        for _, key, size in files_under(folder):
+            if key not in seen:
+                seen.add(key)
+                total += size
     return total
 
 
@@ -195,18 +185,10 @@ def output_bytes_per_rule(work: Path, linked: set[tuple[int, int]]) -> dict[str,
     `linked`, the hub cache's, count 0: fetch_model hard-links the cached weights)."""
     totals: dict[str, int] = {}
     for top in ("results", "resources"):
-        root = work / top
-        if not root.is_dir():
-            continue
-        for path in root.rglob("*"):
-            if not path.is_file() or path.is_symlink():
-                continue
+        for path, key, size in files_under(work / top):
             rule = rule_of_output(path.relative_to(work).as_posix())
-            if rule is None:
-                continue
-            stat = path.stat()
-            added = 0 if (stat.st_dev, stat.st_ino) in linked else stat.st_size
-            totals[rule] = totals.get(rule, 0) + added
+            if rule is not None:
+                totals[rule] = totals.get(rule, 0) + (0 if key in linked else size)
     return totals
 
 

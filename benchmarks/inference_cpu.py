@@ -1,41 +1,31 @@
-"""2-bit decoding on a CPU: the lookup-table kernel against dense matmuls, and batch-1 decode of
-whole models, on all cores.
+"""2-bit decoding on a CPU: the lookup-table kernels against dense matmuls, and batch-1 decode of
+whole models, on all cores (or --threads N).
 
     PYTHONPATH=src .venv/bin/python benchmarks/inference_cpu.py --out benchmarks/results/inference_cpu_<machine>.json \\
-        [--checkpoint results/smollm2/2bpp/.../model --fp resources/models/smollm2] [--new-tokens 8]
+        [--checkpoint results/smollm2/2bpp/.../model --fp resources/models/smollm2] [--cpu-kernel avx2]
 
-(a) kernels: every linear shape of Llama-3.2-3B and SmolLM2-135M (and the 3B's tied lm_head), one
-    token: `lut_matmul` on 2x8 codes (2 bits per weight) against torch's dense matmul in float32 and
-    bfloat16, on all cores. Each variant cycles through copies of its tensors totalling twice the
-    last-level cache, so every call reads its weights from DRAM as a decode step does. GB/s are
-    the bytes of the stored tensors read per second (codes for the tables, the weight for dense).
-    --crossover adds lut_matmul against dequantized_matmul at 1..64 tokens (FastQuantizedLinear's
-    LUT_MAX_TOKENS).
-(b) decode: a Llama-3.2-3B-shaped model with seeded random weights (random codes: speed does not
-    depend on their values), batch 1, --prompt-tokens then --new-tokens greedy tokens through
-    aqflow.inference.decode.greedy_decode (a static KV cache; a warm-up decode first; the fastest
-    of --repeats decodes): dense
-    float32, dense bfloat16 (torch's GEMV, and every linear through numba's bf16 GEMV,
-    cpu_kernels.bf16_matmul), 2x8 through FastQuantizedLinear (unquantized parts in bfloat16 with
-    the tied lm_head through numba's bf16 GEMV as runtime's fast path has it (for its bf16 activations
-    the tables timed faster, register_kernel.tables_for_16bit; the same with float32, float16 and int16
-    tables), the same with torch's
-    lm_head, and float32 parts), and aqlm's own numba kernel (one thread: it races with more;
-    float32, its only dtype) unless --no-aqlm-kernel; --variants picks some. Each in a fresh process: weight bytes as held and the process's
-    peak RSS are its own. `cpu_decode_speedup_3b` = decode tokens/s of 2x8 with bf16 unquantized
-    parts (the variant within the memory target: its embedding in float32 alone is 1.5 GiB) over
-    the best of the three dense variants; `..._fp32_rest` the same for float32 unquantized parts; `..._cpu_time` by
-    CPU seconds of the decode steps (meaningful with --threads 1 on a shared machine).
-(c) with --checkpoint and --fp: the real SmolLM2 checkpoint and its fp16 source through the speed
-    stage's measurement (aqflow.stages.speed.measure): fp in float32, bfloat16 and float16 (its
-    stored dtype; the speed-up is over the fastest of the three), the checkpoint
-    through the fast path (float32 and bfloat16 for its unquantized parts) and plain
-    transformers + aqlm.
+--cpu-kernel forces the kernel of 8-bit codes for every variant (cpu_dispatch: avx512, avx2, neon,
+numba; `auto` takes the best this CPU runs), so an AVX-512 machine can measure the AVX2 kernel. Each
+row records its kernel, with the CPU's model and SIMD flags, the commit, the date and the command.
 
-(d) with --checkpoint and --eval-windows: evaluate's perplexity over random windows of the
-    checkpoint through `evaluation.cpu_kernel` dense (AQLM layers dequantized once after loading)
-    and fast (FastQuantizedLinear: rows dequantized a chunk at a time per forward), seconds and
-    memory held, each in a fresh process.
+(a) kernels: every linear shape of Llama-3.2-3B and SmolLM2-135M, one token: `lut_matmul` on 2x8
+    codes against torch's dense matmul in float32 and bfloat16, cycling through copies totalling twice
+    the last-level cache so every call reads DRAM as a decode step does (GB/s of the stored tensors).
+    --crossover adds lut_matmul against dequantized_matmul at 1..64 tokens.
+(b) decode: a Llama-3.2-3B-shaped model with seeded random weights (speed does not depend on the
+    codes' values), --prompt-tokens then --new-tokens greedy tokens through greedy_decode, the
+    fastest of --repeats after a warm-up, each variant (--variants) in a fresh process so its weight
+    bytes and peak RSS are its own: dense float32, dense bfloat16 (torch's GEMV, and numba's bf16
+    GEMV), 2x8 through FastQuantizedLinear (bf16 or float32 unquantized parts, the tied lm_head
+    through numba's bf16 GEMV) and aqlm's own numba kernel (one thread, float32) unless
+    --no-aqlm-kernel. `cpu_decode_speedup_3b` = tokens/s of 2x8 with bf16 unquantized parts (within
+    the memory target: the float32 embedding alone is 1.5 GiB) over the best dense variant;
+    `..._fp32_rest` with float32 parts; `..._cpu_time` by CPU seconds (for --threads 1 on a shared box).
+(c) with --checkpoint and --fp: the real checkpoint and its fp16 source through the speed stage's
+    measurement: fp in float32, bfloat16 and float16 (the speed-up is over the fastest), the
+    checkpoint through the fast path (float32 and bfloat16 parts) and plain transformers + aqlm.
+(d) with --checkpoint and --eval-windows: evaluate's perplexity over random windows through
+    `evaluation.cpu_kernel` dense and fast, seconds and memory held, each in a fresh process.
 
 Prints a table last; --out writes everything as JSON.
 """
@@ -279,8 +269,10 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
     options = {"fuse": fuse} if not sdpa else {"fuse": fuse, "fast_attention": False}
     if stock:
         options["cpu_layers"] = False
-    if linears == "fast-gathers":  # before any FastQuantizedLinear asks whether the register kernel runs
-        os.environ["AQFLOW_REGISTER_KERNEL"] = "0"
+    if linears == "fast-gathers":  # before any FastQuantizedLinear asks which CPU kernel runs
+        from aqflow.inference import cpu_dispatch
+
+        os.environ[cpu_dispatch.KERNEL_ENV] = "numba"
         linears = "fast"
     if linears in ("fast-f32-tables", "fast-f16-tables", "fast-f32-registers", "fast-i16-tables"):  # one kind for bf16
         from aqflow.inference import register_kernel
@@ -320,20 +312,28 @@ def decode_child(variant: str, dtype_name: str, linears: str, prompt_tokens: int
             "prefill_tokens_per_second": timings.prefill_tokens_per_second,
             "decode": {"prompt_tokens": timings.prompt_tokens, "timed_steps": timings.timed_steps,
                        "decode_seconds": timings.decode_seconds},
-            "tables_16bit": _tables_16bit(), "float32_tables_layout": _float32_layout(),
+            "cpu_kernel": _cpu_kernel(), "tables_16bit": _tables_16bit(), "float32_tables_layout": _float32_layout(),
             "resident_weight_bytes": resident_weight_bytes(model), "peak_rss_bytes": peak_rss_bytes(),
             "rss_before_build_bytes": rss_before}
 
 
-def _prefetch_columns() -> int | None:
-    """The register kernel's prefetch distance in this process (AQFLOW_CPU_PREFETCH), None where it does not run."""
+def _cpu_kernel() -> str:
+    """The CPU kernel this process's 8-bit-code layers take (cpu_dispatch: avx512, avx2, neon or numba)."""
     from aqflow.inference import register_kernel
 
-    return register_kernel.prefetch_columns() if register_kernel.compiled_kernel() is not None else None
+    return register_kernel.kernel_name()
+
+
+def _prefetch_columns() -> int | None:
+    """The AVX-512 kernel's prefetch distance in this process (AQFLOW_CPU_PREFETCH), None where it does not run."""
+    from aqflow.inference import register_kernel
+
+    return register_kernel.prefetch_columns() if register_kernel.kernel_name() == "avx512" else None
 
 
 def _float32_layout() -> str | None:
-    """How the register kernel holds float32 tables in this process ("planes" or "registers"), None where it does not run."""
+    """How the compiled kernel holds float32 tables in this process ("planes" or "registers" on avx512, "l1" on
+    avx2 and neon), None where none runs."""
     from aqflow.inference import register_kernel
 
     kernels = register_kernel.compiled_kernel()
@@ -375,7 +375,7 @@ DECODE_VARIANTS = [  # (name, dtype of the unquantized parts, linears, bf16 line
     # greedy_decode's default on a CPU: cpu_layers, one numba call each)
     ("dense bf16 (numba GEMV, stock layers)", "bfloat16", "dense-stock", True, None),
     ("2x8 fast (bf16 rest, stock layers)", "bfloat16", "fast-stock", True, None),
-    # the same without the AVX-512 register kernel (register_kernel): the numba gather kernels
+    # the same without a compiled kernel (AQFLOW_CPU_KERNEL=numba): the numba gather kernels
     ("2x8 fast (bf16 rest, gather kernel)", "bfloat16", "fast-gathers", True, None),
     # the register kernel with one kind of tables (by default bf16 activations take whichever timed faster)
     ("2x8 fast (bf16 rest, float32 tables)", "bfloat16", "fast-f32-tables", True, None),
@@ -498,13 +498,35 @@ def package_version(name: str) -> str | None:
         return None
 
 
+# The CPU flags that decide the lookup kernel (cpu_dispatch) and its table kinds (register_kernel)
+KERNEL_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_vnni", "asimd")
+
+
 def machine() -> dict:
+    from aqflow.inference import cpu_dispatch
     from aqflow.stages.speed import device_name
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    flags = cpu_dispatch.cpu_flags()
     return {"cpu": device_name("cpu"), "cores": os.cpu_count(), "platform": platform.platform(),
+            "cpu_flags": [flag for flag in KERNEL_CPU_FLAGS if flag in flags],
+            "cpu_kernels_runnable": cpu_dispatch.runnable_kernels(),
             "last_level_cache_bytes": last_level_cache_bytes(), "load_average_at_start": load,
             "torch": torch.__version__, **{name: package_version(name) for name in ("transformers", "numba", "aqlm")}}
+
+
+def git_commit() -> str | None:
+    """The checkout's commit (with "+changes" where tracked files differ from it), None outside git."""
+    import subprocess
+
+    here = Path(__file__).parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def speedup(rows: list[dict], fast: str, dense: tuple[str, ...], key: str = "decode_tokens_per_second") -> float | None:
@@ -515,7 +537,8 @@ def speedup(rows: list[dict], fast: str, dense: tuple[str, ...], key: str = "dec
 
 
 def table(record: dict) -> str:
-    lines = [f"machine: {record['machine']['cpu']}, {record['machine']['cores']} cores, threads {record['threads']}"]
+    lines = [f"machine: {record['machine']['cpu']}, {record['machine']['cores']} cores, threads {record['threads']}"
+             + (f", CPU kernel {record['cpu_kernel']}" if record.get("cpu_kernel") else "")]
     if record.get("kernels"):
         lines.append(f"{'kernel (1 token)':30s} {'fp32 ms':>8s} {'bf16 ms':>8s} {'lut ms':>8s} {'fp32 GB/s':>9s} "
                      f"{'bf16 GB/s':>9s} {'lut GB/s':>8s} {'lut/best':>8s}")
@@ -531,8 +554,9 @@ def table(record: dict) -> str:
                          f"{'peak RSS ' + suffix:>13s}")
             for r in record[key]:
                 peak = r.get("peak_rss_bytes", r.get("peak_memory_bytes"))
+                kernel = f"  {r['cpu_kernel']}" if r.get("cpu_kernel") and r.get("linears") == "fast" else ""
                 lines.append(f"{r['variant']:36s} {r['decode_tokens_per_second']:9.2f} {r['decode_tokens_per_cpu_second']:9.2f} "
-                             f"{r['resident_weight_bytes'] / unit:12.2f} {peak / unit:13.2f}")
+                             f"{r['resident_weight_bytes'] / unit:12.2f} {peak / unit:13.2f}{kernel}")
     if record.get("evaluation"):
         lines.append(f"{'evaluation of the checkpoint (perplexity)':44s} {'seconds':>8s} {'perplexity':>11s} {'weights MiB':>12s}")
         for r in record["evaluation"]:
@@ -558,6 +582,9 @@ def main() -> int:
     parser.add_argument("--crossover", action="store_true", help="(a): lut against dequantized at 1..64 tokens")
     parser.add_argument("--no-decode", dest="decode", action="store_false", help="skip (b)")
     parser.add_argument("--no-aqlm-kernel", dest="aqlm_kernel", action="store_false", help="skip aqlm's own kernel")
+    parser.add_argument("--cpu-kernel", default="auto", choices=("auto", "avx512", "avx2", "neon", "numba"),
+                        help="the lookup kernel of 8-bit codes for every variant (AQFLOW_CPU_KERNEL; auto: the best "
+                             "this CPU runs)")
     parser.add_argument("--prompt-tokens", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=8, help="(b): timed decode tokens (+1 from the prefill)")
     parser.add_argument("--variants", nargs="+", default=None, metavar="NAME",
@@ -587,11 +614,17 @@ def main() -> int:
 
     import numba
 
+    from aqflow.inference import cpu_dispatch, register_kernel
+
+    os.environ[cpu_dispatch.KERNEL_ENV] = args.cpu_kernel  # inherited by every measuring child
+    cpu_kernel = register_kernel.kernel_name()  # checked here: one this CPU cannot run is an error before any run
     threads = min(args.threads, numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(threads)  # numba's pool first: starting it can reset torch's count
     torch.set_num_threads(threads)
-    record = {"machine": machine(), "threads": threads, "settings": {k: str(v) if isinstance(v, Path) else v
-                                                                     for k, v in vars(args).items()}}
+    record = {"machine": machine(), "threads": threads, "cpu_kernel": cpu_kernel, "commit": git_commit(),
+              "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+              "command": " ".join(["benchmarks/inference_cpu.py", *sys.argv[1:]]),
+              "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     started = time.perf_counter()
     if args.kernels:
         print("(a) kernels, one token", flush=True)
@@ -629,8 +662,10 @@ def main() -> int:
     record["machine"]["numba_threading_layer"] = _numba_layer()
     record["machine"]["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=2) + "\n")
+        from aqflow.io.artifacts import atomic_path
+
+        with atomic_path(args.out, checksum=False) as tmp:  # a run cut short leaves no half-written file
+            tmp.write_text(json.dumps(record, indent=2) + "\n")
     print(table(record))
     return 0
 

@@ -1,23 +1,20 @@
 """Batch-1 decoding on the GPU: our AQLM 2x8 kernels (CUDA C++ lookup tables first, Triton as fallback)
 against bf16 (cuBLAS), per linear and end to end, at the Llama-3.2-3B and Llama-3.1-8B shapes (issue 27).
 
-Within about 4 minutes (--budget-seconds), on one card (--device-index, or CUDA_VISIBLE_DEVICES):
-0. the CUDA extension (aqflow/inference/csrc) starts building in a background thread at once (its
-   seconds are reported); the bf16 runs go on meanwhile.
-1. per model: bf16 built from its config with seeded random weights, q/k/v and gate/up fused (one GEMV
-   each, as ours): decode eager (a few tokens), CUDA graph, torch.compile + graph; prefill at a long
-   prompt; the LM head alone; the kernels of one timed graphed step (torch.profiler), by kind.
-2. kernels: per decode shape (q+k+v, o, gate+up, down) every candidate -- the CUDA variants first,
-   then a short list of Triton ones -- is checked against the float64 dense reference on fresh random
-   inputs with the output poisoned with NaN (a wrong or failing candidate is reported and dropped), then
-   timed (do_bench median, L2 flushed); the fastest correct one is what the model runs.
-3. the same model with random 2x8 codes (built directly, not quantized): graph, compile + graph,
-   prefill, step profile. aqlm's own kernel only with --aqlm (its first build takes about a minute).
-4. --checkpoint DIR (an AQLM checkpoint the pipeline wrote, e.g. SmolLM2) and --fp DIR (its fp source).
+Within about 4 minutes (--budget-seconds), on one card (--device-index), while the CUDA extension
+(aqflow/inference/csrc) builds in a background thread, per model:
+1. bf16 with seeded random weights, q/k/v and gate/up fused as ours: decode eager, CUDA graph,
+   torch.compile + graph; prefill at a long prompt; the LM head alone; one graphed step's kernels by kind.
+2. per decode shape, every kernel candidate (CUDA first, then a few Triton tiles) is checked against the
+   float64 dense reference with its output poisoned with NaN (a wrong one is dropped), then timed (L2
+   flushed); the fastest correct one is what the model runs.
+3. the same model with random 2x8 codes: graph, compile + graph, prefill, step profile; aqlm's own kernel
+   with --aqlm (its first build takes about a minute). --checkpoint DIR / --fp DIR: an AQLM checkpoint the
+   pipeline wrote and its fp source.
 
-Every part catches its own failures (printed, recorded, the run goes on); results are saved after every
-part. Prints a short table last and writes JSON (--out, default $OUT/inference_gpu.json) with
-gpu_decode_speedup_3b / _8b: ours (best of graph, compile+graph) over the best bf16 decode of the same model.
+Every part catches its own failures; results are saved after every part. Prints a short table last and
+writes JSON (--out, default $OUT/inference_gpu.json) with gpu_decode_speedup_3b / _8b: ours (best of
+graph, compile+graph) over the best bf16 decode of the same model.
 
 CPU dry run of the whole script (Triton's interpreter, tiny model, no CUDA kernel):
     python benchmarks/inference_gpu.py --device cpu --tiny --out /tmp/inference_dry
@@ -75,11 +72,6 @@ def guarded(record: dict, key: str, fn, *args, **kwargs):
         log(f"{key} FAILED: {type(error).__name__}: {error}")
         traceback.print_exc(limit=4)
     return record[key]
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------- weights
@@ -302,22 +294,15 @@ def resident_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def decode_run(model, args, device, *, graphs: bool, compile: bool = False, new_tokens: int | None = None,
-               fast_attention: bool | None = None, dependent_launch: bool | None = None,
-               open_sums: bool | None = None, cuda_layers: bool | None = None) -> dict:
-    """One greedy decode through aqflow.inference.decode (projections already fused); with graphs, the
-    kernels of one graphed step are profiled (an untimed step). fast_attention: greedy_decode's (default:
-    its one-token attention kernels on CUDA; False: transformers' SDPA). dependent_launch: greedy_decode's
-    (default: programmatic dependent launch on Hopper and later). open_sums: greedy_decode's (default: the
-    2-bit GEMVs of a compiled step leave their sums open). cuda_layers: greedy_decode's (default: the
-    rotary embedding and the cache write inside the attention kernels)."""
+def decode_run(model, args, device, *, graphs: bool, compile: bool = False, new_tokens: int | None = None) -> dict:
+    """One greedy decode through aqflow.inference.decode (projections already fused; its default attention,
+    launches and sums); with graphs, the kernels of one graphed step are profiled (an untimed step)."""
     generator = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens), generator=generator)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     tokens, timings = greedy_decode(model, prompt, new_tokens or args.new_tokens, graphs=graphs, compile=compile,
-                                    fuse=False, profile=graphs, fast_attention=fast_attention,
-                                    dependent_launch=dependent_launch, open_sums=open_sums, cuda_layers=cuda_layers)
+                                    fuse=False, profile=graphs)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     result = {"mode": timings.mode, "attention": timings.attention, "dependent_launch": timings.dependent_launch,
               "open_sums": timings.open_sums, "cuda_layers": timings.cuda_layers,
@@ -387,11 +372,9 @@ def note_compile_seconds(run: dict) -> None:
         COMPILE_SECONDS["estimate"] = max(COMPILE_SECONDS["estimate"] * 0.5, run["capture_seconds"] * 1.15)
 
 
-def compiled_runs(record: dict, model, args, device, shape_name: str, quantized: bool = False) -> None:
-    """The compile+graph decode into record (the A/B variants of the decode experiments, SDPA, no PDL,
-    stock layers, closed sums, norms as identity, are in the git history; docs/speed.md has their effects)."""
-    note_compile_seconds(guarded(record, "compile+graph", decode_run, model, args, device, graphs=True,
-                                 compile=True))
+def compiled_run(record: dict, model, args, device) -> None:
+    """The compile+graph decode into record; its setup time refines the next compile's estimate."""
+    note_compile_seconds(guarded(record, "compile+graph", decode_run, model, args, device, graphs=True, compile=True))
 
 
 def bench_model(shape_name: str, args, device, dtype, kernels: dict, build_thread) -> dict:
@@ -410,7 +393,7 @@ def bench_model(shape_name: str, args, device, dtype, kernels: dict, build_threa
     if cuda:
         guarded(bf16, "graph", decode_run, model, args, device, graphs=True)
         if compiled:
-            compiled_runs(bf16, model, args, device, shape_name)
+            compiled_run(bf16, model, args, device)
     if not args.quick and remaining(args) > 90:
         guarded(bf16, "prefill", prefill_run, model, args, device)
     if cuda:
@@ -432,7 +415,7 @@ def bench_model(shape_name: str, args, device, dtype, kernels: dict, build_threa
     if cuda:
         guarded(ours, "graph", decode_run, model, args, device, graphs=True)
         if compiled:
-            compiled_runs(ours, model, args, device, shape_name, quantized=True)
+            compiled_run(ours, model, args, device)
     else:
         guarded(ours, "eager", decode_run, model, args, device, graphs=False, new_tokens=min(args.new_tokens, 16))
     if not args.quick and remaining(args) > 45:

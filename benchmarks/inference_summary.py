@@ -1,18 +1,14 @@
-"""The issue's summary of decode speed on one GPU box: `benchmarks/results/inference_<card>.json` with the
-top-level keys `gpu_decode_speedup_3b`, `gpu_decode_speedup_8b` (2 bpp over the best bf16 decode of
-the same model on the card) and `cpu_decode_speedup_3b` (over the best dense decode on the box's CPU
-cores), gathered from the result files that measured them, each named in `sources`.
+"""Decode speed on one GPU box: `benchmarks/results/inference_<card>.json` with the keys
+`gpu_decode_speedup_3b`, `gpu_decode_speedup_8b` (2 bpp over the best bf16 decode on the card) and
+`cpu_decode_speedup_3b` (over the best dense decode on the box's CPU cores), each source named.
 
     python3 benchmarks/inference_summary.py --gpu benchmarks/results/decode_h200/gpu_argmax.json \\
         --cpu benchmarks/results/decode_h200/cpu_call1.json benchmarks/results/decode_h200/cpu_call2.json \\
         benchmarks/results/decode_h200/cpu_call3.json --out benchmarks/results/inference_h200.json
 
-(a further machine's inference_gpu.json goes after the first, as the CPU files do).
-
-Why several files: one lease is one machine of the kind, and these machines' decode speeds move between
-machines and rounds (on the CPU by up to ±20 %, dense bf16 alone 7.4-11.4 tokens/s; on H200s bf16 3B by
-413-421 tokens/s), so each key is the median over the machines given (`..._lowest` the lowest), each
-machine's own best-over-best beside it (`..._by_machine`). All GPU files must come from one card.
+These machines' speeds move between machines and rounds (CPU up to ±20 %, H200 bf16 3B 413-421
+tokens/s), so each key is the median over the machines given (`..._lowest` the lowest, each
+machine's own in `..._by_machine`); further machines' files follow the first. GPU files: one card.
 """
 
 from __future__ import annotations

@@ -1,27 +1,19 @@
 """The quantizer on one Llama-shaped transformer block: seconds per phase, error, memory, projection.
 
-A Llama-3.2-3B block has seven linears (q/o 3072x3072, k/v 1024x3072, gate/up 8192x3072,
-down 3072x8192); Llama-3.1-8B's are 4096/1024/14336 wide. Each is quantized with aqflow's
-`quantize_layer` at the paper's settings (2 bpp: M=2, K=256, g=8; beam 8; <=100 epochs of 100
-Adam steps; 1 % tolerance; OA-EM init), as its own layer job would run it: the CUDA graphs of
-earlier layers are dropped first, and the peak GPU memory of each layer is recorded.
-
-Inputs are synthetic unless --bundles is given: weights with heavy-ish tails and per-row scales,
-and per input site an XᵀX = D Q Λ Qᵀ D with a decaying spectrum Λ (λ_i ∝ i^-1.2 over a floor)
-and a few outlier channels in D (x8-x30), as real activations have. They are generated on the
-device from a fixed seed and cached in --data-dir, so that two runs (before/after) see the same
-layers. Real layers: --bundles DIR of safetensors written by benchmarks/prepare_layers.py.
-
-Which implementation runs is whatever `aqflow` is importable: run the script twice (once with
-PYTHONPATH at a copy of the old src, once at the new) and combine:
+Each of a Llama-3.2-3B block's seven linears (Llama-3.1-8B's with --models 8b) is quantized by
+`quantize_layer` at the paper's settings (2 bpp 2x8 g8, beam 8, <= 100 epochs of 100 Adam steps, 1 %
+tolerance, OA-EM init) as its layer job runs it, recording each layer's peak GPU memory. Inputs are
+synthetic unless --bundles (benchmarks/prepare_layers.py): heavy-tailed weights with row scales and
+XᵀX = D Q Λ Qᵀ D with a decaying spectrum and a few outlier channels in D, as real activations have,
+seeded and cached in --data-dir so before and after see the same layers. The implementation is
+whatever `aqflow` is importable:
 
     PYTHONPATH=old/src:. python3 benchmarks/quantizer_3b.py --label before --json $OUT/before.json
     PYTHONPATH=src:. python3 benchmarks/quantizer_3b.py --label after --json $OUT/after.json
     python3 benchmarks/quantizer_3b.py --combine $OUT/before.json $OUT/after.json --out $OUT/quantizer_3b_h100.json
 
-Projected whole-model hours = (block seconds) x blocks, from a measured block of that model's
-shapes when there is one, else from the 3B block scaled per layer (init by the layer's group
-count, Adam and beam by out·in², epochs as measured).
+Whole-model hours = block seconds x blocks (a 3B block scaled per layer where no block of the shape
+was measured: init by group count, Adam and beam by out·in², epochs as measured).
 """
 
 from __future__ import annotations
@@ -48,15 +40,9 @@ FP32_PEAK_FLOPS = {"H100": 67e12, "H200": 67e12}
 def block_layers(model: str) -> list[tuple[str, int, int, str]]:
     """(name, out, in, input site) of the seven linears of one block."""
     _, hidden, kv, inter = MODELS[model]
-    return [
-        ("q_proj", hidden, hidden, "attn_in"),
-        ("k_proj", kv, hidden, "attn_in"),
-        ("v_proj", kv, hidden, "attn_in"),
-        ("o_proj", hidden, hidden, "o_in"),
-        ("gate_proj", inter, hidden, "mlp_in"),
-        ("up_proj", inter, hidden, "mlp_in"),
-        ("down_proj", hidden, inter, "down_in"),
-    ]
+    return [("q_proj", hidden, hidden, "attn_in"), ("k_proj", kv, hidden, "attn_in"), ("v_proj", kv, hidden, "attn_in"),
+            ("o_proj", hidden, hidden, "o_in"), ("gate_proj", inter, hidden, "mlp_in"),
+            ("up_proj", inter, hidden, "mlp_in"), ("down_proj", hidden, inter, "down_in")]
 
 
 def synthetic_xtx(size: int, generator: torch.Generator, device: str) -> torch.Tensor:
@@ -113,20 +99,13 @@ def run_layer(layer: dict, settings, device: str) -> dict:
     floor = 2 * settings.num_codebooks * settings.beam_size * out_features * in_features**2
     beam = [e["beam_seconds"] for e in epochs]
     return {
-        "layer": layer["name"],
-        "shape": [out_features, in_features],
-        "init_seconds": report.init_seconds,
-        "adam_seconds": sum(e["adam_seconds"] for e in epochs),
-        "beam_seconds": sum(beam),
+        "layer": layer["name"], "shape": [out_features, in_features], "init_seconds": report.init_seconds,
+        "adam_seconds": sum(e["adam_seconds"] for e in epochs), "beam_seconds": sum(beam),
         "beam_pass_seconds_median": sorted(beam)[len(beam) // 2] if beam else None,
-        "beam_pass_flop_floor": floor,
-        "epochs": len(epochs),
-        "stopped_because": report.stopped_because,
-        "total_seconds": report.total_seconds,
-        "init_relative_mse": report.init_relative_mse,
+        "beam_pass_flop_floor": floor, "epochs": len(epochs), "stopped_because": report.stopped_because,
+        "total_seconds": report.total_seconds, "init_relative_mse": report.init_relative_mse,
         "final_relative_mse": report.final_relative_mse,
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "history": epochs,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "history": epochs,
     }
 
 
@@ -152,14 +131,9 @@ def measure(args) -> dict:
 
     device = "cuda"
     settings = QuantizerSettings(beam_size=args.beam_size, max_epochs=args.max_epochs, relative_tolerance=args.tolerance)
-    result = {
-        "label": args.label,
-        "aqflow_src": os.path.relpath(Path(aqflow.quant.__file__).parent),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "settings": dataclasses.asdict(settings),
-        "blocks": {},
-    }
+    result = {"label": args.label, "aqflow_src": os.path.relpath(Path(aqflow.quant.__file__).parent),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "settings": dataclasses.asdict(settings), "blocks": {}}
     for model in args.models:
         if args.bundles is not None:
             from benchmarks.quantizer_gpu import load_bundle

@@ -1,19 +1,12 @@
 """Quantizer benchmark on real SmolLM2-135M layers: time and output error, greedy vs OA-EM.
 
-Input: the layer bundles written by `benchmarks/prepare_layers.py` (one safetensors file
-per block: fp16 weights of its linears and the XᵀX of each input site, from real text).
-For each linear, bit rate and init it runs the full quantizer (init, then epochs of Adam + beam
-search until max epochs or the relative tolerance) and records seconds for init and per epoch,
-relative output MSE after init and at the end, next to the FLOP floors of one beam-search pass
-(2·M·b·out·in², the per-pass work of a whole-row beam that updates every hypothesis' residual at
-every (group, codebook) step) and of one Adam step (2·out·in², the product ΔW·XᵀX).
-
-Before timing it checks, on the first layer, that the CUDA-graph replay of a beam-search pass
-gives exactly the codes of the eager pass and never raises the objective.
-
-With --reference-src DIR (a folder holding a module `src.beam_search_xtx` with AQLM's public
-`beam_search_optimal_codes`), it also times one reference pass from the same starting state as
-one of ours, and compares the output error after each: equal settings, same card.
+Input: the layer bundles of `benchmarks/prepare_layers.py` (fp16 weights and each input site's XᵀX
+from real text). For each linear, bit rate and init it runs the full quantizer and records seconds
+for init and per epoch and the relative output MSE after init and at the end, beside the FLOP floors
+of one beam-search pass (2·M·b·out·in²) and one Adam step (2·out·in²). It first checks on one layer
+that the CUDA-graph replay of a beam pass gives the eager pass's codes and never raises the
+objective. With --reference-src DIR (a module `src.beam_search_xtx` holding AQLM's public
+`beam_search_optimal_codes`) it also times one reference pass from the same state and compares errors.
 
 Prints a table last and writes everything as JSON (--out, default $OUT/quantizer_gpu.json).
 """
@@ -104,12 +97,9 @@ def check_graph_replay(weight, xtx, settings) -> dict:
     second = graphed(w, codebooks, scales, codes)  # a replay, not the capture
     before = float(relative_output_mse(w, dequantize_weight(codes, codebooks, scales), h))
     after = float(relative_output_mse(w, dequantize_weight(eager, codebooks, scales), h))
-    return {
-        "graph_equals_eager": bool(torch.equal(first, eager) and torch.equal(second, eager)),
-        "relative_mse_before_pass": before,
-        "relative_mse_after_pass": after,
-        "pass_never_worse": after <= before * (1 + 1e-6),
-    }
+    return {"graph_equals_eager": bool(torch.equal(first, eager) and torch.equal(second, eager)),
+            "relative_mse_before_pass": before, "relative_mse_after_pass": after,
+            "pass_never_worse": after <= before * (1 + 1e-6)}
 
 
 def compare_with_reference(layer, settings, reference_search) -> dict:
@@ -118,27 +108,13 @@ def compare_with_reference(layer, settings, reference_search) -> dict:
     searcher = BeamSearcher(h, settings.beam_size, settings.memory_budget_bytes, settings.use_cuda_graphs)
     searcher(w, codebooks, scales, codes)  # capture
     ours, ours_seconds = cuda_time(lambda: searcher(w, codebooks, scales, codes))
-    theirs, theirs_seconds = cuda_time(
-        lambda: reference_search(
-            XTX=h,
-            reference_weight=w,
-            codebooks=codebooks[:, :, None, :],
-            prev_codes=codes.to(torch.int32),
-            scales=scales.reshape(-1, 1, 1, 1),
-            beam_size=settings.beam_size,
-            verbose=False,
-        )
-    )
+    theirs, theirs_seconds = cuda_time(lambda: reference_search(
+        XTX=h, reference_weight=w, codebooks=codebooks[:, :, None, :], prev_codes=codes.to(torch.int32),
+        scales=scales.reshape(-1, 1, 1, 1), beam_size=settings.beam_size, verbose=False))
     rel = lambda c: float(relative_output_mse(w, dequantize_weight(c.long(), codebooks, scales), h))
-    return {
-        "layer": layer["name"],
-        "start_relative_mse": rel(codes),
-        "ours_relative_mse": rel(ours),
-        "reference_relative_mse": rel(theirs),
-        "ours_pass_seconds": ours_seconds,
-        "reference_pass_seconds": theirs_seconds,
-        "speedup": theirs_seconds / ours_seconds,
-    }
+    return {"layer": layer["name"], "start_relative_mse": rel(codes), "ours_relative_mse": rel(ours),
+            "reference_relative_mse": rel(theirs), "ours_pass_seconds": ours_seconds,
+            "reference_pass_seconds": theirs_seconds, "speedup": theirs_seconds / ours_seconds}
 
 
 def run_reference_layer(layer, settings, engine_class) -> dict:
@@ -175,24 +151,16 @@ def run_layer(layer, settings) -> dict:
     adam = [e["adam_seconds"] for e in epochs]
     m, b = settings.num_codebooks, settings.beam_size
     return {
-        "layer": layer["name"],
-        "model": layer.get("model"),
-        "shape": [out_features, in_features],
-        "bpp": m,
-        "init": settings.init,
-        "rho": layer_rho(out_features, in_features, m, settings.nbits),
-        "init_seconds": report.init_seconds,
-        "epochs": len(epochs),
-        "stopped_because": report.stopped_because,
+        "layer": layer["name"], "model": layer.get("model"), "shape": [out_features, in_features], "bpp": m,
+        "init": settings.init, "rho": layer_rho(out_features, in_features, m, settings.nbits),
+        "init_seconds": report.init_seconds, "epochs": len(epochs), "stopped_because": report.stopped_because,
         "beam_pass_seconds_median": sorted(beam)[len(beam) // 2] if beam else None,
         "beam_pass_seconds_first": beam[0] if beam else None,
         "adam_phase_seconds_median": sorted(adam)[len(adam) // 2] if adam else None,
-        "total_seconds": report.total_seconds,
-        "init_relative_mse": report.init_relative_mse,
+        "total_seconds": report.total_seconds, "init_relative_mse": report.init_relative_mse,
         "final_relative_mse": report.final_relative_mse,
         "beam_pass_flop_floor": 2 * m * b * out_features * in_features**2,
-        "adam_step_flop_floor": 2 * out_features * in_features**2,
-        "history": epochs,
+        "adam_step_flop_floor": 2 * out_features * in_features**2, "history": epochs,
     }
 
 
@@ -225,13 +193,10 @@ def main(argv=None) -> int:
     if args.layers:
         layers = [l for l in layers if any(s in l["name"] for s in args.layers)]
     results = {
-        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
-        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
         "settings": {"beam_size": args.beam_size, "max_epochs": args.max_epochs, "relative_tolerance": args.tolerance,
                      "seeds": args.seeds},
-        "runs": [],
-        "reference_comparison": [],
-        "reference_full": [],
+        "runs": [], "reference_comparison": [], "reference_full": [],
     }
 
     def save():

@@ -4,16 +4,10 @@ files, and per card from an nvidia-smi sample log (what benchmarks/gpu_pipeline.
     python -m benchmarks.run_stats stages logs/benchmarks [--json stage_times.json]
     python -m benchmarks.run_stats cards gpu_utilisation.csv logs/benchmarks [--rule quantize_layer] [--json out.json]
 
-`stages` reads every `<rule>/....tsv` under the folder (aqflow.experiments.job_benchmarks): for each
-rule, jobs (and how many were measured), the sum, median and largest job wall time, its span (first
-job start to last job end: shorter than the sum when jobs ran in parallel), summed CPU seconds and
-the largest peak RSS; then the first job start to the last job end of all of them. A job that was
-killed wrote no benchmark file and is not counted.
-
-`cards` reads the CSV sampled twice a second while Snakemake runs (`nvidia-smi
---query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv,nounits`) over the rule's
-span in the jobs' benchmark files: for each card, samples in the window, the share of samples with
-the card busy (utilization > 0), mean utilization and peak memory. Both clocks are the node's.
+`stages`: per rule the jobs measured, the sum, median and largest wall time, the span (shorter than
+the sum where jobs ran in parallel), CPU seconds and the largest peak RSS (a killed job wrote no file
+and is not counted). `cards`: over the rule's span, per card the share of samples busy, the mean
+utilization and the peak memory (both clocks are the node's).
 """
 
 from __future__ import annotations

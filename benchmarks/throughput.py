@@ -9,14 +9,11 @@ a node, and the figures of pv_scale_<card>.json and node_<cards>x<card>.json.
     PYTHONPATH=src python3 benchmarks/throughput.py node pv_llama3b_x1.json pv_llama3b_x4.json \\
         --pv8b pv_llama8b_x2.json --out benchmarks/results    (benchmarks/throughput_node.sh runs it all)
 
-Inputs are built once per shape and shared by every run: a random bf16 teacher of the shape
-(SmolLM2-135M, Llama-3.2-3B or Llama-3.1-8B), its 2x8-bit AQLM student (codes from one pass of
-residual nearest-codeword assignment to codewords drawn from the weight's own groups, so the
-student starts near its teacher), and a corpus of random words. Each run is `python -m aqflow
-pvtune` from its own source tree with the same data, seed and steps, so the held-out KL curves
-must agree within run-to-run noise. Tokens/s comes from the median of the steps that neither come
-first nor follow a held-out evaluation; the paper's budget (1,563 steps of 32 windows, 157
-held-out evaluations of 128 windows) is projected from the measured step and evaluations.
+Every run of a shape shares its inputs: a random bf16 teacher, its 2x8 AQLM student (one pass of
+residual nearest-codeword assignment, so it starts near its teacher) and a corpus of random words;
+each run is `python -m aqflow pvtune` from its own source tree with the same data, seed and steps.
+Tokens/s is the median of the steps that neither come first nor follow a held-out evaluation; the
+paper's budget (1,563 steps of 32 windows, 157 evaluations of 128 windows) is projected from them.
 """
 
 from __future__ import annotations
@@ -35,7 +32,6 @@ import torch
 from synthetic_models import random_teacher
 from synthetic_text import synthetic_corpus
 
-PAPER_PV_TOKENS = 10_000 * 4096 * 5
 PAPER_PV_STEPS = 1563  # 10,000 windows x 5 epochs / 32 a step
 PAPER_PV_EVALUATIONS = 157  # one before training, one every 10 steps and one after the last
 PAPER_HELDOUT_WINDOWS = 128  # config.yaml's heldout_samples
@@ -289,29 +285,18 @@ def shape_headers(shape: dict, num_codebooks: int = 2, nbits: int = 8, group_siz
     """(student, teacher) safetensors headers of a Llama of `shape` and its AQLM checkpoint, as
     `aqflow.pvtune.memory` reads them (nothing is built)."""
     from aqflow.models.folder import TensorHeader
+    from headline_kit import tensor_shapes  # the checkpoint's tensors, as the headline's kit writes them
 
-    width, ff = shape["hidden_size"], shape["intermediate_size"]
-    head_dim = shape.get("head_dim", width // shape["num_attention_heads"])
-    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
-    linears = {"self_attn.q_proj": (q, width), "self_attn.k_proj": (kv, width), "self_attn.v_proj": (kv, width),
-               "self_attn.o_proj": (width, q), "mlp.gate_proj": (ff, width), "mlp.up_proj": (ff, width),
-               "mlp.down_proj": (width, ff)}
     student, teacher = {}, {}
-    for block in range(shape["num_hidden_layers"]):
-        for name, (out, inp) in linears.items():
-            prefix = f"model.layers.{block}.{name}"
-            teacher[f"{prefix}.weight"] = TensorHeader("BF16", (out, inp))
-            student[f"{prefix}.codes"] = TensorHeader("U8", (out, inp // group_size, num_codebooks))
-            student[f"{prefix}.codebooks"] = TensorHeader("F16", (num_codebooks, 1 << nbits, 1, group_size))
-            student[f"{prefix}.scales"] = TensorHeader("F16", (out, 1, 1, 1))
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            teacher[f"model.layers.{block}.{norm}.weight"] = student[f"model.layers.{block}.{norm}.weight"] = \
-                TensorHeader("BF16", (width,))
-    outside = {"model.embed_tokens.weight": (shape["vocab_size"], width), "model.norm.weight": (width,)}
-    if not shape.get("tie_word_embeddings"):
-        outside["lm_head.weight"] = (shape["vocab_size"], width)
-    for name, size in outside.items():
-        teacher[name] = student[name] = TensorHeader("BF16", size)
+    for name, size in tensor_shapes(shape).items():
+        teacher[name] = TensorHeader("BF16", size)
+        if not name.endswith("_proj.weight"):
+            student[name] = teacher[name]
+            continue
+        prefix, (out, inp) = name.removesuffix(".weight"), size
+        student[f"{prefix}.codes"] = TensorHeader("U8", (out, inp // group_size, num_codebooks))
+        student[f"{prefix}.codebooks"] = TensorHeader("F16", (num_codebooks, 1 << nbits, 1, group_size))
+        student[f"{prefix}.scales"] = TensorHeader("F16", (out, 1, 1, 1))
     return student, teacher
 
 

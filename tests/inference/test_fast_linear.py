@@ -1,6 +1,7 @@
 """FastQuantizedLinear in a model loaded by transformers + aqlm: logits equal those of the same
 checkpoint with dense dequantized layers, through the lookup tables (few tokens) and the
-dequantized chunks (many), and the model keeps only codes, codebooks and scales."""
+dequantized chunks (many), on each CPU kernel this machine has, and the model keeps only codes,
+codebooks and scales."""
 
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ def test_install_replaces_every_aqlm_layer_and_keeps_only_the_codes(tiny_aqlm):
 
 
 @pytest.mark.parametrize("tokens", [1, 3, fast_linear.LUT_MAX_TOKENS + 13])
-def test_logits_equal_the_dequantized_reference(tiny_aqlm, tokens):
-    """Few tokens go through lut_matmul, more through dequantized_matmul: both equal the model
+def test_logits_equal_the_dequantized_reference(tiny_aqlm, tokens, cpu_kernel):
+    """Few tokens go through the kernel's tables, more through dequantized_matmul: both equal the model
     whose AQLM layers were replaced by their dequantized weights, within float32 rounding."""
     reference = _load(tiny_aqlm)
     dequantize_aqlm_linears(reference)
@@ -60,7 +61,7 @@ def test_logits_equal_the_dequantized_reference(tiny_aqlm, tokens):
         torch.testing.assert_close(fast(ids).logits, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_greedy_decoding_through_the_tables_picks_the_reference_tokens(tiny_aqlm):
+def test_greedy_decoding_through_the_tables_picks_the_reference_tokens(tiny_aqlm, cpu_kernel):
     reference = _load(tiny_aqlm)
     dequantize_aqlm_linears(reference)
     fast = _load(tiny_aqlm)
@@ -104,11 +105,12 @@ def test_bf16_linears_through_numba_keep_the_tied_head_and_the_logits(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_projections_on_a_cpu_leave_the_logits_bit_for_bit(tiny_aqlm, tmp_path, dtype):
-    """fuse_projections on a CPU (greedy_decode's default): the 2-bit layers held as column tiles
-    (gate/up here) become one register-kernel product, bf16 linears one numba GEMV; the logits of a
-    decode step and of a short prompt are those of the unfused model, bit for bit."""
-    from aqflow.inference import register_kernel
+def test_fused_projections_on_a_cpu_leave_the_logits_bit_for_bit(tiny_aqlm, tmp_path, dtype, cpu_kernel):
+    """fuse_projections on a CPU (greedy_decode's default): where a compiled kernel runs, the 2-bit
+    layers held as column tiles (gate/up here) become one kernel product; under numba (no compiled
+    kernel) they stay one numba call a layer and nothing of the 2-bit model is fused; bf16 linears
+    become one numba GEMV. The logits of a decode step and of a short prompt are those of the unfused
+    model, bit for bit."""
     from aqflow.inference.decode import FusedProjectionMember, fuse_projections
     from aqflow.inference.fast_linear import CpuBf16Linear, FusedColumnsLinear, install_cpu_bf16_linears
 
@@ -120,18 +122,23 @@ def test_fused_projections_on_a_cpu_leave_the_logits_bit_for_bit(tiny_aqlm, tmp_
     dense = load_causal_lm(build_tiny_llama(tmp_path / "fp", hidden_size=64, intermediate_size=128, num_layers=2,
                                             seed=0), dtype=dtype, device="cpu")
     install_cpu_bf16_linears(dense)
+    compiled = cpu_kernel != "numba"
     for model in (quantized, dense):
         ids = torch.randint(0, model.config.vocab_size, (1, 3), generator=torch.Generator().manual_seed(5))
         with torch.no_grad():
             before = [model(ids).logits, model(ids[:, :1]).logits]
-            assert fuse_projections(model)
+            fused = fuse_projections(model)
             after = [model(ids).logits, model(ids[:, :1]).logits]
+        assert bool(fused) == (compiled or model is dense)
         if model is dense and dtype == "float32":  # torch's fp32 GEMV of the fused weight: rounding may differ
             torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
         else:
-            assert [(a - b).abs().max().item() for a, b in zip(after, before)] == [0.0, 0.0], (model is dense, type(model.model.layers[0].mlp.gate_proj.fused).__name__)
+            assert [(a - b).abs().max().item() for a, b in zip(after, before)] == [0.0, 0.0], (model is dense, fused)
         up = model.model.layers[0].mlp.up_proj
-        assert isinstance(up, FusedProjectionMember)
-    gate_up = quantized.model.layers[0].mlp.gate_proj.fused
-    assert isinstance(gate_up, FusedColumnsLinear) or register_kernel.compiled_kernel() is None
+        assert isinstance(up, FusedProjectionMember) == bool(fused)
+    if compiled:
+        assert isinstance(quantized.model.layers[0].mlp.gate_proj.fused, FusedColumnsLinear)
+    else:
+        gate = quantized.model.layers[0].mlp.gate_proj
+        assert isinstance(gate, FastQuantizedLinear) and gate.layout == "tiles"
     assert isinstance(dense.model.layers[0].mlp.gate_proj.fused, CpuBf16Linear if dtype == "bfloat16" else torch.nn.Module)

@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from aqflow.evaluation.dense_aqlm import dequantize_aqlm_linears
+from aqflow.inference import register_kernel
 from aqflow.inference.decode import greedy_decode
 from aqflow.inference.runtime import load_for_decoding, resident_weight_bytes
 from aqflow.models import build_tiny_llama, load_tokenizer
 from aqflow.stagekit.stage_cli import run_stage_module
 from aqflow.stages import generate, speed
 from tests.inference.aqlm_checkpoints import write_random_aqlm_checkpoint
+from tests.inference.cpu_kernel_cases import cpu_kernel  # noqa: F401  (a fixture: each CPU kernel here in turn)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,29 @@ def test_generate_streams_the_greedy_tokens_of_the_dequantized_model(folders, tm
     # aqlm's own kernels (one numba thread) pick the same tokens
     assert _generate(aqlm_dir, tmp_path / "plain.json", prompt=prompt, max_new_tokens=8, path="plain") == 0
     assert json.loads((tmp_path / "plain.json").read_text())["tokens"] == record["tokens"]
+
+
+@pytest.fixture(scope="module")
+def dequantized_tokens(folders):
+    """The greedy tokens of the AQLM checkpoint's dequantized model after generate's default prompt (8 new)."""
+    _, aqlm_dir = folders
+    reference = load_for_decoding(aqlm_dir, "cpu", "float32", "plain")
+    dequantize_aqlm_linears(reference)
+    tokenizer = load_tokenizer(aqlm_dir)
+    tokens, _ = greedy_decode(reference, tokenizer(generate.GenerateSettings().prompt, return_tensors="pt").input_ids, 8,
+                              stop_tokens={tokenizer.eos_token_id}, fuse=False)
+    return tokens.tolist()
+
+
+def test_generate_names_its_cpu_kernel_and_each_kernel_picks_the_same_tokens(folders, dequantized_tokens, tmp_path,
+                                                                             capsys, cpu_kernel):
+    """On each CPU kernel this machine has (AQFLOW_CPU_KERNEL forced: avx512, avx2, numba, ...) the fast
+    path picks the dequantized model's tokens, and generate prints and records the kernel it used."""
+    _, aqlm_dir = folders
+    assert _generate(aqlm_dir, tmp_path / "fast.json", max_new_tokens=8, stream=False) == 0
+    record = json.loads((tmp_path / "fast.json").read_text())
+    assert record["tokens"] == dequantized_tokens
+    assert record["cpu_kernel"] == cpu_kernel and f"CPU kernel {cpu_kernel})" in capsys.readouterr().out
 
 
 def test_sampling_is_seeded_and_top_p_near_zero_is_greedy(folders, tmp_path):
@@ -122,6 +147,9 @@ def test_speed_measures_the_paths_it_is_given_per_device(folders, tmp_path, caps
         assert result["peak_memory_bytes"] >= result["rss_before_load_bytes"] > 0
     fast = load_for_decoding(aqlm_dir, "cpu", "float32", "fast")
     assert cpu["paths"]["fast"]["resident_weight_bytes"] == resident_weight_bytes(fast)
+    # the kernel the 2-bit layers took in the measuring child (this process's choice: the same settings)
+    assert cpu["paths"]["fast"]["cpu_kernel"] == register_kernel.kernel_name()
+    assert fp["devices"]["cpu"]["paths"]["plain"]["cpu_kernel"] is None  # nothing 2-bit to look up
     assert fp["paths"]["plain"]["resident_weight_bytes"] == resident_weight_bytes(load_for_decoding(fp_dir, "cpu", "float32", "plain"))
     assert aqlm["bits_per_parameter"] < fp["bits_per_parameter"] == 32  # the tiny model's codebooks weigh much
     assert 0 < aqlm["disk_weight_bytes"] < fp["disk_weight_bytes"]

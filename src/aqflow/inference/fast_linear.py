@@ -2,15 +2,15 @@
 device and token count; `install_fast_linears` puts it in place of aqlm's `QuantizedLinear`.
 
     CPU,  tokens <= LUT_MAX_TOKENS: lookup tables, the decode path: register_kernel.product_with_operands
-                                    for 8-bit codes on a CPU with AVX-512 (the tables in registers),
-                                    else cpu_kernels.lut_matmul (gathers)
+                                    for 8-bit codes where a compiled kernel runs (cpu_dispatch: AVX-512,
+                                    AVX2 or NEON), else cpu_kernels.lut_matmul (numba's gathers)
     CPU,  more tokens:              cpu_kernels.dequantized_matmul (row chunks through BLAS)
     CUDA, tokens <= GPU_MAX_TOKENS: gpu_kernels.quantized_matmul (Triton, imported when first needed)
     CUDA, more tokens:              the weight dequantized for the call, one cuBLAS matmul
 
 The module's buffers are the codes, codebooks, scales (and bias): no dense weight is kept. Outputs
 are in the input's dtype; the CPU kernels compute in float32 whatever the model's dtype.
-`FusedColumnsLinear` makes several of them (q/k/v, gate/up) one register-kernel product on a CPU;
+`FusedColumnsLinear` makes several of them (q/k/v, gate/up) one compiled-kernel product on a CPU;
 `CpuBf16Linear` is the CPU's bf16 GEMV for the linears left dense.
 """
 
@@ -40,9 +40,10 @@ class FastQuantizedLinear(nn.Module):
     """y = x W^T + b with W held as AQLM codes. forward(x [..., in]) -> [..., out] in x's dtype.
 
     The codes are held in the layout of the device's kernels (the same bytes, reordered), named
-    by `layout`: "columns" on a CPU where the register kernel applies (register_kernel.column_tiles),
-    "tiles" on other CPUs (cpu_kernels.tile_codes), "rows" on a GPU (row-major [out, G, M] as
-    QuantizedWeights has them). A move between devices converts them, so there is always one copy."""
+    by `layout`: on a CPU where a compiled kernel applies the one it reads (register_kernel.kernel_tiles:
+    "columns" for avx512, "blocks" for avx2 and neon), "tiles" on other CPUs (cpu_kernels.tile_codes),
+    "rows" on a GPU (row-major [out, G, M] as QuantizedWeights has them). A move between devices
+    converts them, so there is always one copy."""
 
     open_sums = None  # an open_sums.OpenSumsSite inside open_sums_enabled: one token on CUDA with open sums
 
@@ -64,19 +65,21 @@ class FastQuantizedLinear(nn.Module):
         """The layout `codes` (in any layout) are held in on their device."""
         if codes.device.type != "cpu":
             return "rows"
-        byte_codes = codes.dtype == torch.uint8  # the register kernel reads one byte a code
-        return "columns" if byte_codes and register_kernel.applies(self.nbits, self.out_features) else "tiles"
+        byte_codes = codes.dtype == torch.uint8  # the compiled kernels read one byte a code
+        if byte_codes and register_kernel.applies(self.nbits, self.out_features):
+            return register_kernel.kernel_layout()
+        return "tiles"
 
     def to_layout(self, row_codes: torch.Tensor, layout: str) -> torch.Tensor:
         """Row-major codes [out, G, M] -> the codes as `layout` holds them."""
-        if layout == "columns":
-            return register_kernel.column_tiles(row_codes)
+        if layout in register_kernel.LAYOUTS:
+            return register_kernel.kernel_tiles(row_codes, layout)
         return cpu_kernels.tile_codes(row_codes, self.nbits) if layout == "tiles" else row_codes
 
     def row_codes(self) -> torch.Tensor:
         """The codes row-major [out, G, M] (a copy unless they are held so)."""
-        if self.layout == "columns":
-            return register_kernel.rows_from_column_tiles(self.codes, self.num_codebooks)
+        if self.layout in register_kernel.LAYOUTS:
+            return register_kernel.rows_from_kernel_tiles(self.codes, self.num_codebooks, self.layout)
         return cpu_kernels.untile_codes(self.codes, self.num_codebooks) if self.layout == "tiles" else self.codes
 
     @property
@@ -112,19 +115,20 @@ class FastQuantizedLinear(nn.Module):
         return self._cpu_operands
 
     def register_operands(self) -> register_kernel.RegisterOperands:
-        """The register kernel's view of the layer (the column tiles shared; codebooks, scales and
+        """The compiled kernel's view of the layer (the column tiles shared; codebooks, scales and
         bias as float32 copies, made once rather than on every token)."""
         if self._register_operands is None:
             self._register_operands = register_kernel.register_operands(self.codes, self.codebooks, self.scales,
-                                                                        self.bias)
+                                                                        self.bias, self.layout)
         return self._register_operands
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         tokens = flat.shape[0]
-        if flat.device.type == "cpu" and self.layout == "columns" and tokens <= LUT_MAX_TOKENS:
+        compiled = self.layout in register_kernel.LAYOUTS
+        if flat.device.type == "cpu" and compiled and tokens <= LUT_MAX_TOKENS:
             out = register_kernel.product_with_operands(flat, self._register_operands or self.register_operands())
-        elif flat.device.type == "cpu" and self.layout == "columns":
+        elif flat.device.type == "cpu" and compiled:
             # prefill: the dequantized path on a tiled copy of the codes, made for the call
             out = cpu_kernels.dequantized_matmul(flat, self.weights)
         elif flat.device.type == "cpu":
@@ -149,9 +153,9 @@ class FastQuantizedLinear(nn.Module):
 
 
 class FusedColumnsLinear(nn.Module):
-    """Several FastQuantizedLinear of the same input held as column tiles on a CPU (q/k/v, gate/up)
+    """Several FastQuantizedLinear of the same input held for a compiled kernel on a CPU (q/k/v, gate/up)
     as one product: forward(x [..., in]) -> [..., sum(out)] in x's dtype. A decode step's few tokens
-    take one register-kernel call for all (register_kernel.stacked_operands: two parallel regions and
+    take one compiled-kernel call for all (register_kernel.stacked_operands: two parallel regions and
     one Python call instead of those of each layer); more tokens go through each layer's own forward.
 
     The layers' codes are moved into one stacked tensor and each layer's `codes` buffer becomes its
@@ -160,8 +164,8 @@ class FusedColumnsLinear(nn.Module):
     def __init__(self, layers: list[FastQuantizedLinear]):
         super().__init__()
         if not fused_columns_fit(layers):
-            raise ValueError("FusedColumnsLinear: the layers must be FastQuantizedLinear held as column tiles on a "
-                             "CPU, with one input size and one codebook shape")
+            raise ValueError("FusedColumnsLinear: the layers must be FastQuantizedLinear held for one compiled "
+                             "kernel on a CPU, with one input size and one codebook shape")
         self.layers = nn.ModuleList(layers)
         self.in_features = layers[0].in_features
         self.out_features = sum(layer.out_features for layer in layers)
@@ -199,10 +203,11 @@ class FusedColumnsLinear(nn.Module):
 
 
 def fused_columns_fit(layers) -> bool:
-    """Whether FusedColumnsLinear takes these modules: FastQuantizedLinear with codes as column tiles
-    on a CPU, one input size, one codebook shape (codebooks, group)."""
-    return (len(layers) > 0 and all(type(layer) is FastQuantizedLinear and layer.layout == "columns"
+    """Whether FusedColumnsLinear takes these modules: FastQuantizedLinear with codes in a compiled
+    kernel's layout (one for all) on a CPU, one input size, one codebook shape (codebooks, group)."""
+    return (len(layers) > 0 and all(type(layer) is FastQuantizedLinear and layer.layout in register_kernel.LAYOUTS
                                     and layer.codes.device.type == "cpu" for layer in layers)
+            and len({layer.layout for layer in layers}) == 1
             and len({layer.in_features for layer in layers}) == 1
             and len({tuple(layer.codebooks.shape) for layer in layers}) == 1)
 

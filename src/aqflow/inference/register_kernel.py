@@ -1,142 +1,89 @@
-"""The CPU decode product of 8-bit-code AQLM layers with each table held in AVX-512 registers.
+"""The CPU decode product of 8-bit-code AQLM layers through compiled table kernels (C, called from numba).
 
-`cpu_kernels.lut_matmul` sums one table entry per code through gathers from an L1-resident table
-slice. Here the codes are laid out per code column (`column_tiles`: a tile's 64 rows of one column
-contiguous), so a 16-lane permute looks up 16 rows in the same 256-entry table held in 16
-registers (csrc/lut_cpu.c), loaded once for 512 rows. The threads split a layer's code columns:
-each builds the tables of its slice and sums them over every row, then the slices are added.
-Several layers of one input (q/k/v, gate/up) can be one product (`stacked_operands`): each thread
-takes its slice of every layer in turn, so the call and its two parallel regions are paid once.
+`cpu_kernels.lut_matmul` sums one table entry per code through numba's gathers from an L1-resident
+table slice. Here a C kernel sums them, the one cpu_dispatch chose for this CPU, on codes laid out
+per code column (`kernel_tiles`):
 
-Table kinds. float32 for float32 activations: the outputs equal the gather kernels' up to float32
-rounding (the order of the additions, the rounding of the table entries). Where the CPU has AVX-512
-VBMI they are held as four byte planes (`float32_layout` "planes": a 64-lane byte permute pair looks
-up 64 rows of a plane, a third of the shuffles per code; the same sums, bit for bit), else as float32
-registers ("registers"; AQFLOW_CPU_PLANES=0 keeps those). For bfloat16/float16 activations, whose
-outputs are rounded to 16 bits, float16 tables too (8 registers, half the permutes; each entry rounded
-by at most 2^-11 of itself) and, with AVX-512 VBMI and VNNI, int16 ones (a step per block of 8
-columns, its largest entry / 32767; each entry within half a step; two byte planes); whichever kind
-times fastest on the first product (`tables_for_16bit`, AQFLOW_CPU_TABLES). On the 16 cores of the GPU
-host's Xeon a Llama-3.2-3B decode is 1.97-2.68x dense bf16's with the int16 kind
-(benchmarks/results/README.md, "Byte-plane tables on the CPU").
+    avx512 (csrc/lut_cpu.c): a column's 256-entry table held in 16 AVX-512 registers, a 16-lane
+           permute looking up 16 rows, loaded once for 512 rows; codes as column tiles (`column_tiles`:
+           [tiles][columns][64], a tile's 64 rows of one column contiguous);
+    avx2, neon (csrc/lut_cpu_l1.c): tables in L1, built 16 columns at a time, one scalar load per code
+           (a table is twice the register file of AVX2 or NEON; on Zen 4 twice the codes/s of gathers);
+           codes block-major (`block_tiles`: the column tiles of 16 columns for every tile, then of the
+           next 16), so that a block is one sequential read.
 
-The C file is compiled on first use with the system C compiler (`$CC`, else `cc`) into
-`$AQFLOW_KERNEL_CACHE` (default `~/.cache/aqflow/kernels`), once per source and flags, and called
-through ctypes from a numba parallel loop (numba's thread pool, as the other CPU kernels).
-`compiled_kernel()` is None, and FastQuantizedLinear keeps the numba kernels, where the CPU lacks
-AVX-512 (F and BW), no compiler works, or AQFLOW_REGISTER_KERNEL=0.
+The threads split a layer's code columns: each builds the tables of its slice and sums them over
+every row, then the slices are added. Several layers of one input (q/k/v, gate/up) can be one
+product (`stacked_operands`): each thread takes its slice of every layer in turn, so the call and its
+two parallel regions are paid once.
+
+Table kinds. float32 for float32 activations, on every kernel: the outputs equal the gather kernels'
+up to float32 rounding (the order of the additions, the rounding of the table entries). On avx512,
+where the CPU has AVX-512 VBMI they are held as four byte planes (`float32_layout` "planes": a 64-lane
+byte permute pair looks up 64 rows of a plane, a third of the shuffles per code; the same sums, bit for
+bit), else as float32 registers ("registers"; AQFLOW_CPU_PLANES=0 keeps those); avx2 and neon hold
+them in L1 ("l1"). For bfloat16/float16 activations, whose outputs are rounded to 16 bits, avx512 also
+has float16 tables (8 registers, half the permutes; each entry rounded by at most 2^-11 of itself) and,
+with AVX-512 VBMI and VNNI, int16 ones (a step per block of 8 columns, its largest entry / 32767; each
+entry within half a step; two byte planes); whichever kind times fastest on the first product
+(`tables_for_16bit`, AQFLOW_CPU_TABLES). avx2 and neon have float32 tables alone: a scalar load
+costs the same whatever the entry's width. On the 16 cores of the GPU host's Xeon a Llama-3.2-3B
+decode is 1.97-2.68x dense bf16's with the int16 kind (benchmarks/results/README.md, "Byte-plane
+tables on the CPU").
+
+`compiled_kernel()` is None, and FastQuantizedLinear keeps the numba kernels, where cpu_dispatch
+chose numba (no compiled kernel runs or builds here, or AQFLOW_CPU_KERNEL=numba).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import numba
 import numpy as np
 import torch
 from numba import njit, prange
 
+from aqflow.inference import cpu_dispatch
+# also read from here by the benchmarks (they lived in this module before cpu_dispatch)
+from aqflow.inference.cpu_dispatch import (  # noqa: F401
+    DEFAULT_PREFETCH_COLUMNS, L1_BLOCK_COLUMNS, PREFETCH_ENV, cpu_flags, prefetch_columns,
+)
 from aqflow.inference.cpu_kernels import PARALLEL_MIN_LOADS
 
-SOURCE = Path(__file__).parent / "csrc" / "lut_cpu.c"
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-shared", "-fPIC")
 ROWS = 64  # rows per tile: four 16-lane lookups per code column
 # Code columns per thread at the least (a 64-row tile's column is 64 codes): a thread's slice of
 # fewer would cost more in its partial sums (one float per row) than in table lookups.
 MIN_BLOCK_COLUMNS = 32
-NEEDED_CPU_FLAGS = ("avx512f", "avx512bw")
 PLANES_CPU_FLAG = "avx512vbmi"  # byte permutes: float32 tables as byte planes
 PLANES_ENV = "AQFLOW_CPU_PLANES"  # 0: float32 tables as float32 registers even where byte planes run
 INT16_CPU_FLAGS = ("avx512vbmi", "avx512_vnni", "avx512vl")  # byte permutes, 16-bit multiply-adds
-PREFETCH_ENV = "AQFLOW_CPU_PREFETCH"  # code columns requested ahead of the one summed (0: none)
-DEFAULT_PREFETCH_COLUMNS = 8
-
-
-def prefetch_columns() -> int:
-    """How many code columns ahead the kernel requests codes ($AQFLOW_CPU_PREFETCH, default 8; 0: none)."""
-    value = os.environ.get(PREFETCH_ENV, str(DEFAULT_PREFETCH_COLUMNS))
-    try:
-        columns = int(value)
-    except ValueError:
-        raise ValueError(f"{PREFETCH_ENV}={value!r}: expected a whole number of code columns (0: none)") from None
-    if columns < 0:
-        raise ValueError(f"{PREFETCH_ENV}={value!r}: expected 0 or more code columns")
-    return columns
-
-
-def build_flags() -> tuple[str, ...]:
-    """The compiler flags of this process's build: FLAGS and the prefetch distance."""
-    return (*FLAGS, f"-DAHEAD={prefetch_columns()}")
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux reports them (empty elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def kernel_cache_dir() -> Path:
-    env = os.environ.get("AQFLOW_KERNEL_CACHE")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "aqflow" / "kernels"
-
-
-def build_library(compiler: str, cache_dir: Path) -> Path:
-    """The compiled kernel's path in cache_dir, compiling it (to a temporary file, then renamed)
-    unless a build of the same source and flags is there. Raises CalledProcessError/OSError."""
-    flags = build_flags()
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    library = cache_dir / f"lut_cpu-{digest}.so"
-    if library.is_file():
-        return library
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".lut_cpu-", suffix=".so", dir=cache_dir)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
-        os.replace(tmp, library)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return library
 
 
 @dataclass(frozen=True)
 class Kernels:
-    """The compiled products (ctypes functions of csrc/lut_cpu.c), with the arguments (x,
-    codebooks, M, g, codes, tiles, columns, first_column, last_column, tables, out): `float32`
-    tables (exact to float32 rounding; held as `float32_layout` "planes" or "registers", the same
-    sums), and for 16-bit activations `float16` ones and, where the CPU has AVX-512 VBMI and VNNI,
-    `int16` ones (each block of 8 columns scaled by its largest entry: an entry off by at most 2^-16 of
-    that; None elsewhere)."""
+    """The compiled products of kernel `name` (cpu_dispatch.KERNELS; ctypes functions of its C
+    source), with the arguments (x, codebooks, M, g, codes, tiles, columns, first_column, last_column,
+    tables, out): `float32` tables (exact to float32 rounding; held as `float32_layout` "planes" or
+    "registers" on avx512, "l1" on avx2 and neon), and for 16-bit activations on avx512 `float16` ones
+    and, where the CPU has AVX-512 VBMI and VNNI, `int16` ones (each block of 8 columns scaled by its
+    largest entry: an entry off by at most 2^-16 of that); None where the kernel has none."""
 
+    name: str
     float32: object
-    float16: object
     float32_layout: str
+    float16: object = None
     int16: object = None
+    code_layout: str = "columns"  # how the kernel reads codes: "columns" (column_tiles) or "blocks" (block_tiles)
 
     def kinds(self) -> tuple[str, ...]:
         """The table kinds 16-bit activations may take here."""
-        return ("float16", "float32") + (("int16",) if self.int16 is not None else ())
+        return tuple(kind for kind in ("float16", "float32", "int16") if getattr(self, kind) is not None)
 
 
 def planes_wanted(flags: set[str]) -> bool:
@@ -148,41 +95,53 @@ def planes_wanted(flags: set[str]) -> bool:
     return value == "1" and PLANES_CPU_FLAG in flags
 
 
-@functools.cache
-def compiled_kernel() -> Kernels | None:
-    """The compiled products, or None where they cannot run here (the reason is given once as a
-    warning, except when switched off)."""
-    if os.environ.get("AQFLOW_REGISTER_KERNEL", "1") == "0":
-        return None
+def _bound(function):
+    """A kernel function of the C sources with its argument types set (they share one signature)."""
+    if function is not None:
+        function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                             ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                             ctypes.c_void_p]
+        function.restype = None
+    return function
+
+
+def bind_kernels(name: str, library: ctypes.CDLL) -> Kernels:
+    """Kernel `name`'s products from its loaded library (avx512: by the CPU's AVX-512 extensions)."""
+    if name != "avx512":
+        return Kernels(name, _bound(library.aqflow_l1_product), "l1", code_layout="blocks")
     flags = cpu_flags()
-    missing = [flag for flag in NEEDED_CPU_FLAGS if flag not in flags]
-    if platform.machine() not in ("x86_64", "AMD64") or missing:
-        return None  # the numba kernels are the path on such CPUs: nothing to warn about
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    try:
-        if compiler is None:
-            raise OSError(f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH")
-        library = ctypes.CDLL(str(build_library(compiler, kernel_cache_dir())))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or error
-        warnings.warn(f"aqflow: the AVX-512 table kernel is not available ({detail}); using the numba kernels",
-                      stacklevel=2)
-        return None
     planes = planes_wanted(flags)
     float32 = library.aqflow_register_product_planes if planes else library.aqflow_register_product
     int16 = library.aqflow_register_product_int16 if all(flag in flags for flag in INT16_CPU_FLAGS) else None
-    for function in (float32, library.aqflow_register_product_f16, int16):
-        if function is not None:
-            function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                                 ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                                 ctypes.c_void_p]
-            function.restype = None
-    return Kernels(float32, library.aqflow_register_product_f16, "planes" if planes else "registers", int16)
+    return Kernels(name, _bound(float32), "planes" if planes else "registers",
+                   _bound(library.aqflow_register_product_f16), _bound(int16))
+
+
+@functools.cache
+def compiled_kernel() -> Kernels | None:
+    """The compiled products of the kernel cpu_dispatch chose for this process, or None where it chose
+    numba (cache_clear() after changing AQFLOW_CPU_KERNEL, AQFLOW_CPU_PLANES or AQFLOW_CPU_PREFETCH)."""
+    name, library = cpu_dispatch.chosen_kernel()
+    return None if library is None else bind_kernels(name, library)
+
+
+def kernel_name() -> str:
+    """The CPU kernel 8-bit-code layers take in this process: avx512, avx2, neon or numba."""
+    kernels = compiled_kernel()
+    return "numba" if kernels is None else kernels.name
 
 
 def applies(nbits: int, out_features: int) -> bool:
-    """Whether a layer takes this kernel on this machine: 8-bit codes, whole tiles of rows."""
+    """Whether a layer takes a compiled kernel on this machine: 8-bit codes, whole tiles of rows."""
     return nbits == 8 and out_features % ROWS == 0 and compiled_kernel() is not None
+
+
+def kernel_layout() -> str:
+    """How the compiled kernel in use reads codes: "columns" (avx512) or "blocks" (avx2, neon)."""
+    kernels = compiled_kernel()
+    if kernels is None:
+        raise RuntimeError("no compiled CPU kernel in this process (cpu_dispatch chose numba)")
+    return kernels.code_layout
 
 
 def column_tiles(codes: torch.Tensor) -> torch.Tensor:
@@ -198,19 +157,59 @@ def rows_from_column_tiles(tiles: torch.Tensor, num_codebooks: int) -> torch.Ten
     return tiles.permute(0, 2, 1).reshape(count * rows, columns // num_codebooks, num_codebooks).contiguous()
 
 
+def layout_blocks(columns: int, block_columns: int = L1_BLOCK_COLUMNS) -> list[tuple[int, int]]:
+    """(first, last) of each block of the block-major layout: block_columns columns, the last fewer."""
+    return [(start, min(start + block_columns, columns)) for start in range(0, columns, block_columns)]
+
+
+def block_tiles(codes: torch.Tensor, block_columns: int = L1_BLOCK_COLUMNS) -> torch.Tensor:
+    """codes [out, G, M] uint8 -> the same bytes block-major, held as [out/64, G*M, 64] (the shape of
+    column_tiles, so that a stack of layers is a torch.cat along tiles; the order within is not
+    column_tiles'): for each block of block_columns columns (the last narrower), for every tile, the
+    block's columns' 64 rows each, i.e. column_tiles(codes)[:, first:last] flattened, block after block."""
+    tiles = column_tiles(codes)
+    blocks = [tiles[:, first:last].reshape(-1) for first, last in layout_blocks(tiles.shape[1], block_columns)]
+    return torch.cat(blocks).view(tiles.shape)
+
+
+def rows_from_block_tiles(held: torch.Tensor, num_codebooks: int, block_columns: int = L1_BLOCK_COLUMNS) -> torch.Tensor:
+    """Inverse of block_tiles: block-major [out/64, G*M, 64] -> codes [out, G, M] (a copy)."""
+    count, columns, rows = held.shape
+    flat = held.reshape(-1)
+    tiles = torch.empty_like(held)
+    for first, last in layout_blocks(columns, block_columns):
+        size = count * (last - first) * rows
+        tiles[:, first:last] = flat[first * count * rows:first * count * rows + size].view(count, last - first, rows)
+    return rows_from_column_tiles(tiles, num_codebooks)
+
+
+LAYOUTS = {"columns": (column_tiles, rows_from_column_tiles), "blocks": (block_tiles, rows_from_block_tiles)}
+
+
+def kernel_tiles(codes: torch.Tensor, layout: str | None = None) -> torch.Tensor:
+    """codes [out, G, M] uint8 laid out as `layout` ("columns" or "blocks"; None: the kernel in use's)."""
+    return LAYOUTS[layout or kernel_layout()][0](codes)
+
+
+def rows_from_kernel_tiles(held: torch.Tensor, num_codebooks: int, layout: str) -> torch.Tensor:
+    """Inverse of kernel_tiles: codes held as `layout` -> [out, G, M] (a copy)."""
+    return LAYOUTS[layout][1](held, num_codebooks)
+
+
 @dataclass(frozen=True)
 class RegisterOperands:
     """One layer, or several layers of the same input stacked by rows (q/k/v, gate/up: one product
-    for all), as the kernel reads them: codes [tiles, G*M, 64] uint8 (column_tiles, the layers' tiles
-    one after another), codebooks [layers, M, g, 256] float32 (codeword index last), scales [out] and
-    bias [out] float32 (zeros where a layer has none), layer_tiles [layers + 1] int64 (layer i holds
-    tiles layer_tiles[i]:layer_tiles[i + 1], so rows 64 times those)."""
+    for all), as the kernel reads them: codes [tiles, G*M, 64] uint8 (kernel_tiles as `layout`, the
+    layers' tiles one after another), codebooks [layers, M, g, 256] float32 (codeword index last),
+    scales [out] and bias [out] float32 (zeros where a layer has none), layer_tiles [layers + 1] int64
+    (layer i holds tiles layer_tiles[i]:layer_tiles[i + 1], so rows 64 times those)."""
 
     codes: np.ndarray
     codebooks: np.ndarray
     scales: np.ndarray
     bias: np.ndarray
     layer_tiles: np.ndarray
+    layout: str = "columns"
 
     @property
     def out_features(self) -> int:
@@ -218,9 +217,10 @@ class RegisterOperands:
 
 
 def register_operands(tiles: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
-                      bias: torch.Tensor | None) -> RegisterOperands:
-    """The kernel's view of a layer held as column tiles [out/64, G*M, 64] with codebooks [M, 256, g],
-    scales [out] and bias [out] (or None): the codes shared, the rest as float32 copies."""
+                      bias: torch.Tensor | None, layout: str = "columns") -> RegisterOperands:
+    """The kernel's view of a layer whose codes are held as `layout` (kernel_tiles: [out/64, G*M, 64])
+    with codebooks [M, 256, g], scales [out] and bias [out] (or None): the codes shared, the rest as
+    float32 copies."""
     out_features = tiles.shape[0] * ROWS
     as_float = lambda tensor: np.ascontiguousarray(tensor.detach().to(torch.float32).reshape(-1).numpy())  # noqa: E731
     return RegisterOperands(
@@ -228,17 +228,19 @@ def register_operands(tiles: torch.Tensor, codebooks: torch.Tensor, scales: torc
         codebooks=np.ascontiguousarray(codebooks.detach().to(torch.float32).transpose(1, 2).numpy())[None],
         scales=as_float(scales),
         bias=np.zeros(out_features, dtype=np.float32) if bias is None else as_float(bias),
-        layer_tiles=np.array([0, tiles.shape[0]], dtype=np.int64))
+        layer_tiles=np.array([0, tiles.shape[0]], dtype=np.int64), layout=layout)
 
 
 def stacked_operands(tiles: torch.Tensor, layers: list[RegisterOperands]) -> RegisterOperands:
     """Several layers of the same input as one product: `tiles` [sum of their tiles, G*M, 64] uint8
-    holds their column tiles one after another (the caller keeps it; the operands view it), `layers`
-    their own operands (one layer each, same code columns and codebook shape)."""
+    holds their codes one after another, each layer's laid out on its own (the caller keeps it; the
+    operands view it), `layers` their own operands (one layer each, same code columns, codebook shape
+    and layout)."""
     first = layers[0]
     if any(layer.codes.shape[1:] != first.codes.shape[1:] or layer.codebooks.shape != first.codebooks.shape
-           or len(layer.layer_tiles) != 2 for layer in layers):
-        raise ValueError("stacked_operands: the layers must be single layers with the same code columns and codebooks")
+           or len(layer.layer_tiles) != 2 or layer.layout != first.layout for layer in layers):
+        raise ValueError("stacked_operands: the layers must be single layers with the same code columns, codebooks "
+                         "and layout")
     counts = [layer.codes.shape[0] for layer in layers]
     if tiles.shape[0] != sum(counts) or tuple(tiles.shape[1:]) != first.codes.shape[1:]:
         raise ValueError(f"stacked_operands: tiles {tuple(tiles.shape)} do not hold the layers' {sum(counts)} tiles")
@@ -247,7 +249,7 @@ def stacked_operands(tiles: torch.Tensor, layers: list[RegisterOperands]) -> Reg
         codebooks=np.concatenate([layer.codebooks for layer in layers]),
         scales=np.concatenate([layer.scales for layer in layers]),
         bias=np.concatenate([layer.bias for layer in layers]),
-        layer_tiles=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+        layer_tiles=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), layout=first.layout)
 
 
 def column_blocks(columns: int, threads: int) -> int:
@@ -314,10 +316,14 @@ def register_matmul(x: np.ndarray, operands: RegisterOperands, threads: int | No
     anyway "float16" (each table entry rounded to float16) or "int16" (Kernels.int16)."""
     kernels = compiled_kernel()
     if kernels is None:
-        raise RuntimeError("the AVX-512 table kernel is not available here (register_kernel.applies is False)")
+        raise RuntimeError("no compiled CPU kernel in this process (cpu_dispatch chose numba: "
+                           "register_kernel.applies is False)")
+    if operands.layout != kernels.code_layout:  # codes laid out for another kernel would be read as garbage
+        raise RuntimeError(f"codes laid out as {operands.layout!r}, the {kernels.name} kernel in use reads "
+                           f"{kernels.code_layout!r}: lay them out again (kernel_tiles) after changing the kernel")
     kernel = getattr(kernels, table_dtype)
     if kernel is None:
-        raise RuntimeError(f"{table_dtype} tables need AVX-512 {', '.join(INT16_CPU_FLAGS)}, which this CPU lacks")
+        raise RuntimeError(f"the {kernels.name} kernel has no {table_dtype} tables (it has {', '.join(kernels.kinds())})")
     tokens, columns = x.shape[0], operands.codes.shape[1]
     if threads is None:
         threads = 1 if tokens * operands.codes.size < PARALLEL_MIN_LOADS else numba.get_num_threads()
@@ -348,7 +354,8 @@ def table_dtype_for(activations: torch.dtype) -> str:
 
 TABLES_ENV = "AQFLOW_CPU_TABLES"  # for 16-bit activations: auto (default), float16, float32 or int16
 TABLE_TIMING_ROUNDS = 7  # calls of each table kind, in turn, when choosing by time
-_fastest_tables: dict[int, str] = {}  # thread count -> the table dtype timed fastest in this process
+# (kernel name, thread count) -> the table dtype timed fastest in this process
+_fastest_tables: dict[tuple[str, int], str] = {}
 
 
 def tables_for_16bit(x: np.ndarray, operands: RegisterOperands, threads: int | None) -> str:
@@ -358,16 +365,20 @@ def tables_for_16bit(x: np.ndarray, operands: RegisterOperands, threads: int | N
     kind warmed once, then the best of TABLE_TIMING_ROUNDS calls, the kinds in turn). Why measure: float16
     tables halve the permutes and won on a 2-core EPYC (2.24x against 1.67-1.81x dense bf16's speed),
     while on a 16-core Xeon float32 ones once decoded faster (17.4 against 16.1 tokens/s) and on another
-    float16 ones took ~30 % less time (benchmarks/lut_stream.py)."""
+    float16 ones took ~30 % less time (benchmarks/lut_stream.py). A kernel of one kind (avx2, neon)
+    takes it untimed."""
+    kernels = compiled_kernel()
+    kinds = kernels.kinds()
     wanted = os.environ.get(TABLES_ENV, "auto")
     if wanted != "auto":
-        kinds = compiled_kernel().kinds()
         if wanted not in kinds:
-            raise ValueError(f"{TABLES_ENV}={wanted!r}: expected auto or one of {', '.join(kinds)} (on this CPU)")
+            raise ValueError(f"{TABLES_ENV}={wanted!r}: expected auto or one of {', '.join(kinds)} "
+                             f"(the {kernels.name} kernel's)")
         return wanted
-    key = threads if threads is not None else numba.get_num_threads()
-    if key not in _fastest_tables:  # every product asks; the kinds are timed once per thread count
-        kinds = compiled_kernel().kinds()
+    key = (kernels.name, threads if threads is not None else numba.get_num_threads())
+    if key not in _fastest_tables and len(kinds) == 1:
+        _fastest_tables[key] = kinds[0]
+    if key not in _fastest_tables:  # every product asks; the kinds are timed once per kernel and thread count
         for dtype in kinds:
             register_matmul(x, operands, threads, dtype)  # warm: scratch, caches
         seconds = {dtype: float("inf") for dtype in kinds}
@@ -383,13 +394,14 @@ def tables_for_16bit(x: np.ndarray, operands: RegisterOperands, threads: int | N
 
 
 def chosen_tables() -> dict[int, str]:
-    """The table dtype tables_for_16bit settled on in this process, by thread count (empty before the
-    first 16-bit product, or where AQFLOW_CPU_TABLES names one)."""
-    return dict(_fastest_tables)
+    """The table dtype tables_for_16bit settled on in this process for the current kernel, by thread
+    count (empty before the first 16-bit product, or where AQFLOW_CPU_TABLES names one)."""
+    name = kernel_name()
+    return {threads: dtype for (kernel, threads), dtype in _fastest_tables.items() if kernel == name}
 
 
 def product_with_operands(x: torch.Tensor, operands: RegisterOperands, threads: int | None = None) -> torch.Tensor:
-    """x [T, in] in any float dtype -> [T, out] float32 through the register kernel, with float32 tables
+    """x [T, in] in any float dtype -> [T, out] float32 through the compiled kernel, with float32 tables
     for float32 activations and tables_for_16bit's for 16-bit ones (table_dtype_for says which may
     take float16). threads: as register_matmul."""
     flat = np.ascontiguousarray(x.detach().to(torch.float32).numpy())
@@ -401,7 +413,7 @@ def product_with_operands(x: torch.Tensor, operands: RegisterOperands, threads: 
 
 def register_product(x: torch.Tensor, tiles: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
                      bias: torch.Tensor | None, threads: int | None = None) -> torch.Tensor:
-    """x [T, in] -> [T, out] float32 through the register kernel, for a layer held as column tiles
-    [out/64, G*M, 64] (column_tiles) with codebooks [M, 256, g], scales [out] and bias [out] or None
+    """x [T, in] -> [T, out] float32 through the compiled kernel in use, for a layer held in its layout
+    (kernel_tiles: [out/64, G*M, 64]) with codebooks [M, 256, g], scales [out] and bias [out] or None
     (product_with_operands; FastQuantizedLinear keeps the operands between calls instead)."""
-    return product_with_operands(x, register_operands(tiles, codebooks, scales, bias), threads)
+    return product_with_operands(x, register_operands(tiles, codebooks, scales, bias, kernel_layout()), threads)

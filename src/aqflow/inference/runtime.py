@@ -77,6 +77,19 @@ def decoding_context(model_dir: str | os.PathLike, device: str, path: str) -> Co
     return nullcontext()
 
 
+def lookup_kernel(model_dir: str | os.PathLike, device: str, path: str) -> str | None:
+    """The kernel the 2-bit layers of an AQLM folder take on a CPU through `path`: on the fast path the
+    one cpu_dispatch chose for this process (avx512, avx2, neon or numba), on the plain path "aqlm"
+    (aqlm's own numba kernel); None on a GPU or for a plain folder (nothing 2-bit to look up)."""
+    if torch.device(device).type != "cpu" or not is_aqlm_folder(model_dir):
+        return None
+    if path == "plain":
+        return "aqlm"
+    from aqflow.inference.register_kernel import kernel_name
+
+    return kernel_name()
+
+
 def resident_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's parameters and buffers as held (a tensor shared by several modules,
     e.g. tied embeddings, counted once)."""

@@ -4,7 +4,8 @@ Tokens print as they are made; then how fast they came and how much memory the w
 
 MODEL_DIR is a plain model folder (resources/models/<model>) or an AQLM checkpoint (a stitched or
 PV-tuned `model/`). The model runs on --device (auto: a GPU where one is visible) through the
-fast path (aqflow.inference: AQLM layers kept 2-bit; numba lookup-table kernels on the CPU; on a GPU
+fast path (aqflow.inference: AQLM layers kept 2-bit; on the CPU the lookup-table kernel chosen by the
+CPU's features, AVX-512, AVX2, NEON or numba (AQFLOW_CPU_KERNEL forces one; printed and recorded); on a GPU
 the CUDA C++ lookup-table GEMV for 2x8 layers (inference/cuda_kernels.py) and Triton kernels for other
 geometries, the decode step a CUDA graph there) or, with --path plain, as transformers + aqlm load
 it (aqlm's kernels, eager steps, nothing fused).
@@ -27,7 +28,7 @@ import torch
 from aqflow.inference.decode import (DecodeTimings, greedy_decode, model_device, new_static_cache, one_token_paths,
                                      step_logits)
 from aqflow.inference.runtime import (
-    PATHS, decode_options, decoding_context, disk_weight_bytes, is_aqlm_folder, load_for_decoding,
+    PATHS, decode_options, decoding_context, disk_weight_bytes, is_aqlm_folder, load_for_decoding, lookup_kernel,
     resident_weight_bytes, resolve_dtype, torch_threads,
 )
 from aqflow.io import artifacts
@@ -202,6 +203,7 @@ def run(settings: GenerateSettings, paths: GeneratePaths) -> dict:
         "settings": {**asdict(settings), "device": device, "dtype": dtype},
         "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor() or "cpu",
         "threads": torch.get_num_threads() if settings.threads is None else settings.threads,
+        "cpu_kernel": lookup_kernel(paths.model_dir, device, settings.path),
         "load_seconds": load_seconds,
         "timings": {**asdict(timings), "prefill_tokens_per_second": timings.prefill_tokens_per_second,
                     "decode_tokens_per_second": timings.decode_tokens_per_second},
@@ -215,10 +217,11 @@ def run(settings: GenerateSettings, paths: GeneratePaths) -> dict:
 
 def summary(record: dict) -> str:
     timings = record["timings"]
+    kernel = f", CPU kernel {record['cpu_kernel']}" if record.get("cpu_kernel") else ""
     return (f"{timings['prompt_tokens']} prompt tokens at {timings['prefill_tokens_per_second']:.1f} tokens/s, "
             f"{timings['new_tokens']} new at {timings['decode_tokens_per_second']:.2f} tokens/s "
             f"({timings['mode']}, {record['settings']['path']} path, {record['settings']['device']}, "
-            f"{record['settings']['dtype']}); weights {record['resident_weight_bytes'] / 2**20:.1f} MiB in memory, "
+            f"{record['settings']['dtype']}{kernel}); weights {record['resident_weight_bytes'] / 2**20:.1f} MiB in memory, "
             f"{record['disk_weight_bytes'] / 2**20:.1f} MiB on disk")
 
 

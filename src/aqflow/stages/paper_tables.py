@@ -38,6 +38,14 @@ DEFAULT_DOMAINS = ("c4", "wikitext2")
 INPUT_ERRORS = EXPECTED_ERRORS
 QUANTIZED_INITS = ("greedy", "oaem", "oaem-patient")
 PLOTS = ("beam.png", "rho.png", "domains.png", "pv.png")
+# The CSV tables' floats, in significant digits: more than the measurements carry (a perplexity's
+# spread over seeds is a few percent), and few enough that a redraw on another CPU writes the same
+# bytes. The slopes' least squares (np.polyfit) run in OpenBLAS, whose kernels are chosen by CPU: in
+# full, one claim's t was 4.3766124619091205 with this machine's kernels and 4.376612461909124 with
+# Haswell's (OPENBLAS_CORETYPE=Haswell), 8e-16 relative, which moves the 7th significant digit with a
+# probability of about 1e-8. At 7 digits the redraws with the Haswell, Zen and Sandy Bridge kernels
+# are byte-identical.
+CSV_FLOAT_FORMAT = "%.7g"
 
 
 def paper_domain(domain: str) -> str | None:
@@ -174,7 +182,7 @@ def domain_table(runs: pd.DataFrame, domains: list[str], bpp: int = 2, beam: int
 
 def _write_table(out_dir: Path, name: str, frame: pd.DataFrame, markdown: str) -> None:
     with artifacts.atomic_path(out_dir / f"{name}.csv") as tmp:
-        frame.to_csv(tmp, index=False)
+        frame.to_csv(tmp, index=False, float_format=CSV_FLOAT_FORMAT)
     with artifacts.atomic_path(out_dir / f"{name}.md") as tmp:
         tmp.write_text(markdown)
 
@@ -255,7 +263,7 @@ def write_tables(runs: pd.DataFrame, out_dir: Path, given_domains: list[str], ex
     distances = dict(distances or {})
     quantized = quantized_runs(runs)
     with artifacts.atomic_path(out_dir / "runs.csv") as tmp:
-        runs.to_csv(tmp, index=False)
+        runs.to_csv(tmp, index=False, float_format=CSV_FLOAT_FORMAT)
     models = run_models(quantized)
     domains_of = {model: domain_order(given_domains, distances.get(model)) for model in models}
     # the cells table's columns: every model's domains, the first model's order first

@@ -17,6 +17,8 @@ load it, eager, nothing fused) a fresh child process loads the model and measure
   decode would have alone on a core that other processes share);
 - weights: bytes of the folder's weight files on disk, and of the model's parameters and buffers
   as held in memory after loading (tied tensors once);
+- the CPU kernel of an AQLM folder's 2-bit layers (`cpu_kernel`: on the fast path the one chosen by the
+  CPU's features or AQFLOW_CPU_KERNEL, avx512, avx2, neon or numba; "aqlm" on the plain path; null on a GPU);
 - peak memory: on a GPU torch's max allocated bytes; on a CPU the child's peak RSS (VmHWM; the
   interpreter and libraries included, their share is `rss_before_load_bytes`).
 
@@ -55,7 +57,7 @@ import torch
 
 from aqflow.inference.runtime import (
     PATHS, call_in_child, decode_options, decoding_context, disk_weight_bytes, is_aqlm_folder, load_for_decoding,
-    resident_weight_bytes, resolve_dtype, torch_threads,
+    lookup_kernel, resident_weight_bytes, resolve_dtype, torch_threads,
 )
 from aqflow.io import artifacts
 from aqflow.io.artifacts import verify_inputs
@@ -239,6 +241,7 @@ def measure(model_dir: str, device: str, dtype: str, path: str, settings: dict) 
         "decode": asdict(decode),
         "prefill_tokens_per_second": prefill.prefill_tokens_per_second, "prefill": asdict(prefill),
         "resident_weight_bytes": resident_weight_bytes(model),
+        "cpu_kernel": lookup_kernel(model_dir, device, path),
     }
     if cuda:
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -329,6 +332,7 @@ def summary(payload: dict) -> str:
     for device, section in payload["devices"].items():
         parts = [f"{name}: decode {r['decode_tokens_per_second']:.2f} tokens/s, prefill {r['prefill_tokens_per_second']:.1f} "
                  f"tokens/s, weights {r['resident_weight_bytes'] / 2**20:.1f} MiB, peak {r['peak_memory_bytes'] / 2**20:.0f} MiB"
+                 + (f", CPU kernel {r['cpu_kernel']}" if r.get("cpu_kernel") else "")
                  for name, r in section["paths"].items()]
         parts += [f"{name}: skipped" for name in section.get("skipped_paths", {})]
         lines.append(f"{payload['model_dir']} on {device} ({section['dtype']}, {section['threads']} threads): "
