@@ -326,9 +326,9 @@ def _cpu_kernel() -> str:
 
 def _prefetch_columns() -> int | None:
     """The AVX-512 kernel's prefetch distance in this process (AQFLOW_CPU_PREFETCH), None where it does not run."""
-    from aqflow.inference import register_kernel
+    from aqflow.inference import cpu_dispatch, register_kernel
 
-    return register_kernel.prefetch_columns() if register_kernel.kernel_name() == "avx512" else None
+    return cpu_dispatch.prefetch_columns() if register_kernel.kernel_name() == "avx512" else None
 
 
 def _float32_layout() -> str | None:

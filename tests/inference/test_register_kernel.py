@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from aqflow.inference import register_kernel
+from aqflow.inference import cpu_dispatch, register_kernel
 from aqflow.inference.cpu_kernels import lut_matmul
 from aqflow.inference.fast_linear import FastQuantizedLinear
 from aqflow.inference.layout import QuantizedWeights, dense_weight
@@ -172,23 +172,23 @@ def test_the_code_prefetch_distance_changes_the_build_not_the_sums(avx512, monke
     outputs = []
     try:
         for columns in ("0", "8", "50"):
-            monkeypatch.setenv(register_kernel.PREFETCH_ENV, columns)
+            monkeypatch.setenv(cpu_dispatch.PREFETCH_ENV, columns)
             register_kernel.compiled_kernel.cache_clear()
-            assert register_kernel.prefetch_columns() == int(columns)
+            assert cpu_dispatch.prefetch_columns() == int(columns)
             outputs.append(register_kernel.register_product(x, tiles, w.codebooks, w.scales, w.bias, 3))
         assert len(list(tmp_path.glob("lut_cpu-avx512-*.so"))) == 3
         assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
         for bad in ("-1", "eight"):
-            monkeypatch.setenv(register_kernel.PREFETCH_ENV, bad)
-            with pytest.raises(ValueError, match=register_kernel.PREFETCH_ENV):
-                register_kernel.prefetch_columns()
+            monkeypatch.setenv(cpu_dispatch.PREFETCH_ENV, bad)
+            with pytest.raises(ValueError, match=cpu_dispatch.PREFETCH_ENV):
+                cpu_dispatch.prefetch_columns()
     finally:
-        monkeypatch.delenv(register_kernel.PREFETCH_ENV)
+        monkeypatch.delenv(cpu_dispatch.PREFETCH_ENV)
         register_kernel.compiled_kernel.cache_clear()
 
 
 @needs_avx512
-@pytest.mark.skipif(not all(flag in register_kernel.cpu_flags() for flag in register_kernel.INT16_CPU_FLAGS),
+@pytest.mark.skipif(not all(flag in cpu_dispatch.cpu_flags() for flag in register_kernel.INT16_CPU_FLAGS),
                     reason="no AVX-512 VBMI and VNNI here")
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_int16_tables_keep_each_entry_within_half_its_blocks_step(avx512, monkeypatch, tokens):
@@ -224,7 +224,7 @@ def test_int16_tables_keep_each_entry_within_half_its_blocks_step(avx512, monkey
 
 
 @needs_avx512
-@pytest.mark.skipif(register_kernel.PLANES_CPU_FLAG not in register_kernel.cpu_flags(), reason="no AVX-512 VBMI here")
+@pytest.mark.skipif(register_kernel.PLANES_CPU_FLAG not in cpu_dispatch.cpu_flags(), reason="no AVX-512 VBMI here")
 def test_float32_tables_as_byte_planes_give_the_register_tables_sums_bit_for_bit(avx512, monkeypatch):
     """Byte planes hold the same float32 entries and add them in the same order, so every sum is the same
     bits as with the tables in float32 registers: 11 tiles (a group of 8 and 3 more, each group's sums put

@@ -50,10 +50,7 @@ import torch
 from numba import njit, prange
 
 from aqflow.inference import cpu_dispatch
-# also read from here by the benchmarks (they lived in this module before cpu_dispatch)
-from aqflow.inference.cpu_dispatch import (  # noqa: F401
-    DEFAULT_PREFETCH_COLUMNS, L1_BLOCK_COLUMNS, PREFETCH_ENV, cpu_flags, prefetch_columns,
-)
+from aqflow.inference.cpu_dispatch import L1_BLOCK_COLUMNS
 from aqflow.inference.cpu_kernels import PARALLEL_MIN_LOADS
 
 ROWS = 64  # rows per tile: four 16-lane lookups per code column
@@ -109,7 +106,7 @@ def bind_kernels(name: str, library: ctypes.CDLL) -> Kernels:
     """Kernel `name`'s products from its loaded library (avx512: by the CPU's AVX-512 extensions)."""
     if name != "avx512":
         return Kernels(name, _bound(library.aqflow_l1_product), "l1", code_layout="blocks")
-    flags = cpu_flags()
+    flags = cpu_dispatch.cpu_flags()
     planes = planes_wanted(flags)
     float32 = library.aqflow_register_product_planes if planes else library.aqflow_register_product
     int16 = library.aqflow_register_product_int16 if all(flag in flags for flag in INT16_CPU_FLAGS) else None
