@@ -62,6 +62,15 @@ def _teacher(setup):
     return teacher
 
 
+def _fresh_run(setup, **settings):
+    """A fresh student and teacher PV-tuned on the setup's windows with QUICK's settings updated by
+    `settings` -> (the loop's result, the trained student)."""
+    student, teacher = load_student(setup["aqlm_dir"]), _teacher(setup)
+    result = pvtrain.train(student, teacher, setup["data"].train.input_ids, setup["data"].heldout.input_ids,
+                           pvtrain.PVSettings(**(QUICK | settings)), "cpu", progress=False)
+    return result, student
+
+
 def _codes(student) -> dict[str, torch.Tensor]:
     return {name: layer.codes.clone() for name, layer in pv_linears(student).items()}
 
@@ -569,11 +578,7 @@ def test_the_v_step_state_in_host_memory_takes_the_same_steps_as_on_the_device(s
     codes and weights (on a CPU the stream is a copy to the same memory; the arithmetic is the same)."""
     runs = []
     for v_state in ("device", "host"):
-        student, teacher = load_student(setup["aqlm_dir"]), _teacher(setup)
-        settings = pvtrain.PVSettings(epochs=2, v_state=v_state, **(QUICK | dict(lr=3e-2, code_lr=3e-2,
-                                                                                  eval_every_steps=2)))
-        result = pvtrain.train(student, teacher, setup["data"].train.input_ids, setup["data"].heldout.input_ids,
-                               settings, "cpu", progress=False)
+        result, student = _fresh_run(setup, epochs=2, v_state=v_state, lr=3e-2, code_lr=3e-2, eval_every_steps=2)
         runs.append((result, {k: v for k, v in student.state_dict().items() if not k.endswith("straight_through")}))
     (device, device_state), (host, host_state) = runs
     assert [row["kl"] for row in host.log] == [row["kl"] for row in device.log]
@@ -621,11 +626,7 @@ def test_weights_kept_between_optimiser_steps_give_the_same_run(setup):
     nothing: the kept weights are dropped whenever an optimiser step moves what they are made of."""
     logs = []
     for keep in ("never", "always"):
-        student, teacher = load_student(setup["aqlm_dir"]), _teacher(setup)
-        settings = pvtrain.PVSettings(epochs=2, keep_weights=keep, **(QUICK | dict(lr=3e-2, code_lr=3e-2,
-                                                                                    eval_every_steps=1)))
-        result = pvtrain.train(student, teacher, setup["data"].train.input_ids, setup["data"].heldout.input_ids,
-                               settings, "cpu", progress=False)
+        result, student = _fresh_run(setup, epochs=2, keep_weights=keep, lr=3e-2, code_lr=3e-2, eval_every_steps=1)
         logs.append([(row["split"], row["kl"]) for row in result.log])
         assert all(layer.weight_cache is None for layer in pv_linears(student).values())  # released at the end
     assert logs[0] == logs[1] and len({kl for split, kl in logs[0] if split == "heldout"}) == 5
