@@ -8,8 +8,7 @@ whole batch, so the accumulated gradient, summed over processes, is that of the 
 token KL. `micro_batch_size: 0` picks the largest micro-batch the card's free memory allows,
 measured on one window before training (`choose_micro_batch_size`; 1 on a CPU), and with
 `gradient_checkpointing: auto` keeps every block's activations instead of recomputing them
-where the card has room for one window so, else keeps only the matmuls' and attention's outputs
-and recomputes the cheap rest ("selective"), else recomputes whole blocks; a step that still runs out of memory is redone with
+where the card has room for one window so; a step that still runs out of memory is redone with
 half as many (one process; `batch_gradients`). The quantized layers' dL/dW is summed over the
 micro-batches and pushed into codebooks and scales once per step
 (`student.open_weight_gradients`). On a GPU, float32 matmuls outside autocast may use TF32.
@@ -42,13 +41,11 @@ import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
-from functools import partial
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from tqdm.auto import tqdm
 
 from ..quant.representation import pack_codes, unpack_codes
@@ -63,14 +60,7 @@ from .vstep_adam import state_bytes_per_parameter_byte, v_step_optimizer
 
 SELECTION_METRICS = ("kl", "perplexity")
 CODE_LR_SCALES = ("absolute", "weight_rms")
-CHECKPOINTING = ("auto", "always", "selective", "never")
-# what "selective" recomputation keeps of a block's forward pass: the outputs of its matmuls and of
-# attention, nearly all of its FLOPs; the norms, rotary, activation and residual adds (memory-bound
-# and most of the activations' bytes) are recomputed in the backward pass
-KEPT_IN_SELECTIVE = tuple(getattr(torch.ops.aten, name).default for name in (
-    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    if hasattr(torch.ops.aten, name))
+CHECKPOINTING = ("auto", "always", "never")
 HELDOUT_WINDOWS_PER_PASS = 4  # on a GPU, at least
 V_STATES = ("auto", "device", "host")
 
@@ -104,8 +94,7 @@ class PVSettings:
     max_steps: int | None = None  # stop early (CPU budgets); None: every epoch
     kl_chunk_tokens: int = 1024
     # auto: recompute each block's activations in the backward pass only where one window's do
-    # not fit the card beside the state (measured before training), and then only what is cheap
-    # to recompute ("selective") where that fits; always (whole blocks); selective; never
+    # not fit the card beside the state (measured before training); always; never
     gradient_checkpointing: str = field(default="auto", metadata={"choices": CHECKPOINTING,
                                                                   "help": "recompute activations in the backward pass"})
     # keep every quantized layer's dequantized weight in the autocast dtype from its first use in a
@@ -175,7 +164,7 @@ class TrainResult:
     steps: int
     micro_batch_size: int  # the one used (chosen, if the settings said 0)
     timings: dict[str, float] = field(default_factory=dict)
-    gradient_checkpointing: str = "always"  # what was recomputed: always, selective or never (chosen, if auto)
+    gradient_checkpointing: bool = True  # whether activations were recomputed (chosen, if the settings said auto)
     stopped_at_plateau: bool = False  # training ended before its budget (plateau_evaluations)
     budget_steps: int = 0  # the steps the budget allowed
     state_bytes: int = 0  # the training state this process held in its second step (`distributed.held_bytes`)
@@ -272,26 +261,16 @@ def restore(student: nn.Module, state: dict[str, torch.Tensor]) -> None:
             layer.straight_through.copy_(layer.dequantized_rows())
 
 
-def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective recomputation's rule, op by op: keep the outputs of `KEPT_IN_SELECTIVE`."""
-    return CheckpointPolicy.MUST_SAVE if op in KEPT_IN_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def set_checkpointing(model: nn.Module, mode: str) -> None:
-    """What the backward pass recomputes of each decoder block: "always" the whole block (only
-    its input is kept), "selective" all but the outputs of its matmuls and attention, "never"
-    nothing (transformers >= 5.x names it activation checkpointing, older versions gradient
-    checkpointing)."""
-    kwargs = {"use_reentrant": False}
-    if mode == "selective":
-        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _keep_matmuls)
+def set_checkpointing(model: nn.Module, enabled: bool) -> None:
+    """Recompute each decoder block in the backward pass instead of keeping its activations
+    (transformers >= 5.x names it activation checkpointing, older versions gradient checkpointing)."""
     if hasattr(model, "activation_checkpointing_enable"):
-        if mode != "never":
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        if enabled:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.activation_checkpointing_disable()
-    elif mode != "never":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    elif enabled:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_disable()
 
@@ -429,34 +408,33 @@ def _agreed_minimum(value: int, device: torch.device) -> int:
 
 def choose_micro_batch_size(student: nn.Module, teacher: nn.Module, window: torch.Tensor, settings: PVSettings,
                             device: torch.device, p_params: list[nn.Parameter], v_params: list[nn.Parameter],
-                            layers: list[PVLinear] | None = None) -> tuple[int, str]:
-    """(the most windows per micro-batch that fit the card, what to recompute: "never",
-    "selective" or "always"), from one measured window.
+                            layers: list[PVLinear] | None = None) -> tuple[int, bool]:
+    """(the most windows per micro-batch that fit the card, whether to recompute activations),
+    from one measured window.
 
     window [1, T] int64. Runs one forward/backward (gradients discarded) and measures its peak memory
     over what the models hold; the gradients it leaves and the optimisers' moments (not yet
     allocated before the first step: two per P-step parameter, one or two per V-step weight,
     `vstep_adam`, none on the card where the V-step's state is in host memory) are reserved, and
     so are the V-step's beam-search budget and 10 % of the rest. With gradient_checkpointing
-    "auto" the window is measured without recomputation first, then with selective recomputation,
-    and whole blocks are recomputed only where neither fits. Capped at this process's share of a
-    batch; (1, as set, "always" for "auto") on a CPU. Where not even one window fits, says so on
-    stderr (the first step will run out of memory) with what would help. Every process takes the
-    same choice (the smallest card decides).
+    "auto" the window is measured without recomputation first, and recomputation is chosen only
+    where that window does not fit. Capped at this process's share of a batch; (1, as set) on a
+    CPU. Where not even one window fits, says so on stderr (the first step will run out of
+    memory) with what would help. Every process takes the same choice (the smallest card decides).
     """
     pair = roots(student, teacher)
     layers = layers if layers is not None else list(pv_linears(pair.student.model).values())
     size = world()[1]
     most = max(1, math.ceil(settings.batch_size / size))
     if device.type != "cuda":
-        return 1, "always" if settings.gradient_checkpointing == "auto" else settings.gradient_checkpointing
+        return 1, settings.gradient_checkpointing != "never"
     v_moments = state_bytes_per_parameter_byte(settings.code_beta1)
     on_card = [p for p in v_params if p.device.type == "cuda"]
     moments = (sum(2 * local(p).numel() * p.element_size() for p in p_params)
                + sum(v_moments * p.numel() * p.element_size() for p in on_card))
 
-    def fitting(mode: str) -> int:
-        set_checkpointing(pair.student.model, mode)
+    def fitting(checkpointing: bool) -> int:
+        set_checkpointing(pair.student.model, checkpointing)
         try:
             gradients, activations = _window_peak(pair, window, settings, device, layers, p_params + v_params)
         except torch.OutOfMemoryError:
@@ -472,19 +450,18 @@ def choose_micro_batch_size(student: nn.Module, teacher: nn.Module, window: torc
         reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         chosen = windows_that_fit(free + reusable, gradients, moments, settings.beam_memory_budget_bytes, activations,
                                   most)
-        if chosen == 0 and mode == "always":
+        if chosen == 0 and checkpointing:
             print(memory_warning(free + reusable, gradients, moments, activations, window.shape[1]), file=sys.stderr,
                   flush=True)
         return chosen
 
-    modes = ("never", "selective", "always") if settings.gradient_checkpointing == "auto" else (
-        settings.gradient_checkpointing,)
-    for mode in modes:
-        chosen = _agreed_minimum(fitting(mode), device)
-        if chosen > 0:
-            break
-    set_checkpointing(pair.student.model, mode)
-    return max(chosen, 1), mode
+    checkpointing = settings.gradient_checkpointing == "always"
+    chosen = _agreed_minimum(fitting(checkpointing), device)
+    if chosen == 0 and settings.gradient_checkpointing == "auto":
+        checkpointing = True
+        chosen = _agreed_minimum(fitting(True), device)
+    set_checkpointing(pair.student.model, checkpointing)
+    return max(chosen, 1), checkpointing
 
 
 @contextmanager
@@ -727,7 +704,7 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
     keep = keeping_weights(layers, settings, device)
     for layer in layers:
         layer.keep_weight = keep
-    checkpointing = "always" if settings.gradient_checkpointing == "auto" else settings.gradient_checkpointing
+    checkpointing = settings.gradient_checkpointing != "never"
     set_checkpointing(student, checkpointing)
     if settings.micro_batch_size == 0:
         with _timed(timings, "micro_batch_probe_seconds", device):
@@ -831,7 +808,7 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
     if stopped_at_plateau and progress and rank == 0:
         print(f"pv-tune: held-out {metric} no better by {settings.plateau_min_improvement:.1%} over the last "
               f"{settings.plateau_evaluations} evaluations; stopped after step {step} of {budget_steps}", flush=True)
-    set_checkpointing(student, "never")
+    set_checkpointing(student, False)
     for layer in layers:
         layer.keep_weight = False
     forget_weights(layers)
