@@ -587,6 +587,39 @@ def test_the_v_step_state_in_host_memory_takes_the_same_steps_as_on_the_device(s
         assert torch.equal(host_state[name], value), name
 
 
+def test_adam_with_moments_in_host_memory_takes_torch_adams_steps_and_resumes():
+    """HostMomentsAdam (the P-step's Adam beside a host-resident V-step) against torch.optim.Adam:
+    the same parameters after three steps, also where a fresh optimiser loads the state saved
+    after two steps and takes the third; its moments stay in host memory."""
+    from aqflow.pvtune.offload import HostMomentsAdam
+
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(5, 3, generator=generator), torch.randn(7, generator=generator)]
+    gradients = [[torch.randn_like(p) for p in start] for _ in range(3)]
+
+    def run(make, steps, values=start, state=None):
+        params = [torch.nn.Parameter(p.detach().clone()) for p in values]
+        optimizer = make(params)
+        if state is not None:
+            optimizer.load_state_dict(state)
+        for step in steps:
+            for p, g in zip(params, gradients[step]):
+                p.grad = g.clone()
+            optimizer.step()
+        return params, optimizer
+
+    settings = dict(lr=1e-2, betas=(0.9, 0.95))
+    expected, _ = run(lambda params: torch.optim.Adam(params, **settings), range(3))
+    whole, _ = run(lambda params: HostMomentsAdam(params, **settings), range(3))
+    halfway, saved = run(lambda params: HostMomentsAdam(params, **settings), range(2))
+    resumed, optimizer = run(lambda params: HostMomentsAdam(params, **settings), [2], halfway, saved.state_dict())
+    for got in (whole, resumed):
+        for value, reference, first in zip(got, expected, start):
+            torch.testing.assert_close(value, reference, rtol=0, atol=1e-7)
+            assert not torch.allclose(value, first)
+    assert all(optimizer.state[p]["exp_avg_sq"].device.type == "cpu" for p in resumed)
+
+
 def test_plateau_is_reached_when_the_last_evaluations_fail_to_beat_the_best_before_them():
     reached = pvtrain.plateau_reached
     assert not reached([1.0, 0.9, 0.8], None, 0.01)  # off

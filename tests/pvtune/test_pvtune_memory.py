@@ -42,8 +42,10 @@ def test_processes_divide_the_sharded_parts_and_keep_the_whole_ones():
     assert "gathered" not in one and two["gathered"] > 0
     weights = 4 * (2 * 256 * 256 + 2 * 256 * 512)
     assert one["v_step"] == 12 * weights  # straight-through copy, gradient, one moment (code_beta1 0)
-    assert state_bytes(student, teacher, 2, settings, 1, "host")["v_step"] == 4 * weights  # only the gradient
-    assert host_bytes(student, settings) == 8 * weights
+    on_host = state_bytes(student, teacher, 2, settings, 1, "host")
+    assert on_host["v_step"] == 4 * weights  # only the gradient
+    assert on_host["non_quantized"] == one["non_quantized"] // 2  # weights and gradients; the moments moved
+    assert host_bytes(student, settings) == 8 * weights + one["non_quantized"] // 2
 
 
 def test_the_v_state_goes_to_the_host_only_where_the_card_is_too_small_and_one_process_runs():

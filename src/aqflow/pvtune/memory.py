@@ -14,7 +14,7 @@ Per part, in bytes per process of `world_size` (the student trains in float32,
   the V-step but with the P-step, the 4-byte weight-gradient buffer;
 * codebooks and scales: float32, with gradient and two moments when the P-step trains them (whole);
 * the rest (embeddings, head, norms, biases): float32, with gradient and two moments when
-  `update_non_quantized` (sharded);
+  `update_non_quantized` (sharded); with v_state "host" the moments are in host memory too;
 * gathered (several processes only): what FSDP2 holds whole for a while: the student's root unit
   (embeddings, final norm, head) with its gradient, the teacher's, and two decoder blocks of each.
 """
@@ -92,7 +92,8 @@ def state_bytes(student: Mapping[str, TensorHeader], teacher: Mapping[str, Tenso
     if settings.update_codebooks_and_scales:
         codebooks_and_scales *= 1 + ADAM
     rest = sum(header.numel for name, header in student.items() if not name.endswith(QUANTIZED_SUFFIXES)) * FLOAT32
-    trained_rest = rest * (1 + ADAM) if settings.update_non_quantized else rest
+    # with v_state "host" the two Adam moments are in host memory too (`offload.HostMomentsAdam`)
+    trained_rest = rest * (1 + (ADAM if v_state != "host" else 1)) if settings.update_non_quantized else rest
     teacher_total = sum(header.numel for header in teacher.values()) * teacher_bytes
     parts = {"teacher": -(-teacher_total // world_size), "codes": codes, "v_step": -(-v_step // world_size),
              "codebooks_and_scales": codebooks_and_scales, "non_quantized": -(-trained_rest // world_size)}
@@ -105,11 +106,14 @@ def state_bytes(student: Mapping[str, TensorHeader], teacher: Mapping[str, Tenso
 
 
 def host_bytes(student: Mapping[str, TensorHeader], settings: PVSettings) -> int:
-    """Host memory the V-step's state takes with v_state "host": each quantized weight's
-    straight-through copy and its Adam moments (8 or 12 bytes)."""
-    if not settings.update_codes:
-        return 0
-    return _quantized_weights(student) * FLOAT32 * (1 + state_bytes_per_parameter_byte(settings.code_beta1))
+    """Host memory the state takes with v_state "host": each quantized weight's straight-through
+    copy and its Adam moments (8 or 12 bytes), and the two Adam moments of every trained
+    non-quantized weight (8 bytes)."""
+    v_step = 0
+    if settings.update_codes:
+        v_step = _quantized_weights(student) * FLOAT32 * (1 + state_bytes_per_parameter_byte(settings.code_beta1))
+    rest = sum(header.numel for name, header in student.items() if not name.endswith(QUANTIZED_SUFFIXES))
+    return v_step + (rest * 2 * FLOAT32 if settings.update_non_quantized else 0)
 
 
 def _listed(parts: Mapping[str, int]) -> str:

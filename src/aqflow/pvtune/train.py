@@ -20,7 +20,8 @@ Then:
   one that keeps no first moment, `vstep_adam`), then the codes
   are re-encoded toward it (`vstep.v_step_layer`), at most `max_code_change_fraction` of each
   layer's groups per step. The codes are integer buffers: nothing else ever writes them. With
-  `v_state: host` the straight-through weights and their moments live in host memory and
+  `v_state: host` the straight-through weights and their moments (and the P-step's Adam moments
+  of the non-quantized parameters, `HostMomentsAdam`) live in host memory and
   stream through the card once a step (`offload`).
 
 Several processes (torchrun) shard the state with FSDP2 and by rows (`distributed`).
@@ -52,7 +53,7 @@ from ..quant.representation import pack_codes, unpack_codes
 from .distill import StudentKL, TeacherHidden
 from .distributed import (RowReducer, all_reduce_sum, gathered_state, held_bytes, local, row_range,
                           shard_over_processes, world)
-from .offload import HostVStep, move_straight_through_to_host
+from .offload import HostMomentsAdam, HostVStep, move_straight_through_to_host
 from .resume import LoopState, Resumer
 from .student import PVLinear, close_weight_gradients, open_weight_gradients, pv_linears
 from .vstep import DEFAULT_MEMORY_BUDGET_BYTES, VStep
@@ -379,17 +380,29 @@ def _window_peak(pair: Roots, window: torch.Tensor, settings: PVSettings, device
     return gradients, activations
 
 
-def keeping_weights(layers: list[PVLinear], settings: PVSettings, device: torch.device) -> bool:
+def moment_bytes(p_params: list[nn.Parameter], v_params: list[nn.Parameter], settings: PVSettings,
+                 moments_on_host: list[nn.Parameter] = ()) -> int:
+    """Bytes the optimisers' moments will take on the card (allocated at the first step): two per
+    P-step parameter except `moments_on_host` (`HostMomentsAdam`), one or two per V-step weight
+    on the card (`vstep_adam`; none where the V-step's state is in host memory)."""
+    hosted = {id(p) for p in moments_on_host}
+    v_moments = state_bytes_per_parameter_byte(settings.code_beta1)
+    return (sum(2 * local(p).numel() * p.element_size() for p in p_params if id(p) not in hosted)
+            + sum(v_moments * p.numel() * p.element_size() for p in v_params if p.device.type == "cuda"))
+
+
+def keeping_weights(layers: list[PVLinear], settings: PVSettings, device: torch.device, pending: int = 0) -> bool:
     """Whether to keep the layers' dequantized weights between optimiser steps (`PVLinear.keep_weight`):
-    as set, or with "auto" on a GPU whose free memory is at least twice what they take (the rest is
-    for activations: the micro-batch probe measures beside them)."""
+    as set, or with "auto" on a GPU whose free memory, less the `pending` bytes the first step
+    will allocate (gradients and moments), is at least twice what they take (the rest is for
+    activations: the micro-batch probe measures beside them)."""
     if settings.keep_weights != "auto":
         return settings.keep_weights == "always"
     if device.type != "cuda":
         return False
     itemsize = torch.finfo(getattr(torch, settings.amp_dtype)).bits // 8 if settings.amp_dtype else 4
     needed = sum(layer.out_features * layer.in_features for layer in layers) * itemsize
-    return _agreed_minimum(int(torch.cuda.mem_get_info(device)[0] >= 2 * needed), device) == 1
+    return _agreed_minimum(int(torch.cuda.mem_get_info(device)[0] - pending >= 2 * needed), device) == 1
 
 
 def forget_weights(layers: list[PVLinear]) -> None:
@@ -408,14 +421,16 @@ def _agreed_minimum(value: int, device: torch.device) -> int:
 
 def choose_micro_batch_size(student: nn.Module, teacher: nn.Module, window: torch.Tensor, settings: PVSettings,
                             device: torch.device, p_params: list[nn.Parameter], v_params: list[nn.Parameter],
-                            layers: list[PVLinear] | None = None) -> tuple[int, bool]:
+                            layers: list[PVLinear] | None = None,
+                            moments_on_host: list[nn.Parameter] = ()) -> tuple[int, bool]:
     """(the most windows per micro-batch that fit the card, whether to recompute activations),
     from one measured window.
 
     window [1, T] int64. Runs one forward/backward (gradients discarded) and measures its peak memory
     over what the models hold; the gradients it leaves and the optimisers' moments (not yet
     allocated before the first step: two per P-step parameter, one or two per V-step weight,
-    `vstep_adam`, none on the card where the V-step's state is in host memory) are reserved, and
+    `vstep_adam`, none on the card where the V-step's state is in host memory, nor for
+    `moments_on_host`, `HostMomentsAdam`) are reserved, and
     so are the V-step's beam-search budget and 10 % of the rest. With gradient_checkpointing
     "auto" the window is measured without recomputation first, and recomputation is chosen only
     where that window does not fit. Capped at this process's share of a batch; (1, as set) on a
@@ -428,10 +443,7 @@ def choose_micro_batch_size(student: nn.Module, teacher: nn.Module, window: torc
     most = max(1, math.ceil(settings.batch_size / size))
     if device.type != "cuda":
         return 1, settings.gradient_checkpointing != "never"
-    v_moments = state_bytes_per_parameter_byte(settings.code_beta1)
-    on_card = [p for p in v_params if p.device.type == "cuda"]
-    moments = (sum(2 * local(p).numel() * p.element_size() for p in p_params)
-               + sum(v_moments * p.numel() * p.element_size() for p in on_card))
+    moments = moment_bytes(p_params, v_params, settings, moments_on_host)
 
     def fitting(checkpointing: bool) -> int:
         set_checkpointing(pair.student.model, checkpointing)
@@ -653,8 +665,12 @@ def _optimizers(trainable: Trainable, layers: list[PVLinear], settings: PVSettin
     """The loop's optimisers: "p" Adam on the non-quantized parameters, "q" Adam on codebooks and
     scales (separate: over several processes the former are FSDP2's sharded tensors, the latter
     whole), "v" the V-step's (`HostVStep` where its state is in host memory); None where unused."""
-    adam = lambda params: (torch.optim.Adam(params, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),  # noqa: E731
+    betas = (settings.adam_beta1, settings.adam_beta2)
+    adam = lambda params: (torch.optim.Adam(params, lr=settings.lr, betas=betas,  # noqa: E731
                                             fused=_fusable(params)) if params else None)
+    # with the V-step's state on the host (a card too small), the non-quantized parameters' moments join it
+    p_adam = (lambda params: HostMomentsAdam(params, lr=settings.lr, betas=betas, fused=_fusable(params))  # noqa: E731
+              if params else None) if settings.v_state == "host" else adam
     with_v = [layer for layer in layers if layer.straight_through is not None] if settings.update_codes else []
     groups = v_step_param_groups([layer.straight_through for layer in with_v], settings.code_lr, settings.code_lr_scale,
                                  [layer.weight_rms() for layer in with_v])
@@ -666,7 +682,7 @@ def _optimizers(trainable: Trainable, layers: list[PVLinear], settings: PVSettin
                                 settings.beam_memory_budget_bytes)
     else:
         v_optimizer = v_step_optimizer(groups, settings.code_beta1, settings.code_beta2)
-    return {"p": adam(trainable.non_quantized), "q": adam(trainable.quantized), "v": v_optimizer}
+    return {"p": p_adam(trainable.non_quantized), "q": adam(trainable.quantized), "v": v_optimizer}
 
 
 def _prepare(student: nn.Module, teacher: nn.Module, settings: PVSettings,
@@ -701,7 +717,11 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
     teacher.eval()
 
     timings: dict[str, float] = {}
-    keep = keeping_weights(layers, settings, device)
+    moments_on_host = trainable.non_quantized if settings.v_state == "host" else []
+    pending = (moment_bytes(p_params, trainable.straight_through, settings, moments_on_host)
+               + sum(local(p).numel() * p.element_size() for p in p_params + trainable.straight_through
+                     if p.device.type == device.type))  # and the gradients
+    keep = keeping_weights(layers, settings, device, pending)
     for layer in layers:
         layer.keep_weight = keep
     checkpointing = settings.gradient_checkpointing != "never"
@@ -709,7 +729,8 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
     if settings.micro_batch_size == 0:
         with _timed(timings, "micro_batch_probe_seconds", device):
             chosen, checkpointing = choose_micro_batch_size(pair.student, pair.teacher, train_windows[:1], settings,
-                                                            device, p_params, trainable.straight_through, layers)
+                                                            device, p_params, trainable.straight_through, layers,
+                                                            moments_on_host)
             settings = replace(settings, micro_batch_size=chosen)
     log: list[dict] = []
     started = time.perf_counter()

@@ -183,7 +183,7 @@ def plan_memory(settings: PVSettings, paths: PvtunePaths, teacher_bytes: int, de
     say(f"memory: {sum(parts.values()) / 2**30:.1f} GiB of state per process before activations ({listed} GiB) on a "
         f"{card_bytes / 2**30:.1f} GiB card, {size} process(es)", flush=True)
     if v_state == "host":
-        say(f"memory: the V-step's straight-through weights and moments ("
+        say(f"memory: the V-step's straight-through weights and moments and the P-step's Adam moments ("
             f"{host_bytes(tensor_headers(paths.checkpoint_dir), settings) / 2**30:.1f} GiB) live in host memory and "
             f"stream through the card once a step (the card is too small for them)", flush=True)
     return dataclasses.replace(settings, v_state=v_state)
