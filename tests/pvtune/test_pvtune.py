@@ -587,6 +587,36 @@ def test_the_v_step_state_in_host_memory_takes_the_same_steps_as_on_the_device(s
         assert torch.equal(host_state[name], value), name
 
 
+def test_out_of_memory_halves_the_micro_batch_then_recomputes_activations_then_gives_up(setup, monkeypatch):
+    """A step that runs out of memory is redone with half the windows per pass, at one window with
+    activations recomputed (switched on in the model), and only then is the error raised."""
+    student, teacher = load_student(setup["aqlm_dir"]), _teacher(setup)
+    layers = list(pv_linears(student).values())
+    windows = setup["data"].train.input_ids[:4]
+    tried = []
+
+    def failing(student_, teacher_, train_windows, batch, settings, *rest):
+        recomputing = getattr(student, "is_activation_checkpointing", None)  # transformers >= 5.x's name
+        recomputing = student.is_gradient_checkpointing if recomputing is None else recomputing
+        tried.append((settings.micro_batch_size, settings.gradient_checkpointing, recomputing))
+        if len(tried) < 4:
+            raise torch.OutOfMemoryError("probe")
+        return torch.zeros((), dtype=torch.float64)
+
+    monkeypatch.setattr(pvtrain, "batch_gradients", failing)
+    pvtrain.set_checkpointing(student, False)
+    settings = pvtrain.PVSettings(**(QUICK | dict(micro_batch_size=4, gradient_checkpointing="never")))
+    _, used = pvtrain.gradients_within_memory(student, teacher, windows, torch.arange(4), settings, torch.device("cpu"),
+                                              layers, [], 1)
+    assert tried == [(4, "never", False), (2, "never", False), (1, "never", False), (1, "always", True)]
+    assert (used.micro_batch_size, used.gradient_checkpointing) == (1, "always")
+    tried.clear()
+    with pytest.raises(torch.OutOfMemoryError):
+        pvtrain.gradients_within_memory(student, teacher, windows, torch.arange(4), used, torch.device("cpu"),
+                                        layers, [], 1)
+    assert tried == [(1, "always", True)]
+
+
 def test_adam_with_moments_in_host_memory_takes_torch_adams_steps_and_resumes():
     """HostMomentsAdam (the P-step's Adam beside a host-resident V-step) against torch.optim.Adam:
     the same parameters after three steps, also where a fresh optimiser loads the state saved

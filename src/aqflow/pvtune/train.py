@@ -361,17 +361,20 @@ def memory_warning(available: int, gradients: int, moments: int, per_window: int
 def _window_peak(pair: Roots, window: torch.Tensor, settings: PVSettings, device: torch.device,
                  layers: list[PVLinear], trainable: list[nn.Parameter]) -> tuple[int, int]:
     """(bytes of gradients one window's forward/backward leaves, its activations' peak bytes):
-    one pass on window [1, T], measured on the card; the gradients are discarded."""
+    one pass on window [1, T], measured on the card; the gradients are discarded. Weights the
+    pass dequantized and kept (`keep_weight`) count as held, like those kept before it: they stay
+    allocated, so the caller's free memory already lacks them."""
     torch.cuda.synchronize(device)
-    held = torch.cuda.memory_allocated(device)
+    held = torch.cuda.memory_allocated(device) - kept_weight_bytes(layers)
     torch.cuda.reset_peak_memory_stats(device)
     open_weight_gradients(layers)
     micro_batch_kl(pair.student, pair.teacher, window.to(device), settings, device).backward()
     close_weight_gradients(layers)
     pair.teacher_sharded()
     torch.cuda.synchronize(device)
-    gradients = torch.cuda.memory_allocated(device) - held
-    activations = max(torch.cuda.max_memory_allocated(device) - held - gradients, 1)
+    kept = kept_weight_bytes(layers)
+    gradients = torch.cuda.memory_allocated(device) - kept - held
+    activations = max(torch.cuda.max_memory_allocated(device) - kept - held - gradients, 1)
     for parameter in trainable:
         parameter.grad = None
     for layer in layers:
@@ -403,6 +406,12 @@ def keeping_weights(layers: list[PVLinear], settings: PVSettings, device: torch.
     itemsize = torch.finfo(getattr(torch, settings.amp_dtype)).bits // 8 if settings.amp_dtype else 4
     needed = sum(layer.out_features * layer.in_features for layer in layers) * itemsize
     return _agreed_minimum(int(torch.cuda.mem_get_info(device)[0] - pending >= 2 * needed), device) == 1
+
+
+def kept_weight_bytes(layers: list[PVLinear]) -> int:
+    """Bytes of the dequantized weights the layers keep (`PVLinear.keep_weight`)."""
+    return sum(layer.weight_cache.numel() * layer.weight_cache.element_size() for layer in layers
+               if layer.weight_cache is not None)
 
 
 def forget_weights(layers: list[PVLinear]) -> None:
@@ -596,20 +605,26 @@ def gradients_within_memory(student: nn.Module, teacher: nn.Module, train_window
                             settings: PVSettings, device: torch.device, layers: list[PVLinear],
                             trainable: list[nn.Parameter], step: int,
                             reducer: RowReducer | None = None) -> tuple[torch.Tensor, PVSettings]:
-    """`batch_gradients`, redone with half the windows per forward pass while a pass runs out of
-    memory (one process only: processes would disagree on the micro-batch; one window is the
-    floor). Returns the KL sum and the settings with the micro-batch that worked."""
+    """`batch_gradients`, redone while a pass runs out of memory with half the windows per forward
+    pass, and at one window, where activations were kept, with them recomputed (settings'
+    gradient_checkpointing "never" -> "always"; one process only: processes would disagree).
+    Returns the KL sum and the settings that worked."""
     while True:
         try:
             return batch_gradients(student, teacher, train_windows, batch, settings, device, layers, reducer), settings
         except torch.OutOfMemoryError:
-            if world()[1] > 1 or settings.micro_batch_size == 1:
+            if world()[1] > 1 or (settings.micro_batch_size == 1 and settings.gradient_checkpointing != "never"):
                 raise
         # here, past the except block, the failed pass's tensors are no longer referenced
-        settings = replace(settings, micro_batch_size=settings.micro_batch_size // 2)
         discard_gradients(layers, trainable, device)
-        print(f"pv-tune: out of memory at step {step}; the step is redone with {settings.micro_batch_size} windows "
-              f"per forward pass", file=sys.stderr, flush=True)
+        if settings.micro_batch_size > 1:
+            settings = replace(settings, micro_batch_size=settings.micro_batch_size // 2)
+            change = f"with {settings.micro_batch_size} windows per forward pass"
+        else:
+            settings = replace(settings, gradient_checkpointing="always")
+            set_checkpointing(roots(student, teacher).student.model, True)
+            change = "recomputing activations in the backward pass"
+        print(f"pv-tune: out of memory at step {step}; the step is redone {change}", file=sys.stderr, flush=True)
 
 
 def discard_gradients(layers: list[PVLinear], parameters: list[nn.Parameter], device: torch.device) -> None:
@@ -732,6 +747,8 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
                                                             device, p_params, trainable.straight_through, layers,
                                                             moments_on_host)
             settings = replace(settings, micro_batch_size=chosen)
+    # what the loop does from here on (an out-of-memory step may switch recomputation on)
+    settings = replace(settings, gradient_checkpointing="always" if checkpointing else "never")
     log: list[dict] = []
     started = time.perf_counter()
     steps_per_epoch = batches_per_epoch(train_windows.shape[0], settings.batch_size)
@@ -788,6 +805,7 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
             with _timed(timings, "forward_backward_seconds", device):
                 loss_sum, settings = gradients_within_memory(pair.student, pair.teacher, train_windows, batch, settings,
                                                              device, layers, all_trainable, step + 1, reducer)
+                checkpointing = settings.gradient_checkpointing == "always"
                 all_reduce_sum(loss_sum)
             if step < 2:  # with the gradients, and (from the second step) every optimiser moment
                 state_bytes = max(state_bytes, held_bytes([student, teacher], optimizers.values()))
