@@ -23,7 +23,9 @@ CPUS = {  # (machine, /proc/cpuinfo flags) -> the kernels it runs, best first
 
 @pytest.fixture
 def cpu(monkeypatch):
-    """Pretend to be another CPU: cpu(machine, flags)."""
+    """Pretend to be another CPU: cpu(machine, flags), with no kernel switch of this shell's set."""
+    monkeypatch.delenv(cpu_dispatch.RETIRED_ENV, raising=False)
+
     def pretend(machine: str, flags) -> None:
         monkeypatch.setattr(cpu_dispatch, "machine", lambda: machine)
         monkeypatch.setattr(cpu_dispatch, "cpu_flags", lambda: set(flags))
@@ -53,9 +55,17 @@ def test_a_forced_kernel_must_be_known_and_run_on_this_cpu(cpu, monkeypatch):
         assert cpu_dispatch.KERNEL_ENV in str(raised.value)
     monkeypatch.setenv(cpu_dispatch.KERNEL_ENV, "numba")
     assert cpu_dispatch.chosen_kernel() == ("numba", None)
-    monkeypatch.setenv(cpu_dispatch.RETIRED_ENV, "0")  # the switch this one replaced: an error, not ignored
-    with pytest.raises(ValueError, match=f"{cpu_dispatch.KERNEL_ENV}=numba"):
+    monkeypatch.setenv(cpu_dispatch.RETIRED_ENV, "0")  # the switch this one replaced: the new one wins where set
+    assert cpu_dispatch.chosen_kernel() == ("numba", None)
+    monkeypatch.setenv(cpu_dispatch.KERNEL_ENV, "avx3")
+    with pytest.raises(ValueError, match="expected auto or one of"):
         cpu_dispatch.chosen_kernel()
+    monkeypatch.delenv(cpu_dispatch.KERNEL_ENV)  # alone, it does what it did (0: no compiled kernel), warned
+    with pytest.warns(FutureWarning, match=f"read as {cpu_dispatch.KERNEL_ENV}=numba"):
+        assert cpu_dispatch.chosen_kernel() == ("numba", None)
+    monkeypatch.setenv(cpu_dispatch.RETIRED_ENV, "1")
+    with pytest.warns(FutureWarning, match=f"read as {cpu_dispatch.KERNEL_ENV}=auto"):
+        assert cpu_dispatch.requested_kernel() == "auto"
 
 
 def test_a_kernel_that_does_not_build_gives_way_to_the_next_or_fails_when_forced(cpu, monkeypatch, tmp_path):

@@ -158,11 +158,15 @@ def _load_library(name: str, flags: tuple[str, ...], compiler_name: str, cache_d
 
 
 def requested_kernel() -> str:
-    """$AQFLOW_CPU_KERNEL checked: "auto" or one of KERNELS (an error naming the choices otherwise)."""
-    if RETIRED_ENV in os.environ:
-        raise ValueError(f"{RETIRED_ENV} is no longer read: set {KERNEL_ENV} to auto or one of {', '.join(KERNELS)} "
-                         f"({KERNEL_ENV}=numba for what {RETIRED_ENV}=0 did)")
-    value = os.environ.get(KERNEL_ENV, "auto")
+    """$AQFLOW_CPU_KERNEL checked: "auto" or one of KERNELS (an error naming the choices otherwise).
+    Where it is unset, the switch it replaced still does what it did, with a warning: 0 numba
+    (no compiled kernel), anything else auto."""
+    value = os.environ.get(KERNEL_ENV)
+    if value is None and RETIRED_ENV in os.environ:
+        value = "numba" if os.environ[RETIRED_ENV].strip() == "0" else "auto"
+        warnings.warn(f"aqflow: {RETIRED_ENV} is deprecated and read as {KERNEL_ENV}={value}; set {KERNEL_ENV} "
+                      f"(auto or one of {', '.join(KERNELS)})", FutureWarning, stacklevel=2)
+    value = value or "auto"
     if value != "auto" and value not in KERNELS:
         raise ValueError(f"{KERNEL_ENV}={value!r}: expected auto or one of {', '.join(KERNELS)}")
     return value
