@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+from apt_packages import ensure_debian_packages
 
 PACKAGES = ("slurm-wlm", "munge")
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -37,20 +38,8 @@ MARKER = "# written by aqflow's tests/slurm_node.py; removed when its test clust
 
 def ensure_installed() -> None:
     """Install slurm-wlm and munge with apt-get unless present; skip only where that is impossible."""
-    if all(shutil.which(name) or Path("/usr/sbin", name).exists() for name in DAEMONS):
-        return
-    if shutil.which("apt-get") is None:
-        pytest.skip(f"needs Debian packages {' '.join(PACKAGES)} and apt-get is not available to install them")
-    if os.geteuid() != 0:
-        pytest.skip(f"needs Debian packages {' '.join(PACKAGES)}; installing them needs root")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
-    result = subprocess.run(install, capture_output=True, text=True, env=env, timeout=1200)
-    if result.returncode != 0:  # stale or missing package lists
-        subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True, env=env, timeout=600)
-        result = subprocess.run(install, capture_output=True, text=True, env=env, timeout=1200)
-    if result.returncode != 0:
-        pytest.fail(f"apt-get could not install {' '.join(PACKAGES)}:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    ensure_debian_packages(PACKAGES, lambda: all(shutil.which(name) or Path("/usr/sbin", name).exists()
+                                                 for name in DAEMONS))
 
 
 def _free_port() -> int:

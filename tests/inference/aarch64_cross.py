@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.apt_packages import ensure_debian_packages
+
 PACKAGES = ("gcc-aarch64-linux-gnu", "libc6-dev-arm64-cross", "qemu-user")
 CROSS_COMPILER = "aarch64-linux-gnu-gcc"
 EMULATOR = "qemu-aarch64"
@@ -38,22 +40,9 @@ def installed() -> bool:
 def ensure_installed() -> None:
     """Install the cross compiler, the arm64 C library and qemu-user with apt-get unless present (on
     aarch64: the system's compiler must be there); skip only where that is impossible."""
-    if installed():
-        return
-    if native():
+    if native() and not installed():
         pytest.skip(f"no C compiler ({compiler()}) on this aarch64 machine")
-    if shutil.which("apt-get") is None:
-        pytest.skip(f"needs Debian packages {' '.join(PACKAGES)} and apt-get is not available to install them")
-    if os.geteuid() != 0:
-        pytest.skip(f"needs Debian packages {' '.join(PACKAGES)}; installing them needs root")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
-    result = subprocess.run(install, capture_output=True, text=True, env=env, timeout=1200)
-    if result.returncode != 0:  # stale or missing package lists
-        subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True, env=env, timeout=600)
-        result = subprocess.run(install, capture_output=True, text=True, env=env, timeout=1200)
-    if result.returncode != 0 or not installed():
-        pytest.fail(f"apt-get could not install {' '.join(PACKAGES)}:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    ensure_debian_packages(PACKAGES, installed)
 
 
 def run(executable: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
