@@ -9,7 +9,8 @@
 whose C source builds (a build that fails is reported once as a warning, and the next one is tried);
 a kernel's name forces it, and a name that is unknown or that this CPU cannot run is an error naming
 the choices. Forcing a lower kernel is how a machine tests the paths of CPUs it is not (the test
-suite runs the kernel tests once per kernel this machine has).
+suite runs the kernel tests once per kernel this machine has). Where it is unset, the older
+`AQFLOW_REGISTER_KERNEL` still works, with a warning: 0 is numba, anything else auto.
 
 The C sources are compiled on first use with the system C compiler (`$CC`, else `cc`) into
 `$AQFLOW_KERNEL_CACHE` (default `~/.cache/aqflow/kernels`), once per kernel, source, flags and
