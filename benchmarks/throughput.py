@@ -201,6 +201,7 @@ def run_variant(label: str, source: Path, inputs: dict, shape_name: str, work: P
         "gradient_checkpointing_used": record.get("gradient_checkpointing_used", record["settings"].get(
             "gradient_checkpointing")),
         "v_state": record["settings"].get("v_state", "device"),
+        "compiled_blocks": record.get("compiled_blocks_used", False),
         "state_bytes_per_process": record.get("state_bytes_per_process"),
         "device_name": record.get("device_name"),
         "batch_windows, steps, heldout_windows, eval_every": run,

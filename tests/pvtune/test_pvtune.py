@@ -677,6 +677,27 @@ def test_training_stops_at_a_plateau_and_keeps_the_best_state(setup):
     assert final["kl"] == pytest.approx(result.best_heldout["kl"], rel=1e-5)
 
 
+def test_compiled_blocks_give_the_eager_run(setup, monkeypatch):
+    """compile_blocks traces each decoder block (aot_eager here: inductor's graphs and autograd
+    without its code generation, which a CPU test cannot afford) with the quantized linears left
+    out: same held-out and training KL, same codes, and the blocks are eager again afterwards."""
+    from aqflow.pvtune import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    runs = {}
+    for choice in ("never", "always"):
+        result, student = _fresh_run(setup, epochs=1, compile_blocks=choice, lr=3e-2, code_lr=3e-2)
+        runs[choice] = ([row["kl"] for row in result.log], _codes(student), result.compiled_blocks)
+        assert all(block._compiled_call_impl is None for block in student.model.layers)
+    assert runs["never"][2] is False and runs["always"][2] is True
+    np.testing.assert_allclose(runs["always"][0], runs["never"][0], rtol=1e-5)
+    assert all(torch.equal(runs["always"][1][name], codes) for name, codes in runs["never"][1].items())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # something was compiled
+    assert not pvtrain.compiling("auto", torch.device("cpu"), 1) and pvtrain.compiling("auto", torch.device("cuda"), 1)
+    assert not pvtrain.compiling("auto", torch.device("cuda"), 2)
+
+
 def test_each_process_gets_as_many_batches_padding_the_short_ones():
     batches = [pvtrain.rank_batches(7, 2, rank, 3) for rank in range(3)]  # 4 batches over 3 processes
     assert batches[0] == [slice(0, 2), slice(6, 7)]

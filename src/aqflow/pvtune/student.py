@@ -133,6 +133,7 @@ class PVLinear(nn.Module):
         """Drop the kept weight (after an optimiser step changed what it is made of)."""
         self.weight_cache = None
 
+    @torch.compiler.disable  # side effects (kept weight, dL/dW buffer) no graph can hold: `compiled`
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]: in x's dtype, or autocast's on the accumulate-dL/dW path."""
         if self.weight_gradient is not None:

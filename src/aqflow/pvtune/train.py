@@ -24,7 +24,8 @@ Then:
   of the non-quantized parameters, `HostMomentsAdam`) live in host memory and
   stream through the card once a step (`offload`).
 
-Several processes (torchrun) shard the state with FSDP2 and by rows (`distributed`).
+Several processes (torchrun) shard the state with FSDP2 and by rows (`distributed`). On one
+CUDA card the decoder blocks of both models run compiled (`compiled`; `compile_blocks`).
 
 The held-out windows (calibration documents the training never sees) are scored before the
 first step, every `eval_every_steps` steps and after the last; the state with the lowest
@@ -50,6 +51,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..quant.representation import pack_codes, unpack_codes
+from .compiled import CHOICES as COMPILE_CHOICES, compile_blocks, compiling, decoder_block_path, uncompile_blocks
 from .distill import StudentKL, TeacherHidden
 from .distributed import (RowReducer, all_reduce_sum, gathered_state, held_bytes, local, row_range,
                           shard_over_processes, world)
@@ -120,6 +122,10 @@ class PVSettings:
                                                           "help": "held-out metric that selects the state written out"})
     beam_memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
     v_step_graph: bool = True  # on a GPU, replay the V-step of all layers as one CUDA graph
+    # torch.compile each decoder block of both models, the quantized linears left eager
+    # (`compiled`); auto: on a CUDA card in one process
+    compile_blocks: str = field(default="auto", metadata={"choices": COMPILE_CHOICES,
+                                                          "help": "compile the decoder blocks (torch.compile)"})
 
     def __post_init__(self):
         if isinstance(self.gradient_checkpointing, bool):  # configs written before "auto" said true / false
@@ -144,6 +150,8 @@ class PVSettings:
             problems.append(f"gradient_checkpointing must be one of {CHECKPOINTING}, got {self.gradient_checkpointing!r}")
         if self.keep_weights not in ("auto", "always", "never"):
             problems.append(f"keep_weights must be one of ('auto', 'always', 'never'), got {self.keep_weights!r}")
+        if self.compile_blocks not in COMPILE_CHOICES:
+            problems.append(f"compile_blocks must be one of {COMPILE_CHOICES}, got {self.compile_blocks!r}")
         if self.v_state not in V_STATES:
             problems.append(f"v_state must be one of {V_STATES}, got {self.v_state!r}")
         if self.plateau_evaluations is not None and self.plateau_evaluations < 1:
@@ -168,6 +176,7 @@ class TrainResult:
     gradient_checkpointing: bool = True  # whether activations were recomputed (chosen, if the settings said auto)
     stopped_at_plateau: bool = False  # training ended before its budget (plateau_evaluations)
     budget_steps: int = 0  # the steps the budget allowed
+    compiled_blocks: bool = False  # whether the decoder blocks ran compiled (chosen, if the settings said auto)
     state_bytes: int = 0  # the training state this process held in its second step (`distributed.held_bytes`)
     # the student's state dict gathered whole where FSDP2 shards it over processes (None in one
     # process: its modules hold it), what its checkpoint is written from
@@ -726,6 +735,10 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
                          f"{settings.micro_batch_size} x {size} processes")
     pair, trainable, layers = _prepare(student, teacher, settings, device)
     optimizers = _optimizers(trainable, layers, settings)
+    blocks_path = decoder_block_path(teacher) if compiling(settings.compile_blocks, device, size) else None
+    if blocks_path is not None:  # before the probe, which then measures the compiled blocks' memory
+        compile_blocks(student, blocks_path)
+        compile_blocks(teacher, blocks_path)
     all_trainable = trainable.non_quantized + trainable.quantized + trainable.straight_through
     p_params = trainable.non_quantized + trainable.quantized
     student.train()
@@ -848,6 +861,9 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
         print(f"pv-tune: held-out {metric} no better by {settings.plateau_min_improvement:.1%} over the last "
               f"{settings.plateau_evaluations} evaluations; stopped after step {step} of {budget_steps}", flush=True)
     set_checkpointing(student, False)
+    if blocks_path is not None:
+        uncompile_blocks(student, blocks_path)
+        uncompile_blocks(teacher, blocks_path)
     for layer in layers:
         layer.keep_weight = False
     forget_weights(layers)
@@ -858,7 +874,8 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
     return TrainResult(log=log, best_step=best["step"], best_heldout=best, initial_heldout=initial, steps=step,
                        micro_batch_size=settings.micro_batch_size, timings=timings,
                        gradient_checkpointing=checkpointing, stopped_at_plateau=stopped_at_plateau,
-                       budget_steps=budget_steps, state_bytes=state_bytes, student_state=student_state)
+                       budget_steps=budget_steps, state_bytes=state_bytes, student_state=student_state,
+                       compiled_blocks=blocks_path is not None)
 
 
 def settings_record(settings: PVSettings) -> dict:

@@ -257,6 +257,7 @@ def pvtune(options: PvtuneSettings, paths: PvtunePaths) -> dict:
         "stopped_at_plateau": result.stopped_at_plateau,
         "micro_batch_size_used": result.micro_batch_size,
         "gradient_checkpointing_used": result.gradient_checkpointing,
+        "compiled_blocks_used": result.compiled_blocks,
         "state_bytes_per_process": result.state_bytes,
         "best_step": result.best_step,
         "initial_heldout_kl": result.initial_heldout["kl"],
