@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aqflow.pvtune.loss import head_kl_sum
+from aqflow.pvtune.loss import head_kl_nll_sum, head_kl_sum
 
 
 @pytest.mark.parametrize("cap", [None, 3.0])
@@ -40,3 +40,21 @@ def test_a_head_that_does_not_train_gets_no_gradient_and_the_hidden_states_still
     kl = head_kl_sum(hidden, head, torch.randn(8, 4, generator=generator), torch.randn(6, 4, generator=generator), None, 3)
     kl.backward()
     assert hidden.grad is not None and hidden.grad.abs().sum() > 0 and head.grad is None
+
+
+@pytest.mark.parametrize("cap", [None, 3.0])
+def test_evaluation_takes_kl_and_next_token_nll_from_one_head_pass(cap):
+    generator = torch.Generator().manual_seed(2)
+    tokens, width, vocab = 23, 8, 40
+    hidden, head = torch.randn(tokens, width, generator=generator, dtype=torch.float64), torch.randn(
+        vocab, width, generator=generator, dtype=torch.float64)
+    teacher_hidden, teacher_head = torch.randn(tokens, width, generator=generator, dtype=torch.float64), torch.randn(
+        vocab, width, generator=generator, dtype=torch.float64)
+    targets = torch.randint(0, vocab, (tokens,), generator=generator)
+    targets[[6, 22]] = -1  # positions that predict nothing (each window's last)
+    kl, nll = head_kl_nll_sum(hidden, head, teacher_hidden, teacher_head, cap, targets, chunk_tokens=5)
+    logits = hidden @ head.T
+    logits = cap * torch.tanh(logits / cap) if cap else logits
+    wanted = targets >= 0
+    torch.testing.assert_close(nll, F.cross_entropy(logits[wanted], targets[wanted], reduction="sum"), rtol=1e-12, atol=0)
+    torch.testing.assert_close(kl, head_kl_sum(hidden, head, teacher_hidden, teacher_head, cap, 5), rtol=1e-12, atol=0)

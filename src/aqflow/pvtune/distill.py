@@ -5,7 +5,8 @@ model's embeddings, final norm and head around it like any unit's parameters.
 `TeacherHidden(input_ids)` is the teacher's final hidden states; `StudentKL(input_ids,
 teacher_hidden, teacher)` the student's summed token KL to them, the heads run chunk by chunk
 (`loss.head_kl_sum` where both heads are one bias-free linear, `loss.chunked_kl_sum` otherwise),
-and with `with_nll` also the summed next-token NLL (held-out evaluation).
+and with `with_nll` also the summed next-token NLL (held-out evaluation; from the KL's own student
+logits where the heads are fused, `loss.head_kl_nll_sum`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .loss import chunked_kl_sum, chunked_nll_sum, final_hidden, fusable_head, head_kl_sum, softcap
+from .loss import (chunked_kl_sum, chunked_nll_sum, final_hidden, fusable_head, head_kl_nll_sum, head_kl_sum,
+                   softcap)
 
 
 class TeacherHidden(nn.Module):
@@ -42,7 +44,12 @@ class StudentKL(nn.Module):
         width = hidden.shape[-1]
         flat, flat_teacher = hidden.reshape(-1, width), teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
         student_head, teacher_head = fusable_head(self.model), fusable_head(teacher)
-        if student_head is not None and teacher_head is not None and softcap(self.model) == softcap(teacher):
+        fused = student_head is not None and teacher_head is not None and softcap(self.model) == softcap(teacher)
+        if with_nll and fused and not torch.is_grad_enabled():  # evaluation: KL and NLL from one head pass
+            targets = torch.cat([input_ids[:, 1:], input_ids.new_full((input_ids.shape[0], 1), -1)], 1).reshape(-1)
+            return head_kl_nll_sum(flat, student_head.weight, flat_teacher, teacher_head.weight, softcap(self.model),
+                                   targets, chunk_tokens)
+        if fused:
             kl = head_kl_sum(flat, student_head.weight, flat_teacher, teacher_head.weight, softcap(self.model),
                              chunk_tokens)
         else:

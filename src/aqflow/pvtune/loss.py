@@ -57,12 +57,22 @@ def fusable_head(model: nn.Module) -> nn.Linear | None:
     return head if isinstance(head, nn.Linear) and head.bias is None else None
 
 
+_ADDMM_INTO_FLOAT32 = True  # until this torch build's CUDA addmm refuses a float32 output of bf16 operands
+
+
 def add_matmul_float32(accumulator: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
     """accumulator [a, c] float32 += left [a, b] @ right [b, c], the product summed in float32
     (bf16/fp16 operands give a float32 result straight from the matmul where the backend can)."""
+    global _ADDMM_INTO_FLOAT32
     if left.dtype == accumulator.dtype:
         accumulator.addmm_(left, right)
         return
+    if accumulator.is_cuda and _ADDMM_INTO_FLOAT32:
+        try:  # one pass: the GEMM adds into the accumulator (beta = 1) instead of a product then an add
+            torch.addmm(accumulator, left, right, out_dtype=accumulator.dtype, out=accumulator)
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _ADDMM_INTO_FLOAT32 = False
     try:
         accumulator.add_(torch.mm(left, right, out_dtype=accumulator.dtype))
     except (RuntimeError, TypeError, NotImplementedError):
@@ -78,6 +88,16 @@ def compute_dtype_of(tensor: torch.Tensor) -> torch.dtype:
 
 def _capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return cap * torch.tanh(logits / cap) if cap else logits
+
+
+def _chunk_log_softmaxes(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
+                         teacher_weight: torch.Tensor, cap: float | None, exact: torch.dtype):
+    """One chunk of both heads: hidden, teacher_hidden [c, d], weight, teacher_weight [vocab, d] in the
+    compute dtype -> (student logits, student log-softmax, teacher log-softmax), each [c, vocab] `exact`."""
+    student_logits = _capped((hidden @ weight.T).to(exact), cap)
+    log_q = F.log_softmax(student_logits, dim=-1)
+    log_p = F.log_softmax(_capped((teacher_hidden @ teacher_weight.T).to(exact), cap), dim=-1)
+    return student_logits, log_q, log_p
 
 
 class _HeadKL(torch.autograd.Function):
@@ -100,9 +120,8 @@ class _HeadKL(torch.autograd.Function):
             total = torch.zeros((), dtype=exact, device=student_hidden.device)
             for start in range(0, hidden.shape[0], chunk_tokens):
                 part = slice(start, start + chunk_tokens)
-                student_logits = _capped((hidden[part] @ weight.T).to(exact), cap)  # [c, vocab]
-                log_q = F.log_softmax(student_logits, dim=-1)
-                log_p = F.log_softmax(_capped((teacher[part] @ teacher_head.T).to(exact), cap), dim=-1)
+                student_logits, log_q, log_p = _chunk_log_softmaxes(hidden[part], weight, teacher[part], teacher_head,
+                                                                    cap, exact)
                 p = log_p.exp()
                 total += (p * (log_p - log_q)).sum()
                 if not (want_hidden or want_weight):
@@ -143,6 +162,32 @@ def head_kl_sum(student_hidden: torch.Tensor, student_head: torch.Tensor, teache
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     return _HeadKL.apply(student_hidden, student_head, teacher_hidden, teacher_head, cap, chunk_tokens)
+
+
+@torch.no_grad()
+def head_kl_nll_sum(student_hidden: torch.Tensor, student_head: torch.Tensor, teacher_hidden: torch.Tensor,
+                    teacher_head: torch.Tensor, cap: float | None, targets: torch.Tensor,
+                    chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Held-out evaluation's `head_kl_sum` with the next-token NLL from the same student logits
+    (one head pass instead of two): targets [N] int64, the token each position predicts, -1 where
+    it predicts none (a window's last) -> (KL sum float32, NLL sum float64 over targets >= 0)."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    dtype = compute_dtype_of(student_hidden)
+    exact = torch.promote_types(student_head.dtype, torch.float32)
+    kl = torch.zeros((), dtype=exact, device=student_hidden.device)
+    nll = torch.zeros((), dtype=torch.float64, device=student_hidden.device)
+    with torch.autocast(student_hidden.device.type, enabled=False):
+        hidden, weight = student_hidden.to(dtype), student_head.to(dtype)
+        teacher, teacher_weight = teacher_hidden.to(dtype), teacher_head.to(dtype)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            part = slice(start, start + chunk_tokens)
+            _, log_q, log_p = _chunk_log_softmaxes(hidden[part], weight, teacher[part], teacher_weight, cap, exact)
+            kl += (log_p.exp() * (log_p - log_q)).sum()
+            wanted = targets[part] >= 0
+            picked = log_q.gather(1, targets[part].clamp(min=0)[:, None])[:, 0]
+            nll -= picked[wanted].double().sum()
+    return kl, nll
 
 
 def _kl_sum(student: nn.Module, teacher: nn.Module, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor) -> torch.Tensor:
