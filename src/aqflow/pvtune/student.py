@@ -140,6 +140,10 @@ class PVLinear(nn.Module):
             compute_dtype = compute_dtype_of(x)
             output = _WeightGradientLinear.apply(x.to(compute_dtype), self)
             return output if self.bias is None else output + self.bias.to(output.dtype)
+        if not torch.is_grad_enabled():  # held-out evaluation: the kept weight, which the next step reuses
+            compute_dtype = compute_dtype_of(x)
+            output = F.linear(x.to(compute_dtype), self.compute_weight(compute_dtype))
+            return output if self.bias is None else output + self.bias.to(output.dtype)
         weight = self.dequantized()
         if self.straight_through is not None and self.straight_through.requires_grad and torch.is_grad_enabled():
             # zero in value: dL/dst = dL/dW of its rows
