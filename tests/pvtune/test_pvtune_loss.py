@@ -5,18 +5,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aqflow.pvtune.loss import head_kl_nll_sum, head_kl_sum
+from aqflow.pvtune.loss import chunk_kl_and_logit_gradient, head_kl_nll_sum, head_kl_sum
 
 
-@pytest.mark.parametrize("cap", [None, 3.0])
-def test_head_kl_and_its_gradients_equal_autograd_through_the_full_logits(cap):
+@pytest.mark.parametrize("cap,compiled", [(None, False), (3.0, False), (3.0, True)])
+def test_head_kl_and_its_gradients_equal_autograd_through_the_full_logits(cap, compiled):
+    """compiled: the chunks' elementwise work traced by torch.compile (aot_eager: its graphs
+    without inductor's code generation) as the loop's compiled blocks run it."""
     generator = torch.Generator().manual_seed(0)
     tokens, width, vocab = 37, 16, 50
     hidden = torch.randn(tokens, width, generator=generator, dtype=torch.float64, requires_grad=True)
     head = torch.randn(vocab, width, generator=generator, dtype=torch.float64, requires_grad=True)
     teacher_hidden = torch.randn(tokens, width, generator=generator, dtype=torch.float64)
     teacher_head = torch.randn(vocab, width, generator=generator, dtype=torch.float64)
-    fused = head_kl_sum(hidden, head, teacher_hidden, teacher_head, cap, chunk_tokens=10)  # 4 chunks, one short
+    kernel = torch.compile(chunk_kl_and_logit_gradient, backend="aot_eager", dynamic=False) if compiled else None
+    fused = head_kl_sum(hidden, head, teacher_hidden, teacher_head, cap, 10, kernel)  # 4 chunks, one short
     (2.5 * fused).backward()
     ours = hidden.grad.clone(), head.grad.clone()
     hidden.grad = head.grad = None

@@ -11,6 +11,10 @@ The quantized linears (`student.PVLinear`) are not traced: their forward reads a
 between micro-batches and their backward adds dL/dW into a float32 buffer, side effects a graph
 cannot hold. `PVLinear.forward` is excluded with `torch.compiler.disable`, so the student's
 blocks compile into the pieces between their linears, which is where the elementwise work is.
+
+The KL's elementwise work on each chunk of logits (casts, two log-softmaxes, the KL sum and its
+gradient q - p: [chunk, vocab] float32, a dozen passes over 0.5 GB at a 128k vocabulary) is
+compiled too (`kl_kernel`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from torch import nn
 
 from ..models.structure import find_decoder_blocks
+from .loss import chunk_kl_and_logit_gradient
 
 CHOICES = ("auto", "always", "never")
 BACKEND = "inductor"  # tests swap in "aot_eager" (the same graphs and autograd, no code generation)
@@ -63,3 +68,8 @@ def uncompile_blocks(model: nn.Module, blocks_path: str) -> None:
     own evaluation in the same process)."""
     for block in model.get_submodule(blocks_path):
         block._compiled_call_impl = None
+
+
+def kl_kernel():
+    """`loss.chunk_kl_and_logit_gradient` compiled (static shapes: the chunks are kl_chunk_tokens long)."""
+    return torch.compile(chunk_kl_and_logit_gradient, backend=BACKEND, dynamic=False)

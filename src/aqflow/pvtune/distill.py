@@ -37,6 +37,7 @@ class StudentKL(nn.Module):
     def __init__(self, student: nn.Module):
         super().__init__()
         self.model = student
+        self.chunk_kernel = None  # the KL's per-chunk elementwise work compiled (`compiled`), or None: eager
 
     def forward(self, input_ids: torch.Tensor, teacher_hidden: torch.Tensor, teacher: nn.Module, chunk_tokens: int,
                 with_nll: bool = False):
@@ -51,7 +52,7 @@ class StudentKL(nn.Module):
                                    targets, chunk_tokens)
         if fused:
             kl = head_kl_sum(flat, student_head.weight, flat_teacher, teacher_head.weight, softcap(self.model),
-                             chunk_tokens)
+                             chunk_tokens, self.chunk_kernel)
         else:
             kl = chunked_kl_sum(self.model, teacher, flat, flat_teacher, chunk_tokens)
         if not with_nll:

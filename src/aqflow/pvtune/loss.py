@@ -21,6 +21,8 @@ head matmuls more) and serves heads that are not one bias-free linear.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -100,15 +102,33 @@ def _chunk_log_softmaxes(hidden: torch.Tensor, weight: torch.Tensor, teacher_hid
     return student_logits, log_q, log_p
 
 
+def chunk_kl_and_logit_gradient(student_logits: torch.Tensor, teacher_logits: torch.Tensor, cap: float | None,
+                                exact: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's KL and its gradient: student_logits, teacher_logits [c, vocab] as the heads'
+    matmuls gave them -> (sum over the chunk of KL(p || q) [] `exact`, dKL/dlogits [c, vocab]
+    in the logits' dtype: q - p, through the soft-capping). Elementwise passes and two row
+    reductions only, which `compiled` fuses into a few kernels on a GPU."""
+    capped = _capped(student_logits.to(exact), cap)
+    log_q = F.log_softmax(capped, dim=-1)
+    log_p = F.log_softmax(_capped(teacher_logits.to(exact), cap), dim=-1)
+    p = log_p.exp()
+    kl = (p * (log_p - log_q)).sum()
+    grad_logits = log_q.exp_().sub_(p)  # dKL/dz, in log_q's storage
+    if cap:  # through z = cap tanh(u / cap): dz/du = 1 - (z / cap)^2
+        grad_logits.mul_(1 - (capped / cap).square())
+    return kl, grad_logits.to(student_logits.dtype)
+
+
 class _HeadKL(torch.autograd.Function):
     """sum over tokens of KL(teacher || student) from both heads, its gradients taken in the forward
     pass chunk by chunk (see `head_kl_sum`)."""
 
     @staticmethod
-    def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, cap, chunk_tokens):
+    def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, cap, chunk_tokens, chunk_kernel):
         dtype = compute_dtype_of(student_hidden)
         exact = torch.promote_types(student_weight.dtype, torch.float32)  # logits, softmaxes and sums
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        kernel = chunk_kernel or chunk_kl_and_logit_gradient
         with torch.autocast(student_hidden.device.type, enabled=False):
             hidden = student_hidden.detach().to(dtype)
             weight = student_weight.detach().to(dtype)
@@ -120,16 +140,12 @@ class _HeadKL(torch.autograd.Function):
             total = torch.zeros((), dtype=exact, device=student_hidden.device)
             for start in range(0, hidden.shape[0], chunk_tokens):
                 part = slice(start, start + chunk_tokens)
-                student_logits, log_q, log_p = _chunk_log_softmaxes(hidden[part], weight, teacher[part], teacher_head,
-                                                                    cap, exact)
-                p = log_p.exp()
-                total += (p * (log_p - log_q)).sum()
                 if not (want_hidden or want_weight):
+                    _, log_q, log_p = _chunk_log_softmaxes(hidden[part], weight, teacher[part], teacher_head, cap, exact)
+                    total += (log_p.exp() * (log_p - log_q)).sum()
                     continue
-                grad_logits = log_q.exp_().sub_(p)  # dKL/dz, in log_q's storage
-                if cap:  # through z = cap tanh(u / cap): dz/du = 1 - (z / cap)^2
-                    grad_logits.mul_(1 - (student_logits / cap).square())
-                grad_logits = grad_logits.to(dtype)
+                kl, grad_logits = kernel(hidden[part] @ weight.T, teacher[part] @ teacher_head.T, cap, exact)
+                total += kl
                 if want_hidden:
                     grad_hidden[part] = (grad_logits @ weight).to(grad_hidden.dtype)
                 if want_weight:
@@ -143,11 +159,12 @@ class _HeadKL(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden = None if grad_hidden is None else grad_hidden * grad_total.to(grad_hidden.dtype)
         weight = None if grad_weight is None else (grad_weight * grad_total).to(ctx.weight_dtype)
-        return hidden, weight, None, None, None, None
+        return hidden, weight, None, None, None, None, None
 
 
 def head_kl_sum(student_hidden: torch.Tensor, student_head: torch.Tensor, teacher_hidden: torch.Tensor,
-                teacher_head: torch.Tensor, cap: float | None, chunk_tokens: int) -> torch.Tensor:
+                teacher_head: torch.Tensor, cap: float | None, chunk_tokens: int,
+                chunk_kernel: Callable | None = None) -> torch.Tensor:
     """Sum over tokens of KL(teacher || student), both heads bias-free linears run `chunk_tokens`
     tokens at a time, with the gradient taken in the forward pass.
 
@@ -157,11 +174,11 @@ def head_kl_sum(student_hidden: torch.Tensor, student_head: torch.Tensor, teache
     states'), logits and softmaxes in float32, the head's gradient summed in float32 (float64
     for a float64 head). Holds at most
     one chunk of logits per model, and dKL/dhidden [N, d] and dKL/dhead [vocab, d] float32 until
-    the backward pass.
+    the backward pass. chunk_kernel: `chunk_kl_and_logit_gradient` or a compiled copy of it.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    return _HeadKL.apply(student_hidden, student_head, teacher_hidden, teacher_head, cap, chunk_tokens)
+    return _HeadKL.apply(student_hidden, student_head, teacher_hidden, teacher_head, cap, chunk_tokens, chunk_kernel)
 
 
 @torch.no_grad()

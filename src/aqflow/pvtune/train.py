@@ -51,7 +51,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..quant.representation import pack_codes, unpack_codes
-from .compiled import CHOICES as COMPILE_CHOICES, compile_blocks, compiling, decoder_block_path, uncompile_blocks
+from .compiled import (CHOICES as COMPILE_CHOICES, compile_blocks, compiling, decoder_block_path, kl_kernel,
+                       uncompile_blocks)
 from .distill import StudentKL, TeacherHidden
 from .distributed import (RowReducer, all_reduce_sum, gathered_state, held_bytes, local, row_range,
                           shard_over_processes, world)
@@ -739,6 +740,7 @@ def _train(student: nn.Module, teacher: nn.Module, train_windows: torch.Tensor, 
     if blocks_path is not None:  # before the probe, which then measures the compiled blocks' memory
         compile_blocks(student, blocks_path)
         compile_blocks(teacher, blocks_path)
+        pair.student.chunk_kernel = kl_kernel()
     all_trainable = trainable.non_quantized + trainable.quantized + trainable.straight_through
     p_params = trainable.non_quantized + trainable.quantized
     student.train()
