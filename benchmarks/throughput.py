@@ -323,6 +323,7 @@ def command_scale(args: argparse.Namespace) -> int:
     steps = sorted(set(before["heldout_kl"]) & set(after["heldout_kl"]), key=int)
     deviation = max(abs(after["heldout_kl"][s] - before["heldout_kl"][s]) / before["heldout_kl"][s] for s in steps)
     card_bytes = int(args.card_gib * 2**30)
+    baseline = args.baseline_tokens or before["tokens_per_s"]
     report = {
         "card": three["device"], "shape_3b": "llama3b", "batch_windows, steps, heldout_windows, eval_every":
             three["batch_windows, steps, heldout_windows, eval_every"],
@@ -342,7 +343,10 @@ def command_scale(args: argparse.Namespace) -> int:
         "peak_gib_3b": after["peak_memory_allocated_gib"], "peak_gib_3b_before": before["peak_memory_allocated_gib"],
         "memory_plan_8b": {f"{cards}x{args.card_gib:.0f}gib": memory_plan("llama8b", cards, card_bytes)
                            for cards in (1, 2, 4)},
-        "targets": {"tokens_per_second_3b_at_least_1.5x": after["tokens_per_s"] >= 1.5 * before["tokens_per_s"],
+        # the target is 1.5x the figure it was filed with; without one, the same call's before
+        "tokens_per_second_3b_baseline": baseline,
+        "speedup_3b_over_baseline": after["tokens_per_s"] / baseline,
+        "targets": {"tokens_per_second_3b_at_least_1.5x": after["tokens_per_s"] >= 1.5 * baseline,
                     "paper_pv_hours_3b_at_most_5": after["paper_pv_hours_projected"] <= 5.0,
                     "heldout_kl_within_1_percent": deviation <= 0.01},
         "commands": args.commands,
@@ -440,6 +444,8 @@ def main() -> int:
     scale.add_argument("--pv3b", type=Path, required=True, help="pv report of --shape llama3b (before and after)")
     scale.add_argument("--pv8b", type=Path, default=None, help="pv report of --shape llama8b (after, one card)")
     scale.add_argument("--card-gib", type=float, default=79.19, help="card memory for the 8B memory plans")
+    scale.add_argument("--baseline-tokens", type=float, default=None,
+                       help="3B tokens/s the 1.5x target is against (default: the report's before)")
     scale.add_argument("--commands", nargs="*", default=[], help="the commands that made the reports (recorded)")
     scale.add_argument("--commit", default=None, help="the commit the reports were made at (recorded)")
     scale.add_argument("--out", type=Path, required=True)
