@@ -314,7 +314,8 @@ def memory_plan(shape_name: str, cards: int, card_bytes: int) -> dict:
 
 
 def command_scale(args: argparse.Namespace) -> int:
-    """pv_scale_<card>.json from a 3B report (before and after) and an 8B report (after, one card)."""
+    """pv_scale_<card>.json from a 3B report (before and after) and an 8B report (after, one card),
+    and optionally a later after-only 3B report of newer code (`latest_3b`)."""
     three, eight = json.loads(args.pv3b.read_text()), json.loads(args.pv8b.read_text()) if args.pv8b else None
     before, after = three["before"], three["after"]
     for row in (before, after):  # the projection at the paper's 128 held-out windows, whatever was measured
@@ -352,6 +353,22 @@ def command_scale(args: argparse.Namespace) -> int:
         "commands": args.commands,
         "date": time.strftime("%Y-%m-%d"), "commit": args.commit,
     }
+    if args.latest_3b is not None:  # a later after-only run of newer code (no same-call before)
+        later = json.loads(args.latest_3b.read_text())
+        row = later["after"]
+        row["paper_pv_hours_projected"] = paper_hours(row["step_seconds"], row["heldout_evaluation_seconds"],
+                                                      row.get("heldout_windows") or 32)
+        drift = max(abs(row["heldout_kl"][s] - before["heldout_kl"][s]) / before["heldout_kl"][s] for s in steps)
+        report["latest_3b"] = {
+            "file": args.latest_3b.name, "card": later["device"], "tokens_per_second": row["tokens_per_s"],
+            "speedup_over_baseline": row["tokens_per_s"] / baseline, "step_seconds": row["step_seconds"],
+            "heldout_evaluation_seconds": row["heldout_evaluation_seconds"],
+            "paper_pv_hours_projected": row["paper_pv_hours_projected"],
+            "model_flop_utilisation": row["model_flop_utilisation"], "peak_gib": row["peak_memory_allocated_gib"],
+            "heldout_kl": row["heldout_kl"], "heldout_kl_largest_relative_deviation_from_before": drift}
+        report["targets"].update({"tokens_per_second_3b_at_least_1.5x": row["tokens_per_s"] >= 1.5 * baseline,
+                                  "paper_pv_hours_3b_at_most_5": row["paper_pv_hours_projected"] <= 5.0,
+                                  "heldout_kl_within_1_percent": max(deviation, drift) <= 0.01})
     if eight is not None:
         row = eight["after"]
         report.update({"pv_step_seconds_8b_one_card": row["step_seconds"],
@@ -369,6 +386,11 @@ def command_scale(args: argparse.Namespace) -> int:
         shown = ["-" if value is None else f"{value:10.3f}" for value in (report.get(f"{key}_before"), report.get(key))]
         print(f"{label:44s} {shown[0]:>10s} {shown[1]:>10s}")
     print(f"3B held-out KL, largest relative deviation: {deviation:.4f}")
+    if "latest_3b" in report:
+        latest = report["latest_3b"]
+        print(f"3B latest ({latest['file']}, {latest['card']}): {latest['tokens_per_second']:.0f} tokens/s, "
+              f"{latest['speedup_over_baseline']:.2f}x the baseline, {latest['paper_pv_hours_projected']:.2f} h "
+              f"projected, held-out KL within {latest['heldout_kl_largest_relative_deviation_from_before']:.4f} of before")
     if eight is not None:
         print(f"8B on one card ({report['card_8b']}, V-step state {report['v_state_8b']}): "
               f"{report['pv_step_seconds_8b_one_card']:.1f} s a step of {report['batch_windows_8b']} windows, "
@@ -444,6 +466,8 @@ def main() -> int:
     scale.add_argument("--pv3b", type=Path, required=True, help="pv report of --shape llama3b (before and after)")
     scale.add_argument("--pv8b", type=Path, default=None, help="pv report of --shape llama8b (after, one card)")
     scale.add_argument("--card-gib", type=float, default=79.19, help="card memory for the 8B memory plans")
+    scale.add_argument("--latest-3b", type=Path, default=None,
+                       help="a later after-only 3B report of newer code; the 3B targets are judged on it")
     scale.add_argument("--baseline-tokens", type=float, default=None,
                        help="3B tokens/s the 1.5x target is against (default: the report's before)")
     scale.add_argument("--commands", nargs="*", default=[], help="the commands that made the reports (recorded)")
