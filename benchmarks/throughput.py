@@ -313,6 +313,12 @@ def memory_plan(shape_name: str, cards: int, card_bytes: int) -> dict:
             "total_gib": sum(parts.values()) / 2**30, "fits": sum(parts.values()) <= card_bytes}
 
 
+def kl_deviation(row: dict, reference: dict) -> float:
+    """Largest relative difference of two runs' held-out KL over the steps both evaluated."""
+    steps = set(row["heldout_kl"]) & set(reference["heldout_kl"])
+    return max(abs(row["heldout_kl"][s] - reference["heldout_kl"][s]) / reference["heldout_kl"][s] for s in steps)
+
+
 def command_scale(args: argparse.Namespace) -> int:
     """pv_scale_<card>.json from a 3B report (before and after) and an 8B report (after, one card),
     and optionally a later after-only 3B report of newer code (`latest_3b`)."""
@@ -321,8 +327,7 @@ def command_scale(args: argparse.Namespace) -> int:
     for row in (before, after):  # the projection at the paper's 128 held-out windows, whatever was measured
         windows = row.get("heldout_windows") or three["batch_windows, steps, heldout_windows, eval_every"][2]
         row["paper_pv_hours_projected"] = paper_hours(row["step_seconds"], row["heldout_evaluation_seconds"], windows)
-    steps = sorted(set(before["heldout_kl"]) & set(after["heldout_kl"]), key=int)
-    deviation = max(abs(after["heldout_kl"][s] - before["heldout_kl"][s]) / before["heldout_kl"][s] for s in steps)
+    deviation = kl_deviation(after, before)
     card_bytes = int(args.card_gib * 2**30)
     baseline = args.baseline_tokens or before["tokens_per_s"]
     report = {
@@ -357,8 +362,8 @@ def command_scale(args: argparse.Namespace) -> int:
         later = json.loads(args.latest_3b.read_text())
         row = later["after"]
         row["paper_pv_hours_projected"] = paper_hours(row["step_seconds"], row["heldout_evaluation_seconds"],
-                                                      row.get("heldout_windows") or 32)
-        drift = max(abs(row["heldout_kl"][s] - before["heldout_kl"][s]) / before["heldout_kl"][s] for s in steps)
+                                                      row["heldout_windows"])
+        drift = kl_deviation(row, before)
         report["latest_3b"] = {
             "file": args.latest_3b.name, "card": later["device"], "tokens_per_second": row["tokens_per_s"],
             "speedup_over_baseline": row["tokens_per_s"] / baseline, "step_seconds": row["step_seconds"],

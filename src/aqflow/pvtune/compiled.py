@@ -48,19 +48,17 @@ def decoder_block_path(model: nn.Module) -> str:
     return find_decoder_blocks(model)[0]
 
 
-def compile_blocks(model: nn.Module, blocks_path: str, backend: str | None = None) -> int:
+def compile_blocks(model: nn.Module, blocks_path: str) -> None:
     """Compile every block of `model.get_submodule(blocks_path)` in place (`nn.Module.compile`,
-    static shapes); returns how many. Errors in compilation fall back to the eager block."""
+    static shapes). Errors in compilation fall back to the eager block."""
     config = torch._dynamo.config
     if hasattr(config, "recompile_limit"):
         config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
     else:  # torch < 2.6 names it cache_size_limit
         config.cache_size_limit = max(config.cache_size_limit, RECOMPILE_LIMIT)
     config.suppress_errors = True  # an architecture inductor cannot compile still trains, eagerly
-    blocks = model.get_submodule(blocks_path)
-    for block in blocks:
-        block.compile(backend=backend or BACKEND, dynamic=False)
-    return len(blocks)
+    for block in model.get_submodule(blocks_path):
+        block.compile(backend=BACKEND, dynamic=False)
 
 
 def uncompile_blocks(model: nn.Module, blocks_path: str) -> None:

@@ -92,14 +92,12 @@ def _capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return cap * torch.tanh(logits / cap) if cap else logits
 
 
-def _chunk_log_softmaxes(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
-                         teacher_weight: torch.Tensor, cap: float | None, exact: torch.dtype):
-    """One chunk of both heads: hidden, teacher_hidden [c, d], weight, teacher_weight [vocab, d] in the
-    compute dtype -> (student logits, student log-softmax, teacher log-softmax), each [c, vocab] `exact`."""
-    student_logits = _capped((hidden @ weight.T).to(exact), cap)
-    log_q = F.log_softmax(student_logits, dim=-1)
-    log_p = F.log_softmax(_capped((teacher_hidden @ teacher_weight.T).to(exact), cap), dim=-1)
-    return student_logits, log_q, log_p
+def _log_softmaxes(student_logits: torch.Tensor, teacher_logits: torch.Tensor, cap: float | None,
+                   exact: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk of both heads' logits [c, vocab] as their matmuls gave them -> (the student's
+    soft-capped logits, its log-softmax, the teacher's log-softmax), each [c, vocab] `exact`."""
+    capped = _capped(student_logits.to(exact), cap)
+    return capped, F.log_softmax(capped, dim=-1), F.log_softmax(_capped(teacher_logits.to(exact), cap), dim=-1)
 
 
 def chunk_kl_and_logit_gradient(student_logits: torch.Tensor, teacher_logits: torch.Tensor, cap: float | None,
@@ -108,9 +106,7 @@ def chunk_kl_and_logit_gradient(student_logits: torch.Tensor, teacher_logits: to
     matmuls gave them -> (sum over the chunk of KL(p || q) [] `exact`, dKL/dlogits [c, vocab]
     in the logits' dtype: q - p, through the soft-capping). Elementwise passes and two row
     reductions only, which `compiled` fuses into a few kernels on a GPU."""
-    capped = _capped(student_logits.to(exact), cap)
-    log_q = F.log_softmax(capped, dim=-1)
-    log_p = F.log_softmax(_capped(teacher_logits.to(exact), cap), dim=-1)
+    capped, log_q, log_p = _log_softmaxes(student_logits, teacher_logits, cap, exact)
     p = log_p.exp()
     kl = (p * (log_p - log_q)).sum()
     grad_logits = log_q.exp_().sub_(p)  # dKL/dz, in log_q's storage
@@ -140,10 +136,6 @@ class _HeadKL(torch.autograd.Function):
             total = torch.zeros((), dtype=exact, device=student_hidden.device)
             for start in range(0, hidden.shape[0], chunk_tokens):
                 part = slice(start, start + chunk_tokens)
-                if not (want_hidden or want_weight):
-                    _, log_q, log_p = _chunk_log_softmaxes(hidden[part], weight, teacher[part], teacher_head, cap, exact)
-                    total += (log_p.exp() * (log_p - log_q)).sum()
-                    continue
                 kl, grad_logits = kernel(hidden[part] @ weight.T, teacher[part] @ teacher_head.T, cap, exact)
                 total += kl
                 if want_hidden:
@@ -199,7 +191,7 @@ def head_kl_nll_sum(student_hidden: torch.Tensor, student_head: torch.Tensor, te
         teacher, teacher_weight = teacher_hidden.to(dtype), teacher_head.to(dtype)
         for start in range(0, hidden.shape[0], chunk_tokens):
             part = slice(start, start + chunk_tokens)
-            _, log_q, log_p = _chunk_log_softmaxes(hidden[part], weight, teacher[part], teacher_weight, cap, exact)
+            _, log_q, log_p = _log_softmaxes(hidden[part] @ weight.T, teacher[part] @ teacher_weight.T, cap, exact)
             kl += (log_p.exp() * (log_p - log_q)).sum()
             wanted = targets[part] >= 0
             picked = log_q.gather(1, targets[part].clamp(min=0)[:, None])[:, 0]

@@ -136,16 +136,16 @@ class PVLinear(nn.Module):
     @torch.compiler.disable  # side effects (kept weight, dL/dW buffer) no graph can hold: `compiled`
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]: in x's dtype, or autocast's on the accumulate-dL/dW path."""
-        if self.weight_gradient is not None:
+        if self.weight_gradient is not None or not torch.is_grad_enabled():
+            # training's accumulate-dL/dW path, or no autograd at all (held-out evaluation): the
+            # compute-dtype weight, kept where keep_weight is on (the next step reuses it)
             compute_dtype = compute_dtype_of(x)
-            output = _WeightGradientLinear.apply(x.to(compute_dtype), self)
-            return output if self.bias is None else output + self.bias.to(output.dtype)
-        if not torch.is_grad_enabled():  # held-out evaluation: the kept weight, which the next step reuses
-            compute_dtype = compute_dtype_of(x)
-            output = F.linear(x.to(compute_dtype), self.compute_weight(compute_dtype))
+            x = x.to(compute_dtype)
+            output = (_WeightGradientLinear.apply(x, self) if self.weight_gradient is not None
+                      else F.linear(x, self.compute_weight(compute_dtype)))
             return output if self.bias is None else output + self.bias.to(output.dtype)
         weight = self.dequantized()
-        if self.straight_through is not None and self.straight_through.requires_grad and torch.is_grad_enabled():
+        if self.straight_through is not None and self.straight_through.requires_grad:
             # zero in value: dL/dst = dL/dW of its rows
             start, stop = self.rows
             moved = self.straight_through - self.straight_through.detach()
