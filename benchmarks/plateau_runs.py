@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plateau_replay import replay  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.plateau_replay import replay  # noqa: E402
 
 RUNS = ("full", "stop")
 
