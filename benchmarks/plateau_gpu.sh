@@ -28,9 +28,10 @@ echo "$common" > "$STAGE/plateau_full.yaml"
 sed "s/^pvtune: {/pvtune: {plateau_evaluations: $PATIENCE, /" "$STAGE/plateau_full.yaml" > "$STAGE/plateau_stop.yaml"
 cat "$STAGE/plateau_full.yaml" "$STAGE/plateau_stop.yaml"
 
-# Each model in its own copy of the checkout (Snakemake locks its directory), both at once on the
-# one card: the layer jobs, loading and evaluation of one fill the gaps of the other's PV-tuning.
-# A fixed micro-batch keeps the two runs of a model on the same arithmetic whatever the other holds.
+# Each model in its own copy of the checkout (Snakemake locks its directory), all at once on the one
+# card: the layer jobs, loading and evaluation of one fill the gaps of another's PV-tuning, and a
+# model's two PV-tuning runs go side by side from its one quantized start. A fixed micro-batch keeps
+# them on the same arithmetic whatever else holds the card.
 smk=(python3 -m snakemake --profile profiles/gpu --cores 8 --resources gpu=8 --scheduler greedy --keep-going)
 cell() { echo "results/$1/2bpp/oaem/b8"; }
 
@@ -41,7 +42,7 @@ keep() {  # keep MODEL RUN STARTED: this run's files beside the others, then the
   echo "$(( $(date +%s) - $3 ))" > "$folder/wall_seconds"
   nvidia-smi --query-gpu=name --format=csv,noheader > "$folder/card"
   (flock 9; tar -czf "$out/plateau_runs.tar.gz.tmp" -C "$runs" . && mv "$out/plateau_runs.tar.gz.tmp" "$out/plateau_runs.tar.gz") \
-    9> "$out/.pack.lock"
+    9> "$STAGE/plateau_pack.lock"
   echo "=== kept $1 $2 ($(cat "$folder/wall_seconds") s)"
 }
 
@@ -52,7 +53,7 @@ run() {  # run MODEL full|stop: one Snakemake run of the model's cell, then its 
   "${smk[@]}" "$(cell "$1")/eval.json" --config overrides="$STAGE/plateau_$2.yaml" < /dev/null && keep "$1" "$2" "$started"
 }
 
-model_pair() {  # the whole-budget run, then the stopped one, in the model's own checkout copy
+model_pair() {  # the cell to its pre-PV evaluation once, then both PV-tuning runs at once from it
   local model=$1 gguf
   gguf="$STAGE/cache/$model/$(python3 -c "import sys; from aqflow.models.presets import get_preset; print(get_preset(sys.argv[1]).gguf_name)" "$model")"
   for _ in $(seq 120); do  # its GGUF parts may still be travelling: gpu_pipeline.sh join puts it there
@@ -61,7 +62,14 @@ model_pair() {  # the whole-budget run, then the stopped one, in the model's own
   [ -f "$gguf" ] || { echo "=== $model: no GGUF after 20 min"; return 1; }
   mkdir -p "$STAGE/w-$model"
   tar --exclude=./results --exclude=./.snakemake --exclude=./logs -cf - . | tar -C "$STAGE/w-$model" -xf -
-  cd "$STAGE/w-$model" && export PYTHONPATH="$STAGE/site:$PWD/src" && run "$model" full && run "$model" stop
+  cd "$STAGE/w-$model" && export PYTHONPATH="$STAGE/site:$PWD/src" || return 1
+  echo "=== $model start: $(date -u +%T)"
+  "${smk[@]}" "$(cell "$model")/eval_pre_pv.json" --config overrides="$STAGE/plateau_full.yaml" < /dev/null || return 1
+  # the stopped run in a copy of this checkout, Snakemake's records included: the same start
+  cp -a . "$STAGE/w-$model-stop"
+  run "$model" full > "$out/plateau_$model-full.log" 2>&1 &
+  (cd "$STAGE/w-$model-stop" && export PYTHONPATH="$STAGE/site:$PWD/src" && run "$model" stop) > "$out/plateau_$model-stop.log" 2>&1 &
+  wait
 }
 
 for model in $MODELS; do model_pair "$model" > "$out/plateau_$model.log" 2>&1 & done
