@@ -28,6 +28,12 @@ from aqflow.pvtune.train import plateau_reached  # noqa: E402
 SETTINGS = [(2, 0.01), (3, 0.01), (2, 0.005), (1, 0.01)]  # (plateau_evaluations, plateau_min_improvement)
 
 
+def heldout_curve(log_path: str | Path) -> pd.DataFrame:
+    """The held-out rows [step, kl, perplexity] of a train_log.parquet, in step order."""
+    log = pd.read_parquet(log_path)
+    return log[log["split"] == "heldout"].sort_values("step").reset_index(drop=True)
+
+
 def replay(heldout: pd.DataFrame, evaluations: int, min_improvement: float, metric: str = "kl") -> dict:
     """Where the rule stops a run whose held-out rows [step, kl, perplexity] (in step order) are
     given, and the best state it keeps there, against the whole run's best."""
@@ -62,8 +68,7 @@ def main() -> int:
         raise SystemExit(f"no train logs match {args.logs!r}")
     runs = []
     for path in paths:
-        log = pd.read_parquet(path)
-        heldout = log[log["split"] == "heldout"].sort_values("step").reset_index(drop=True)
+        heldout = heldout_curve(path)
         for evaluations, min_improvement in SETTINGS:
             runs.append({"log": path, "model": model_of(path), "evaluations_held_out": len(heldout),
                          "plateau_evaluations": evaluations, "plateau_min_improvement": min_improvement,

@@ -22,14 +22,9 @@ from pathlib import Path
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.plateau_replay import replay  # noqa: E402
+from benchmarks.plateau_replay import heldout_curve, replay  # noqa: E402
 
 RUNS = ("full", "stop")
-
-
-def heldout_curve(log: pd.DataFrame) -> pd.DataFrame:
-    """The held-out rows [step, kl, perplexity] of a train log, in step order."""
-    return log[log["split"] == "heldout"].sort_values("step").reset_index(drop=True)
 
 
 def run_record(folder: Path) -> dict:
@@ -50,7 +45,7 @@ def run_record(folder: Path) -> dict:
 def compare(model_dir: Path) -> dict:
     """The whole-budget and stopped runs of one model side by side, with the replay's prediction."""
     full, stop = (run_record(model_dir / run) for run in RUNS)
-    predicted = replay(heldout_curve(pd.read_parquet(model_dir / "full" / "train_log.parquet")),
+    predicted = replay(heldout_curve(model_dir / "full" / "train_log.parquet"),
                        stop["plateau_evaluations"], stop["plateau_min_improvement"])
     return {"model": model_dir.name, "full": full, "stop": stop,
             "steps_saved": full["steps"] - stop["steps"],
@@ -71,12 +66,10 @@ def plot(runs_dir: Path, models: list[str], path: Path) -> None:
 
     figure, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.4), squeeze=False)
     for axis, model in zip(axes[0], models):
-        for run, style in zip(RUNS, ("-o", "--s")):
-            curve = heldout_curve(pd.read_parquet(runs_dir / model / run / "train_log.parquet"))
-            label = "whole budget" if run == "full" else "plateau stop"
+        for run, style, label in zip(RUNS, ("-o", "--s"), ("whole budget", "plateau stop")):
+            curve = heldout_curve(runs_dir / model / run / "train_log.parquet")
             axis.plot(curve["step"], curve["kl"], style, markersize=3, label=label)
-        stopped_at = heldout_curve(pd.read_parquet(runs_dir / model / "stop" / "train_log.parquet"))["step"].max()
-        axis.axvline(stopped_at, color="grey", linewidth=0.8)
+        axis.axvline(curve["step"].max(), color="grey", linewidth=0.8)  # the stopped run's last step
         axis.set(title=model, xlabel="PV-tuning step", ylabel="held-out KL to the source model", yscale="log")
         axis.legend()
     figure.tight_layout()
