@@ -57,20 +57,22 @@ def compare(model_dir: Path) -> dict:
             "replay_stop_step": predicted["stop_step"]}
 
 
-def plot(runs_dir: Path, models: list[str], path: Path) -> None:
-    """Held-out KL against step, both runs of each model in one panel; the stop marked."""
+def plot(runs_dir: Path, pairs: list[dict], path: Path) -> None:
+    """Held-out KL against step, both runs of each model (`compare`'s pairs) in one panel; the
+    step where the stop ended training marked, where it did."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.4), squeeze=False)
-    for axis, model in zip(axes[0], models):
+    figure, axes = plt.subplots(1, len(pairs), figsize=(4.5 * len(pairs), 3.4), squeeze=False)
+    for axis, pair in zip(axes[0], pairs):
         for run, style, label in zip(RUNS, ("-o", "--s"), ("whole budget", "plateau stop")):
-            curve = heldout_curve(runs_dir / model / run / "train_log.parquet")
+            curve = heldout_curve(runs_dir / pair["model"] / run / "train_log.parquet")
             axis.plot(curve["step"], curve["kl"], style, markersize=3, label=label)
-        axis.axvline(curve["step"].max(), color="grey", linewidth=0.8)  # the stopped run's last step
-        axis.set(title=model, xlabel="PV-tuning step", ylabel="held-out KL to the source model", yscale="log")
+        if pair["stop"]["stopped_at_plateau"]:
+            axis.axvline(pair["stop"]["steps"], color="grey", linewidth=0.8, label="stopped")
+        axis.set(title=pair["model"], xlabel="PV-tuning step", ylabel="held-out KL to the source model", yscale="log")
         axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -89,7 +91,7 @@ def main() -> int:
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "pairs": pairs}, indent=1))
     tmp.replace(args.out)
-    plot(args.runs, models, args.out.with_suffix(".png"))
+    plot(args.runs, pairs, args.out.with_suffix(".png"))
     rows = [{"model": p["model"], "card": p["full"]["card"], "budget": p["full"]["steps"], "stopped at": p["stop"]["steps"],
              "replay says": p["replay_stop_step"], "saved": f"{p['steps_saved_fraction']:.0%}",
              "PV s full/stop": f"{p['full']['pv_seconds']:.0f}/{p['stop']['pv_seconds']:.0f}",
